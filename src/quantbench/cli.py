@@ -1,0 +1,172 @@
+"""The `quantbench` command: one subcommand per verb, argument parsing only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from quantbench.errors import UserError
+
+log = logging.getLogger("quantbench")
+
+EPILOG = """\
+examples:
+  quantbench quantize awq-int4                      recipes/awq-int4.yaml on the embedded default model
+  quantbench quantize gptq-w4a16 --set calibration.samples=8 --json
+  quantbench validate recipes/*.yaml                check recipes (every error at once)
+  quantbench recipes                                list the shipped recipes
+  quantbench ui                                     MLflow UI on http://127.0.0.1:5000
+
+exit codes: 0 ok, 1 the job failed (see its log), 2 bad input (nothing was written)
+tracking: MLFLOW_TRACKING_URI (default sqlite:///mlflow.db here, artifacts in ./mlruns)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quantbench",
+        description="Quantize models from recipe files, check the checkpoints, track everything in MLflow.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    q = sub.add_parser(
+        "quantize",
+        help="run a recipe: quantize, save, reload-check, track",
+        description="Quantize the recipe's model, save a checkpoint under OUTPUTS/<recipe>/<run id>/, "
+        "reload it from disk to check it, and record everything in one MLflow run.",
+    )
+    q.add_argument("recipe", help="a recipe name (recipes/NAME.yaml) or a path to a .yaml file")
+    q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field, e.g. --set calibration.samples=8 (repeatable; VALUE is YAML)")
+    q.add_argument("--outputs", type=Path, default=Path("outputs"), help="output root (default: outputs)")
+    q.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
+    q.add_argument("--json", action="store_true", help='print {"run_id", "checkpoint", "metrics"} as the last line')
+
+    v = sub.add_parser("validate", help="validate recipe files, reporting every error at once",
+                       description="Check recipe files against the schema and against their model's layer "
+                       "widths (group sizes). Reports every problem in every file; exit 2 if any.")
+    v.add_argument("files", nargs="*", type=Path, help="recipe files (default: recipes/*.yaml)")
+    v.add_argument("--no-model", action="store_true", help="skip the checks that read the model's config")
+    v.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+
+    r = sub.add_parser("recipes", help="list the shipped recipes")
+    r.add_argument("--json", action="store_true", help="print a JSON list")
+
+    u = sub.add_parser("ui", help="start the MLflow UI on the tracking store")
+    u.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; expose only behind auth)")
+    u.add_argument("--port", type=int, default=5000)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from quantbench.logs import configure_console
+
+    configure_console(args.verbose)
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def cmd_quantize(args) -> int:
+    from quantbench.quantize.job import run
+
+    try:
+        result = run(args.recipe, overrides=tuple(args.overrides), outputs=args.outputs, experiment=args.experiment)
+    except UserError:
+        raise
+    except Exception as exc:  # the run is already marked FAILED with the traceback
+        log.exception("quantize failed: %s", exc)
+        return 1
+    print(f"checkpoint: {result['checkpoint']}")
+    print(f"mlflow run: {result['run_id']}   log: {result['log']}")
+    for key, value in sorted(result["metrics"].items()):
+        print(f"  {key:28s} {value:.4g}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from quantbench.recipe import load_recipe, recipes_dir
+
+    files = args.files or sorted(recipes_dir().glob("*.yaml"))
+    if not files:
+        raise UserError(f"no recipe files given and none in {recipes_dir()}/")
+    problems: dict[str, list[str]] = {}
+    for path in files:
+        try:
+            loaded = load_recipe(path)
+            if not args.no_model:
+                _validate_against_model(loaded)
+        except UserError as exc:
+            problems[str(path)] = exc.problems
+    for path in files:
+        if str(path) in problems:
+            for line in problems[str(path)]:
+                print(f"error: {line}", file=sys.stderr)
+        else:
+            print(f"ok: {path}")
+    if args.json:
+        print(json.dumps({"ok": not problems, "files": [str(f) for f in files], "problems": problems}))
+    return 2 if problems else 0
+
+
+def _validate_against_model(loaded) -> None:
+    from quantbench import models
+    from quantbench.quantize import get_backend
+    from quantbench.quantize.job import check_shapes
+
+    try:
+        config = models.read_config(loaded.recipe.model.source)
+    except UserError as exc:
+        raise UserError([f"{loaded.path}: {p}" for p in exc.problems]) from None
+    get_backend(loaded.recipe.quantize.method)
+    if config is not None:
+        problems = check_shapes(loaded, config)
+        if problems:
+            raise UserError(problems)
+
+
+def cmd_recipes(args) -> int:
+    from quantbench.recipe import available_recipes, load_recipe, recipes_dir
+
+    rows = []
+    for name in available_recipes():
+        try:
+            r = load_recipe(recipes_dir() / f"{name}.yaml").recipe
+            rows.append({"name": name, "method": r.quantize.method, "scheme": r.quantize.scheme, "description": r.description})
+        except UserError:
+            rows.append({"name": name, "method": "?", "scheme": "?", "description": "(invalid: run quantbench validate)"})
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for row in rows:
+            print(f"{row['name']:16s} {row['method']:12s} {row['scheme']:12s} {row['description']}")
+    return 0
+
+
+def cmd_ui(args) -> int:
+    import subprocess
+
+    from quantbench.tracking import tracking_uri
+
+    uri = tracking_uri()
+    print(f"MLflow UI for {uri} on http://{args.host}:{args.port}")
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host, "--port", str(args.port)]
+    return subprocess.call(cmd)
+
+
+COMMANDS = {"quantize": cmd_quantize, "validate": cmd_validate, "recipes": cmd_recipes, "ui": cmd_ui}

@@ -1,0 +1,111 @@
+"""Text corpora for calibration and evaluation.
+
+- `builtin:python-docs`: Python's own documentation (`pydoc_data.topics`, ~465k characters of
+  English prose that every CPython ships). Topics are assigned to a split by a hash of their
+  name (one in five to evaluation), so the calibration and evaluation parts are disjoint and
+  the same on every machine with the same Python.
+- a local `.txt` file (the whole file) or `.jsonl` file (one JSON object a line, `text_field`);
+- `hub:DATASET`: a Hugging Face dataset (`split`, `text_field`), only when the hub is reachable.
+
+A user-supplied file is calibration text only: evaluation always scores the builtin evaluation
+split unless a later stage names its own corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Literal
+
+from quantbench.errors import UserError, did_you_mean
+
+BUILTIN_TEXTS = ("python-docs",)
+Split = Literal["calibration", "evaluation"]
+
+
+def python_docs_topics(split: Split) -> list[str]:
+    """The topic names of one split: one topic in five (by a hash of its name) is evaluation."""
+    from pydoc_data.topics import topics
+
+    def in_evaluation(key: str) -> bool:
+        return int(hashlib.sha256(key.encode()).hexdigest(), 16) % 5 == 0
+
+    return [k for k in sorted(topics) if in_evaluation(k) == (split == "evaluation")]
+
+
+def python_docs(split: Split) -> str:
+    """One split of the Python documentation, topics in sorted order joined by blank lines."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in python_docs_topics(split))
+
+
+def load_text(source: str, *, field: str, text_field: str = "text", hub_split: str = "train") -> str:
+    """The calibration text a source names; UserError naming `field` if it is unusable."""
+    if source.startswith("builtin:"):
+        name = source.removeprefix("builtin:")
+        if name not in BUILTIN_TEXTS:
+            raise UserError(f"{field}: unknown builtin text '{name}'." + did_you_mean(name, BUILTIN_TEXTS))
+        return python_docs("calibration")
+    if source.startswith("hub:"):
+        return _hub_text(source, field, text_field, hub_split)
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise UserError(f"{field}: '{source}' does not exist (expected builtin:python-docs, a .txt/.jsonl file, or hub:DATASET)")
+    if path.suffix == ".txt":
+        text = path.read_text(errors="replace")
+    elif path.suffix == ".jsonl":
+        text = _jsonl_text(path, field, text_field)
+    else:
+        raise UserError(f"{field}: '{source}' must be a .txt or .jsonl file")
+    if not text.strip():
+        raise UserError(f"{field}: '{source}' is empty; calibration needs text")
+    return text
+
+
+def _jsonl_text(path: Path, field: str, text_field: str) -> str:
+    texts = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{field}: {path}:{number}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+            raise UserError(f"{field}: {path}:{number}: no string field '{text_field}' (set calibration.text_field)")
+        texts.append(row[text_field])
+    return "\n\n".join(texts)
+
+
+def _hub_text(source: str, field: str, text_field: str, split: str) -> str:
+    from quantbench.models import hub_reachable
+
+    if not hub_reachable():
+        raise UserError(f"{field}: '{source}' needs the Hugging Face hub, which is not reachable from here (offline)")
+    from datasets import load_dataset
+
+    rows = load_dataset(source.removeprefix("hub:"), split=split)
+    if text_field not in rows.column_names:
+        raise UserError(f"{field}: dataset has no column '{text_field}'." + did_you_mean(text_field, rows.column_names))
+    return "\n\n".join(rows[text_field])
+
+
+def calibration_windows(token_ids: list[int], samples: int, seq_len: int, seed: int, *, field: str) -> list[list[int]]:
+    """`samples` disjoint windows of `seq_len` tokens, chosen by `seed` from the tokenized text."""
+    available = len(token_ids) // seq_len
+    if available == 0:
+        raise UserError(f"{field}: the text has {len(token_ids)} tokens, fewer than one window of seq_len={seq_len}")
+    if samples > available:
+        raise UserError(
+            f"{field}: asked for {samples} samples of {seq_len} tokens but the text holds only {available} "
+            f"such windows ({len(token_ids)} tokens); lower calibration.samples or calibration.seq_len"
+        )
+    starts = sorted(random.Random(seed).sample(range(available), samples))
+    return [token_ids[i * seq_len : (i + 1) * seq_len] for i in starts]
+
+
+def text_sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,1 @@
+"""Scoring checkpoints: quality against the base model, task evals, speed."""

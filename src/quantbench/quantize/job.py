@@ -1,0 +1,302 @@
+"""`quantbench quantize RECIPE`: load -> prepare -> quantize -> save -> reload check -> track.
+
+Every check of the user's input (recipe, model source, group size, calibration text) runs before
+anything is written: bad input leaves no output directory and no MLflow run. Once the run
+starts, the checkpoint is written into a hidden staging directory and renamed into place only
+after it has been reloaded from disk and found sane.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from quantbench import data, environment, models
+from quantbench.errors import UserError
+from quantbench.recipe import LoadedRecipe, load_recipe, resolve_recipe_path
+from quantbench.tracking import TAG, Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """Everything the job needs, all checked before the first byte is written."""
+
+    loaded: LoadedRecipe
+    base: models.ResolvedModel
+    tokenizer: object
+    backend: object
+    calibration: list[list[int]] | None
+    eval_ids: list[int]
+    text_shas: dict[str, str]
+
+
+class CheckpointCheckFailed(RuntimeError):
+    """The saved checkpoint did not reload into a sane model."""
+
+
+def run(recipe: str, *, overrides: tuple[str, ...] = (), outputs: Path = Path("outputs"), experiment: str | None = None) -> dict:
+    prepared = prepare(recipe, overrides)
+    return execute(prepared, outputs=outputs, experiment=experiment)
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare: every input check, nothing written
+
+
+def prepare(recipe: str, overrides: tuple[str, ...] = ()) -> Prepared:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from quantbench.quantize import get_backend
+
+    loaded = load_recipe(resolve_recipe_path(recipe), overrides)
+    spec = loaded.recipe
+    where = str(loaded.path)
+    try:
+        base = models.resolve(spec.model.source)
+    except UserError as exc:
+        raise UserError([f"{where}: {p}" for p in exc.problems]) from None
+    problems = check_shapes(loaded, AutoConfig.from_pretrained(base.path))
+    if problems:
+        raise UserError(problems)
+    backend = get_backend(spec.quantize.method)(spec.quantize)
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+
+    calibration = None
+    text_shas = {}
+    if backend.needs_calibration:
+        cal = spec.calibration
+        try:
+            text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
+            ids = tokenizer(text)["input_ids"]
+            calibration = data.calibration_windows(ids, cal.samples, cal.seq_len, cal.seed, field="calibration.samples")
+        except UserError as exc:
+            raise UserError([f"{where}: {p}" for p in exc.problems]) from None
+        text_shas["calibration"] = data.text_sha(text)
+    eval_text = data.python_docs("evaluation")
+    text_shas["evaluation"] = data.text_sha(eval_text)
+    eval_ids = tokenizer(eval_text)["input_ids"][: spec.check.ppl_tokens]
+    return Prepared(loaded, base, tokenizer, backend, calibration, eval_ids, text_shas)
+
+
+def check_shapes(loaded: LoadedRecipe, config) -> list[str]:
+    """A group size must divide the input width of every layer it quantizes."""
+    group_size = getattr(loaded.recipe.quantize, "group_size", None)
+    if not group_size:
+        return []
+    import torch
+    from compressed_tensors.utils import match_named_modules
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    widths: dict[int, list[str]] = {}
+    for name, module in match_named_modules(skeleton, ["Linear"], loaded.recipe.quantize.ignore):
+        widths.setdefault(module.in_features, []).append(name)
+    bad = {w: names for w, names in widths.items() if w % group_size}
+    if not bad:
+        return []
+    divisors = [g for g in (256, 128, 64, 32, 16) if all(w % g == 0 for w in widths)]
+    detail = "; ".join(f"width {w} ({len(n)} layers, e.g. {n[0]})" for w, n in sorted(bad.items()))
+    hint = f" Group sizes that fit every layer: {', '.join(map(str, divisors))}." if divisors else ""
+    return [
+        f"{loaded.path}: quantize.group_size{_line(loaded, 'quantize', 'group_size')}: {group_size} does not "
+        f"divide the input width of these layers of {loaded.recipe.model.source}: {detail}.{hint}"
+    ]
+
+
+def _line(loaded: LoadedRecipe, *loc: str) -> str:
+    node = yaml.compose(loaded.path.read_text())
+    for part in loc:
+        if not isinstance(node, yaml.MappingNode):
+            return ""
+        match = next(((k, v) for k, v in node.value if k.value == part), None)
+        if match is None:
+            return ""
+        key, node = match
+    return f" (line {key.start_mark.line + 1})"
+
+
+# ---------------------------------------------------------------------------------------------
+# execute: one MLflow run, a staging dir, the checkpoint renamed into place when sane
+
+
+def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = p.loaded.recipe
+    q = spec.quantize
+    tags = {
+        TAG + "role": "candidate",
+        TAG + "recipe": p.loaded.name,
+        TAG + "recipe_sha": p.loaded.sha,
+        TAG + "method": q.method,
+        TAG + "scheme": q.scheme,
+        TAG + "base_model": spec.model.source,
+        TAG + "base_fingerprint": p.base.fingerprint,
+        TAG + "format": p.backend.format,
+        TAG + "license": p.base.license,
+        **{TAG + k: v for k, v in environment.describe().items()},
+    }
+    tracker = Tracker(experiment)
+    with tracker.start_run(run_name=p.loaded.name, tags=tags) as run:
+        recipe_dir = outputs / p.loaded.name
+        final = recipe_dir / run.run_id
+        staging = recipe_dir / f".{run.run_id}.partial"
+        log_path = recipe_dir / f"{run.run_id}.log"
+        from quantbench.logs import log_file
+
+        try:
+            with log_file(log_path):
+                # First artifact: the resolved recipe with versions, hardware and git sha.
+                run.log_dict(
+                    {"recipe": p.loaded.resolved, "recipe_file": str(p.loaded.path), "overrides": list(p.loaded.overrides),
+                     "recipe_sha": p.loaded.sha, "base_model": {"source": p.base.source, "path": str(p.base.path),
+                     "license": p.base.license, "fingerprint": p.base.fingerprint}, "text_sha256": p.text_shas,
+                     "environment": environment.describe()},
+                    "resolved_recipe.json",
+                )
+                run.log_params(p.loaded.resolved)
+                log.info("run %s: recipe %s (%s %s), base %s", run.run_id, p.loaded.name, q.method, q.scheme, p.base.path)
+
+                dtype = getattr(torch, spec.model.dtype)
+                model = AutoModelForCausalLM.from_pretrained(p.base.path, dtype=dtype)
+                base_size_mb = _param_bytes(model) / 2**20
+                log.info("[1/4] base model perplexity on %d held-out tokens", len(p.eval_ids))
+                base_ppl = _perplexity(model, p)
+
+                log.info("[2/4] quantizing: %s %s", q.method, q.scheme)
+                started = time.perf_counter()
+                p.backend.quantize(model, p.calibration)
+                wall_s = time.perf_counter() - started
+                peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+                log.info("[3/4] saving to %s", staging)
+                staging.mkdir(parents=True)
+                p.backend.save(model, p.tokenizer, staging)
+                del model
+
+                log.info("[4/4] reloading the saved checkpoint from disk and checking it")
+                check = _reload_check(staging, p, base_ppl)
+                size_mb = models.weights_size_mb(staging)
+                metrics = {
+                    "quantize/wall_s": wall_s,
+                    "quantize/peak_rss_mb": peak_rss_mb,
+                    "model/size_mb": size_mb,
+                    "model/base_size_mb": base_size_mb,
+                    "model/compression_ratio": base_size_mb / size_mb,
+                    **check["metrics"],
+                }
+                _write_model_card(staging, final, p, metrics, check["sample"], run.run_id)
+                staging.rename(final)
+                run.log_metrics(metrics)
+                run.log_artifact(final / "README.md")
+                run.set_tags({TAG + "checkpoint": final.resolve()})
+                log.info("checkpoint: %s", final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finally:
+            if log_path.exists():
+                run.log_artifact(log_path)
+    return {"run_id": run.run_id, "checkpoint": str(final), "log": str(log_path), "metrics": metrics}
+
+
+def _perplexity(model, p: Prepared) -> float:
+    from quantbench.evaluate.quality import perplexity
+
+    return perplexity(model, p.eval_ids, p.loaded.recipe.check.window)
+
+
+def _reload_check(path: Path, p: Prepared, base_ppl: float) -> dict:
+    """Quality of the in-memory model says nothing about what was saved: load it back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantbench.evaluate.quality import greedy_text
+
+    check = p.loaded.recipe.check
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    reload_ppl = _perplexity(model, p)
+    sample, new_tokens = greedy_text(model, tokenizer, check.prompt, check.generate_tokens)
+    ratio = reload_ppl / base_ppl
+    log.info("base ppl %.3f, reloaded ppl %.3f (x%.3f); sample: %r", base_ppl, reload_ppl, ratio, sample)
+    if not math.isfinite(reload_ppl) or ratio > check.max_ppl_ratio:
+        raise CheckpointCheckFailed(
+            f"the saved checkpoint reloads with perplexity {reload_ppl:.4g} against the base model's "
+            f"{base_ppl:.4g} (x{ratio:.3g} > check.max_ppl_ratio {check.max_ppl_ratio})"
+        )
+    if new_tokens == 0:
+        raise CheckpointCheckFailed("the saved checkpoint generated no tokens")
+    return {
+        "metrics": {"check/base_ppl": base_ppl, "check/reload_ppl": reload_ppl, "check/ppl_ratio": ratio},
+        "sample": sample,
+    }
+
+
+def _param_bytes(model) -> int:
+    """Bytes of the model's unique tensors in their loaded dtype (tied weights counted once)."""
+    seen = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+def _write_model_card(dest: Path, final: Path, p: Prepared, metrics: dict, sample: str, run_id: str) -> None:
+    spec = p.loaded.recipe
+    q = spec.quantize
+    front = {
+        "license": p.base.license,
+        "base_model": p.base.name,
+        "library_name": "transformers",
+        "tags": ["quantbench", p.backend.format, q.method, q.scheme.lower()],
+    }
+    rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()))
+    card = f"""---
+{yaml.safe_dump(front, sort_keys=False).strip()}
+---
+# {p.base.name} — {q.method} {q.scheme}
+
+Quantized by quantbench from `{spec.model.source}` with the recipe `{p.loaded.name}`
+(sha256 `{p.loaded.sha[:16]}`), MLflow run `{run_id}`.
+
+- Base model: {p.base.name} (`{spec.model.source}`, fingerprint `{p.base.fingerprint[:16]}`)
+- Licence: {p.base.license} (inherited from the base model)
+- Method / scheme: {q.method} / {q.scheme}
+- Format: {p.backend.format}
+- Calibration: {"none" if p.calibration is None else f"{len(p.calibration)} × {spec.calibration.seq_len} tokens of `{spec.calibration.source}`"}
+
+## Metrics
+
+| metric | value |
+|---|---|
+{rows}
+
+`check/*` come from reloading this directory from disk: perplexity on {len(p.eval_ids)} held-out
+tokens of the Python documentation, against the base model in {spec.model.dtype}.
+Greedy sample after "{spec.check.prompt}": {sample!r}
+
+## Load
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{final}")
+```
+or serve it: `vllm serve {final}`.
+
+## Resolved recipe
+
+```yaml
+{yaml.safe_dump(p.loaded.resolved, sort_keys=False).strip()}
+```
+"""
+    (dest / "README.md").write_text(card)

@@ -1,0 +1,115 @@
+"""GPTQ, AWQ, FP8 and SmoothQuant through llm-compressor; writes compressed-tensors checkpoints
+(the format vLLM serves, and transformers loads)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import llmcompressor  # noqa: F401  (configures its loguru sinks now, before a run's log file is added)
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+from quantbench.recipe import AWQSpec, FP8Spec, GPTQSpec, SmoothQuantSpec
+
+
+class LLMCompressorBackend:
+    format = "compressed-tensors"
+
+    def __init__(self, spec: GPTQSpec | AWQSpec | FP8Spec | SmoothQuantSpec):
+        self.spec = spec
+        self.needs_calibration = not isinstance(spec, FP8Spec)
+
+    def modifiers(self) -> list:
+        """The llm-compressor recipe for this spec, as modifier objects."""
+        from llmcompressor.modifiers.gptq import GPTQModifier
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+        from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
+
+        spec = self.spec
+        if isinstance(spec, GPTQSpec):
+            bits = {"W4A16": 4, "W8A16": 8}[spec.scheme]
+            return [
+                GPTQModifier(
+                    config_groups={"group_0": weight_only_scheme(bits, spec.group_size, spec.symmetric)},
+                    ignore=spec.ignore,
+                    block_size=spec.block_size,
+                    dampening_frac=spec.dampening_frac,
+                )
+            ]
+        if isinstance(spec, AWQSpec):
+            # AWQ only rescales channels; the quantization modifier after it rounds the weights
+            # on the grid AWQ searched against.
+            return [
+                AWQModifier(n_grid=spec.n_grid, duo_scaling=spec.duo_scaling),
+                QuantizationModifier(
+                    config_groups={"group_0": weight_only_scheme(4, spec.group_size, spec.symmetric)},
+                    ignore=spec.ignore,
+                ),
+            ]
+        if isinstance(spec, FP8Spec):
+            return [QuantizationModifier(targets=["Linear"], scheme=spec.scheme, ignore=spec.ignore)]
+        return [
+            SmoothQuantModifier(smoothing_strength=spec.smoothing_strength),
+            GPTQModifier(targets=["Linear"], scheme=spec.scheme, ignore=spec.ignore, dampening_frac=spec.dampening_frac),
+        ]
+
+    def quantize(self, model, calibration: list[list[int]] | None) -> None:
+        from llmcompressor import oneshot
+
+        kwargs = {}
+        if self.needs_calibration:
+            from datasets import Dataset
+
+            kwargs = {
+                "dataset": Dataset.from_dict(
+                    {"input_ids": calibration, "attention_mask": [[1] * len(row) for row in calibration]}
+                ),
+                "num_calibration_samples": len(calibration),
+                "max_seq_length": max(len(row) for row in calibration),
+            }
+        with cpu_safe_pinning():
+            oneshot(model=model, recipe=self.modifiers(), **kwargs)
+
+    def save(self, model, tokenizer, dest: Path) -> None:
+        model.save_pretrained(dest, save_compressed=True)
+        tokenizer.save_pretrained(dest)
+
+
+def weight_only_scheme(bits: int, group_size: int | None, symmetric: bool) -> QuantizationScheme:
+    weights = QuantizationArgs(
+        num_bits=bits,
+        type="int",
+        symmetric=symmetric,
+        strategy="group" if group_size else "channel",
+        group_size=group_size,
+    )
+    return QuantizationScheme(targets=["Linear"], weights=weights)
+
+
+@contextmanager
+def cpu_safe_pinning():
+    """Let llm-compressor 0.14's AWQ run on a machine without an accelerator.
+
+    Before each layer's scale search AWQ pins its cached activations
+    (`IntermediatesCache.pin_memory`) so later host-to-GPU copies can be non-blocking. Pinning
+    needs an accelerator and raises "Cannot access accelerator device when none is available"
+    without one. On such a machine nothing is ever copied to a device, so pinning has no
+    purpose: for the duration, and only then, it becomes a no-op. Nothing else changes.
+    tests/quantize/test_llmcompressor.py fails if the library stops needing this or moves it.
+    """
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.accelerator.is_available():
+        yield
+        return
+    original = IntermediatesCache.pin_memory
+    IntermediatesCache.pin_memory = _no_pinning
+    try:
+        yield
+    finally:
+        IntermediatesCache.pin_memory = original
+
+
+def _no_pinning(self, batch_index: int, input_names: list[str] | None = None) -> None:
+    return None

@@ -1,0 +1,319 @@
+"""Recipe files: the pydantic schema, loading with every error at once, and a content hash.
+
+A recipe is a YAML file in recipes/; its file name is the name `make quantize RECIPE=` takes.
+Every section has defaults here, in the schema, and nowhere else. A minimal recipe:
+
+```yaml
+# make quantize RECIPE=my-gptq
+quantize:
+  method: gptq
+  scheme: W4A16
+  group_size: 64
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+
+from quantbench.errors import UserError, did_you_mean
+
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+DEFAULT_TEXT = "builtin:python-docs"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(Strict):
+    """Where the base model comes from, and the dtype it is loaded in for quantization."""
+
+    source: str = Field(
+        DEFAULT_MODEL,
+        description="builtin:NAME, a local HF checkpoint dir, a local .gguf file, or hub:ORG/NAME",
+    )
+    # Tensors the scheme leaves unquantized (norms, embeddings, lm_head) are saved in this
+    # dtype; bfloat16 is what a GPU serves.
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+class CalibrationSpec(Strict):
+    """Text the algorithm calibrates on: `samples` windows of `seq_len` tokens, fixed by `seed`."""
+
+    source: str = Field(
+        DEFAULT_TEXT,
+        description="builtin:python-docs, a local .txt/.jsonl file, or hub:DATASET",
+    )
+    samples: PositiveInt = 32
+    seq_len: PositiveInt = 512
+    seed: int = 0
+    text_field: str = "text"  # the field read from .jsonl lines and hub datasets
+    split: str = "train"  # the split read from a hub dataset
+
+
+class _QuantizeBase(Strict):
+    # Module names (or "re:" patterns) left unquantized, as llm-compressor's `ignore`.
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+
+
+class GPTQSpec(_QuantizeBase):
+    """GPTQ weight-only: INT4 (W4A16) or INT8 (W8A16), compressed-tensors output."""
+
+    method: Literal["gptq"]
+    scheme: Literal["W4A16", "W8A16"] = "W4A16"
+    group_size: PositiveInt | None = 64  # None: one scale per output channel
+    symmetric: bool = True
+    dampening_frac: float = Field(0.01, gt=0, lt=1)
+    block_size: PositiveInt = 128
+
+
+class AWQSpec(_QuantizeBase):
+    """AWQ activation-aware scaling, then INT4 weight-only quantization (W4A16)."""
+
+    method: Literal["awq"]
+    scheme: Literal["W4A16"] = "W4A16"
+    group_size: PositiveInt = 64
+    symmetric: bool = False  # AWQ's usual grid: asymmetric with a zero point
+    n_grid: PositiveInt = 20  # grid points of the per-layer scale search; cost is linear in it
+    duo_scaling: bool | Literal["both"] = True
+
+
+class FP8Spec(_QuantizeBase):
+    """FP8 weights (per channel) and dynamic per-token FP8 activations; needs no data."""
+
+    method: Literal["fp8"]
+    scheme: Literal["FP8_DYNAMIC"] = "FP8_DYNAMIC"
+
+
+class SmoothQuantSpec(_QuantizeBase):
+    """SmoothQuant to move activation outliers into weights, then GPTQ: INT8 W8A8."""
+
+    method: Literal["smoothquant"]
+    scheme: Literal["W8A8"] = "W8A8"
+    smoothing_strength: float = Field(0.8, gt=0, lt=1)
+    dampening_frac: float = Field(0.01, gt=0, lt=1)
+
+
+QuantizeSpec = Annotated[
+    Union[GPTQSpec, AWQSpec, FP8Spec, SmoothQuantSpec], Field(discriminator="method")
+]
+
+
+class CheckSpec(Strict):
+    """The reload check: the saved checkpoint is loaded back from disk and must be sane."""
+
+    ppl_tokens: PositiveInt = 4096  # evaluation-split tokens scored for base and reload
+    window: PositiveInt = 512  # perplexity window length
+    # A sanity bound, not a quality gate: reloaded ppl / base ppl above this fails the run.
+    max_ppl_ratio: float = Field(2.0, gt=1)
+    prompt: str = "The Python interpreter"
+    generate_tokens: PositiveInt = 16
+
+
+class Recipe(Strict):
+    description: str = ""
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
+    quantize: QuantizeSpec
+    check: CheckSpec = Field(default_factory=CheckSpec)
+
+
+# method name -> its settings class, e.g. "gptq" -> GPTQSpec
+METHODS: dict[str, type[Strict]] = {
+    get_args(spec.model_fields["method"].annotation)[0]: spec
+    for spec in get_args(get_args(QuantizeSpec)[0])
+}
+
+
+@dataclass(frozen=True)
+class LoadedRecipe:
+    name: str  # the file stem: what RECIPE= takes
+    path: Path
+    recipe: Recipe
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def resolved(self) -> dict[str, Any]:
+        return self.recipe.model_dump(mode="json")
+
+    @property
+    def sha(self) -> str:
+        """Content hash of the resolved recipe (defaults filled in, overrides applied)."""
+        canonical = json.dumps(self.resolved, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding recipes by name
+
+
+def recipes_dir() -> Path:
+    return Path(os.environ.get("QUANTBENCH_RECIPES", "recipes"))
+
+
+def available_recipes(directory: Path | None = None) -> list[str]:
+    directory = directory or recipes_dir()
+    return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else []
+
+
+def resolve_recipe_path(name_or_path: str, directory: Path | None = None) -> Path:
+    """A name (`awq-int4`) means recipes/awq-int4.yaml; anything ending in .yaml/.yml is a path."""
+    directory = directory or recipes_dir()
+    if name_or_path.endswith((".yaml", ".yml")):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise UserError(f"{path}: recipe file does not exist")
+        return path
+    path = directory / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise UserError(
+            f"unknown recipe '{name_or_path}' (no {path})."
+            + did_you_mean(name_or_path, available_recipes(directory))
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: YAML -> overrides -> schema, with every problem reported at once
+
+
+def load_recipe(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> LoadedRecipe:
+    """Load and validate one recipe file; raise UserError listing every problem found."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: {_yaml_error(exc)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: the recipe must be a mapping of sections, got {type(data).__name__}")
+    problems = []
+    for item in overrides:
+        try:
+            _apply_override(data, item)
+        except ValueError as exc:
+            problems.append(f"{path}: --set {item}: {exc}")
+    if problems:
+        raise UserError(problems)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise UserError([f"{path}: {line}" for line in _explain(exc, data, node)]) from None
+    return LoadedRecipe(name=path.stem, path=path, recipe=recipe, overrides=tuple(overrides))
+
+
+def _yaml_error(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    return f"{where}YAML syntax error: {problem}"
+
+
+def _apply_override(data: dict, item: str) -> None:
+    """`calibration.samples=8`: the value is parsed as YAML (so 8 is an int, [a, b] a list)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ValueError("expected KEY.PATH=VALUE")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ValueError(_yaml_error(exc)) from None
+    *parents, leaf = key.split(".")
+    target = data
+    for part in parents:
+        child = target.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"'{part}' is not a section")
+        target = child
+    target[leaf] = value
+
+
+def _explain(exc: ValidationError, data: dict, node: yaml.Node | None) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = _strip_union_tags(err["loc"], data)
+        if err["type"].startswith("union_tag_"):
+            loc += ("method",)
+        field = ".".join(str(p) for p in loc) or "(top level)"
+        line = _yaml_line(node, loc)
+        where = f" (line {line})" if line else ""
+        lines.append(f"{field}{where}: {_message(err, loc, data)}")
+    return lines
+
+
+def _strip_union_tags(loc: tuple, data: dict) -> tuple:
+    """pydantic puts the union tag in the location (quantize.gptq.group_size); users never wrote it."""
+    out: list = []
+    value: Any = data
+    for part in loc:
+        if isinstance(value, dict) and part not in value and part in METHODS and value.get("method") == part:
+            continue
+        out.append(part)
+        value = value.get(part) if isinstance(value, dict) else None
+    return tuple(out)
+
+
+def _yaml_line(node: yaml.Node | None, loc: tuple) -> int | None:
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+            if match is None:
+                break
+            line = match[0].start_mark.line + 1
+            node = match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def _message(err: dict, loc: tuple, data: dict) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1], data)
+        return f"unknown key '{loc[-1]}'." + did_you_mean(str(loc[-1]), allowed)
+    if kind == "union_tag_invalid":
+        tag = err["ctx"]["tag"]
+        return f"unknown method '{tag}'." + did_you_mean(str(tag), METHODS)
+    if kind == "union_tag_not_found":
+        return "missing 'method'. Available: " + ", ".join(sorted(METHODS))
+    if kind == "literal_error" and isinstance(err.get("input"), str):
+        choices = [c.strip().strip("'") for c in err["ctx"]["expected"].replace(" or ", ",").split(",")]
+        return f"unknown value '{err['input']}'." + did_you_mean(err["input"], [c for c in choices if c])
+    return f"{err['msg']} (got {err['input']!r})" if "input" in err and kind != "missing" else err["msg"]
+
+
+def _allowed_keys(loc: tuple, data: dict) -> list[str]:
+    """The field names of the schema section at `loc`, for 'did you mean'."""
+    cls: Any = Recipe
+    value: Any = data
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        value = value.get(part) if isinstance(value, dict) else None
+        if field is None:
+            return []
+        cls = field.annotation
+        if get_origin(cls) is Union:  # the quantize union: the section's method picks the class
+            method = value.get("method") if isinstance(value, dict) else None
+            cls = METHODS.get(method)
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return []
+    return list(cls.model_fields)

@@ -1,0 +1,121 @@
+"""The only module that talks to MLflow: runs, names, artifacts and failures.
+
+Default store: MLflow's own default, `sqlite:///mlflow.db` in the working directory (the repo
+root under `make`), artifacts under `./mlruns`. `MLFLOW_TRACKING_URI` switches to a team server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+DEFAULT_EXPERIMENT = "quantbench"
+TAG = "quantbench."  # prefix of every tag of ours (DESIGN.md, MLflow contract)
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def experiment_name(name: str | None = None) -> str:
+    return name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+
+
+def _client():
+    for noisy in ("alembic", "mlflow.store.db.utils"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri())
+
+
+class Run:
+    """One MLflow run as a context manager: FINISHED on success; FAILED with the error
+    recorded when an exception escapes; KILLED on Ctrl-C. Never left RUNNING."""
+
+    def __init__(self, client, run_id: str):
+        self.client = client
+        self.run_id = run_id
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.client.set_terminated(self.run_id, "FINISHED")
+            return
+        status = "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
+        try:
+            message = f"{exc_type.__name__}: {exc}"
+            self.client.set_tag(self.run_id, TAG + "error", message[:5000])
+            self.client.log_text(self.run_id, "".join(traceback.format_exception(exc_type, exc, tb)), "error.txt")
+        finally:
+            self.client.set_terminated(self.run_id, status)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, str(value))
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(key, _param_value(value)) for key, value in flatten(params).items()]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[start : start + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(key, float(value), now, step or 0) for key, value in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=items)
+
+    def log_dict(self, data: dict, name: str) -> None:
+        self.client.log_text(self.run_id, json.dumps(data, indent=2, sort_keys=True, default=str), name)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+
+class Tracker:
+    def __init__(self, experiment: str | None = None):
+        self.client = _client()
+        self.experiment = experiment_name(experiment)
+
+    def experiment_id(self) -> str:
+        found = self.client.get_experiment_by_name(self.experiment)
+        if found is not None:
+            return found.experiment_id
+        location = None
+        if "MLFLOW_TRACKING_URI" not in os.environ:  # the local default: artifacts in ./mlruns
+            location = (Path.cwd() / "mlruns").as_uri()
+        return self.client.create_experiment(self.experiment, artifact_location=location)
+
+    def start_run(self, run_name: str, tags: dict[str, Any]) -> Run:
+        run = self.client.create_run(
+            self.experiment_id(), run_name=run_name, tags={k: str(v) for k, v in tags.items()}
+        )
+        return Run(self.client, run.info.run_id)
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"quantize": {"group_size": 64}} -> {"quantize.group_size": 64}."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _param_value(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+    return text[:6000]

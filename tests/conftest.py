@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny Llama built from a config (no download), an isolated MLflow store,
+and a scratch working directory per test (outputs/ lands there)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TINY = {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 3,
+        "num_key_value_heads": 1, "vocab_size": 512}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama (hidden 96 = 3 x 32, so group 64 cannot divide it) with a BPE tokenizer
+    trained here on the calibration split of the Python docs. Random weights, fixed seed."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from quantbench.data import python_docs
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([python_docs("calibration")[:200_000]], trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                        pad_token="</s>")
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY, tie_word_embeddings=True, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "README.md").write_text("---\nlicense: mit\n---\n# tiny test model\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tracking_db(tmp_path_factory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch, tracking_db, request) -> Path:
+    """cwd = a fresh dir with recipes/; MLflow = the session store, one experiment per test."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_db)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", f"test-{request.node.name}"[:200])
+    monkeypatch.delenv("QUANTBENCH_RECIPES", raising=False)
+    return tmp_path

@@ -1,0 +1,41 @@
+"""Helpers for tests: recipe files on the tiny model, reading MLflow directly."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+
+def write_recipe(workdir: Path, name: str, body: str) -> Path:
+    path = workdir / "recipes" / f"{name}.yaml"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def tiny_recipe(model_dir: Path, quantize: str, calibration: str = "") -> str:
+    """A recipe on the tiny model with a budget of seconds."""
+    return f"""\
+model:
+  source: {model_dir}
+  dtype: float32
+calibration:
+  samples: 4
+  seq_len: 64
+{textwrap.indent(textwrap.dedent(calibration), '  ')}
+quantize:
+{textwrap.indent(textwrap.dedent(quantize), '  ')}
+check:
+  ppl_tokens: 512
+  window: 64
+  generate_tokens: 4
+"""
+
+
+def runs(experiment: str | None = None):
+    """Every run of the test's experiment (tests may read MLflow directly)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name(experiment or os.environ["MLFLOW_EXPERIMENT_NAME"])
+    return [] if exp is None else client.search_runs([exp.experiment_id])

@@ -1,0 +1,166 @@
+"""The whole quantize job on a tiny Llama: every method, the checkpoint on disk, the MLflow run,
+and every kind of bad input."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from quantbench.cli import main
+
+from tests.helpers import runs, tiny_recipe, write_recipe
+
+METHODS = {
+    # name: (quantize section, expected compressed-tensors format, weight bits, group size)
+    "gptq-w4": ("method: gptq\nscheme: W4A16\ngroup_size: 32\n", "pack-quantized", 4, 32),
+    "gptq-w8": ("method: gptq\nscheme: W8A16\ngroup_size: null\n", "pack-quantized", 8, None),
+    "awq": ("method: awq\ngroup_size: 32\nn_grid: 4\n", "pack-quantized", 4, 32),
+    "fp8": ("method: fp8\n", "float-quantized", 8, None),
+    "smoothquant": ("method: smoothquant\n", "int-quantized", 8, None),
+}
+
+
+def quantize(args, capsys):
+    code = main(["quantize", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_quantize_writes_a_reloadable_checkpoint_and_one_finished_run(name, workdir, tiny_model_dir, capsys):
+    section, fmt, bits, group = METHODS[name]
+    write_recipe(workdir, name, tiny_recipe(tiny_model_dir, section))
+    code, out, err = quantize([name, "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    ckpt = Path(result["checkpoint"])
+    assert ckpt == Path("outputs") / name / result["run_id"]
+    assert sorted(p.name for p in (workdir / "outputs" / name).iterdir()) == sorted([result["run_id"], result["run_id"] + ".log"])
+
+    qcfg = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "compressed-tensors" and qcfg["format"] == fmt
+    weights = qcfg["config_groups"]["group_0"]["weights"]
+    assert weights["num_bits"] == bits and weights["group_size"] == group
+    assert qcfg["ignore"] == ["lm_head"]
+    card = (ckpt / "README.md").read_text()
+    assert card.startswith("---\nlicense: mit\n") and result["run_id"] in card
+
+    [run] = runs()
+    assert run.info.run_id == result["run_id"] and run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    for key in ("quantize/wall_s", "quantize/peak_rss_mb", "model/size_mb", "model/compression_ratio",
+                "check/base_ppl", "check/reload_ppl", "check/ppl_ratio"):
+        assert key in metrics and metrics[key] > 0, key
+    assert metrics == pytest.approx(result["metrics"])
+    # the reload check measured something real: a random 512-token model is near-uniform
+    assert 300 < metrics["check/base_ppl"] < 900 and metrics["check/ppl_ratio"] < 1.2
+    tags = run.data.tags
+    assert tags["quantbench.recipe"] == name and tags["quantbench.method"] == section.split()[1]
+    assert tags["quantbench.format"] == "compressed-tensors" and tags["quantbench.license"] == "mit"
+    assert len(tags["quantbench.recipe_sha"]) == 64 and "quantbench.git_sha" in tags
+    assert "quantbench.version.llmcompressor" in tags and "quantbench.cpu" in tags
+    assert run.data.params["calibration.samples"] == "4"
+
+    from mlflow.tracking import MlflowClient
+
+    artifacts = {a.path for a in MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).list_artifacts(run.info.run_id)}
+    assert {"resolved_recipe.json", "README.md", f"{result['run_id']}.log"} <= artifacts
+    log = (workdir / "outputs" / name / f"{result['run_id']}.log").read_text()
+    assert "[4/4] reloading" in log and "Compression lifecycle finalized" in log  # ours and llm-compressor's
+
+
+def test_weights_that_are_not_quantized_are_saved_in_bf16(workdir, tiny_model_dir, capsys):
+    from safetensors import safe_open
+
+    write_recipe(workdir, "bf16", tiny_recipe(tiny_model_dir, METHODS["gptq-w4"][0]).replace("dtype: float32", "dtype: bfloat16"))
+    code, out, err = quantize(["bf16", "--json"], capsys)
+    assert code == 0, err
+    ckpt = Path(json.loads(out.strip().splitlines()[-1])["checkpoint"])
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        dtypes = {name: str(f.get_slice(name).get_dtype()) for name in f.keys()}
+    assert dtypes["model.embed_tokens.weight"] == "BF16" and dtypes["model.norm.weight"] == "BF16"
+    assert dtypes["model.layers.0.mlp.down_proj.weight_packed"] == "I32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one clear message naming file and field, exit 2, nothing written, no run
+
+
+def bad_cases(model_dir: Path, tmp: Path):
+    ok = "quantize:\n  method: gptq\n  group_size: 32\n"
+    empty = tmp / "empty.txt"
+    empty.write_text("")
+    return {
+        "yaml-syntax": (f"model: {{source: {model_dir}}}\nquantize:\n  method: [gptq\n", "line 4, column 1: YAML syntax error"),
+        "unknown-key": (f"model: {{source: {model_dir}, dtyp: float32}}\n{ok}", "model.dtyp (line 1): unknown key 'dtyp'"),
+        "wrong-type": (f"model: {{source: {model_dir}}}\ncalibration: {{samples: lots}}\n{ok}", "calibration.samples (line 2)"),
+        "unknown-method": (f"model: {{source: {model_dir}}}\nquantize:\n  method: hqq\n", "quantize.method (line 3): unknown method 'hqq'"),
+        "unknown-scheme": (f"model: {{source: {model_dir}}}\nquantize:\n  method: awq\n  scheme: W3A16\n", "quantize.scheme (line 4): unknown value 'W3A16'"),
+        "group-size": (f"model: {{source: {model_dir}}}\nquantize:\n  method: gptq\n  group_size: 64\n", "quantize.group_size (line 4): 64 does not divide the input width"),
+        "missing-model": (f"model: {{source: {tmp / 'no-such-model'}}}\n{ok}", "model.source: '"),
+        "hub-offline": (f"model: {{source: 'hub:HuggingFaceTB/SmolLM2-135M'}}\n{ok}", "needs the Hugging Face hub"),
+        "empty-calibration": (f"model: {{source: {model_dir}}}\ncalibration: {{source: {empty}}}\n{ok}", "calibration.source: '"),
+    }
+
+
+@pytest.mark.parametrize("case", ["unknown-recipe", "yaml-syntax", "unknown-key", "wrong-type", "unknown-method",
+                                  "unknown-scheme", "group-size", "missing-model", "hub-offline", "empty-calibration"])
+def test_bad_input_exits_2_and_writes_nothing(case, workdir, tiny_model_dir, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    earlier = workdir / "outputs" / case / "earlier-run" / "keep.txt"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("earlier result")
+    if case == "unknown-recipe":
+        write_recipe(workdir, "awq-int4", "quantize: {method: awq}\n")
+        code, out, err = quantize(["awq-in4"], capsys)
+        expected = "unknown recipe 'awq-in4' (no recipes/awq-in4.yaml). Did you mean 'awq-int4'?"
+    else:
+        body, expected = bad_cases(tiny_model_dir, workdir)[case]
+        write_recipe(workdir, case, body)
+        code, out, err = quantize([case], capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and expected in lines[0], err
+    if case != "unknown-recipe":
+        assert lines[0].startswith(f"error: recipes/{case}.yaml: ")
+    assert [p.name for p in (workdir / "outputs").iterdir()] == [case]
+    assert [p.name for p in (workdir / "outputs" / case).iterdir()] == ["earlier-run"]
+    assert earlier.read_text() == "earlier result"
+    assert runs() == []
+
+
+def test_a_failure_after_the_run_started_marks_it_failed_and_leaves_no_checkpoint(workdir, tiny_model_dir, capsys):
+    write_recipe(workdir, "blocked", tiny_recipe(tiny_model_dir, METHODS["fp8"][0]))
+    (workdir / "outputs").mkdir()
+    (workdir / "outputs" / "blocked").write_text("a file where the recipe's output dir should go")
+    code, out, err = quantize(["blocked"], capsys)
+    assert code == 1
+    [run] = runs()
+    assert run.info.status == "FAILED" and "quantbench.error" in run.data.tags
+    assert (workdir / "outputs" / "blocked").read_text().startswith("a file")
+
+
+def test_reload_check_rejects_a_checkpoint_that_reloads_broken(workdir, tiny_model_dir):
+    """Save a model whose weights were damaged after quantization: the check must refuse it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantbench.quantize.job import CheckpointCheckFailed, _reload_check, prepare
+
+    write_recipe(workdir, "fp8", tiny_recipe(tiny_model_dir, METHODS["fp8"][0]))
+    prepared = prepare("fp8")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    base_ppl = __import__("quantbench.evaluate.quality", fromlist=["perplexity"]).perplexity(model, prepared.eval_ids, 64)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(40.0)  # a broken save: logits blow up
+    broken = workdir / "broken"
+    model.save_pretrained(broken)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(broken)
+    with pytest.raises(CheckpointCheckFailed, match="max_ppl_ratio"):
+        _reload_check(broken, prepared, base_ppl)
+    # and the unbroken model passes the same check
+    good = workdir / "good"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(good)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(good)
+    assert _reload_check(good, prepared, base_ppl)["metrics"]["check/ppl_ratio"] == pytest.approx(1.0, abs=1e-4)

@@ -1,0 +1,52 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from quantbench.cli import main
+
+from tests.helpers import write_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_help_teaches_and_imports_no_engine():
+    code = (
+        "import sys, contextlib, io\n"
+        "from quantbench.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    try: main(['--help'])\n"
+        "    except SystemExit: pass\n"
+        "assert 'quantize' in out.getvalue() and 'exit codes' in out.getvalue(), out.getvalue()\n"
+        "heavy = [m for m in ('llmcompressor', 'mlflow', 'torch', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_validate_reports_every_file_and_exits_2(workdir, capsys):
+    write_recipe(workdir, "good", "quantize: {method: fp8}\n")
+    write_recipe(workdir, "bad", "quantize:\n  method: gptq\n  grup_size: 64\n  scheme: W3A16\n")
+    code = main(["validate", "--no-model", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "ok: recipes/good.yaml" in out
+    assert "error: recipes/bad.yaml: quantize.grup_size (line 3)" in err
+    assert "error: recipes/bad.yaml: quantize.scheme (line 4)" in err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["ok"] is False and len(summary["problems"]["recipes/bad.yaml"]) == 2
+
+
+def test_validate_checks_group_size_against_the_model(workdir, tiny_model_dir, capsys):
+    write_recipe(workdir, "g64", f"model: {{source: {tiny_model_dir}}}\nquantize:\n  method: gptq\n  group_size: 64\n")
+    assert main(["validate", "recipes/g64.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "quantize.group_size (line 4): 64 does not divide the input width" in err
+    assert "width 96" in err and "Group sizes that fit every layer: 32, 16" in err
+
+
+def test_recipes_lists_shipped_recipes(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert main(["recipes", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {"name": "awq-int4", "method": "awq", "scheme": "W4A16"}.items() <= rows[0].items()

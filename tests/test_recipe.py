@@ -1,0 +1,107 @@
+from pathlib import Path
+
+import pytest
+
+from quantbench.errors import UserError
+from quantbench.recipe import AWQSpec, GPTQSpec, load_recipe, resolve_recipe_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def problems(tmp_path, text, overrides=()):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as info:
+        load_recipe(path, overrides)
+    return info.value.problems
+
+
+def test_defaults_live_in_the_schema(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("quantize:\n  method: awq\n")
+    loaded = load_recipe(path)
+    assert isinstance(loaded.recipe.quantize, AWQSpec)
+    assert loaded.recipe.quantize.group_size == 64 and loaded.recipe.quantize.symmetric is False
+    assert loaded.recipe.model.source == "builtin:smollm2-135m-instruct"
+    assert loaded.recipe.calibration.source == "builtin:python-docs"
+    assert loaded.name == "r"
+
+
+def test_every_error_at_once_with_field_and_line(tmp_path):
+    found = problems(tmp_path, "model:\n  dtyp: bfloat16\ncalibration:\n  samples: many\nquantize:\n  method: gptq\n  scheme: W4A61\n")
+    assert len(found) == 3
+    assert found[0].startswith(f"{tmp_path / 'r.yaml'}: model.dtyp (line 2): unknown key 'dtyp'. Did you mean 'dtype'?")
+    assert "calibration.samples (line 4)" in found[1] and "'many'" in found[1]
+    assert "quantize.scheme (line 7): unknown value 'W4A61'. Did you mean 'W4A16'?" in found[2]
+
+
+def test_unknown_key_inside_the_method_section_names_its_own_fields(tmp_path):
+    [found] = problems(tmp_path, "quantize:\n  method: gptq\n  grup_size: 64\n")
+    assert "quantize.grup_size (line 3): unknown key 'grup_size'. Did you mean 'group_size'?" in found
+    assert "n_grid" not in found  # an AWQ-only field is not offered for a GPTQ section
+
+
+def test_unknown_method_lists_the_methods(tmp_path):
+    [found] = problems(tmp_path, "quantize:\n  method: gtpq\n")
+    assert "quantize.method (line 2): unknown method 'gtpq'. Did you mean 'gptq'? Available: awq, fp8, gptq, smoothquant" in found
+
+
+def test_wrong_type(tmp_path):
+    [found] = problems(tmp_path, "quantize:\n  method: gptq\n  group_size: [64]\n")
+    assert "quantize.group_size (line 3)" in found
+
+
+def test_missing_quantize_section(tmp_path):
+    [found] = problems(tmp_path, "model:\n  dtype: bfloat16\n")
+    assert "quantize" in found and "Field required" in found
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    [found] = problems(tmp_path, "quantize:\n  method: [gptq\n")
+    assert "r.yaml: line 3, column 1: YAML syntax error" in found
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    [found] = problems(tmp_path, "- a\n- b\n")
+    assert "must be a mapping" in found
+
+
+def test_overrides_are_parsed_as_yaml_and_validated(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("quantize:\n  method: gptq\n")
+    loaded = load_recipe(path, ["calibration.samples=8", "quantize.group_size=null", "quantize.ignore=[lm_head, x]"])
+    assert loaded.recipe.calibration.samples == 8
+    assert isinstance(loaded.recipe.quantize, GPTQSpec) and loaded.recipe.quantize.group_size is None
+    assert loaded.recipe.quantize.ignore == ["lm_head", "x"]
+    assert problems(tmp_path, "quantize:\n  method: gptq\n", ["calibration.samples"])[0].endswith("expected KEY.PATH=VALUE")
+
+
+def test_hash_covers_the_resolved_recipe(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("quantize:\n  method: gptq\n")
+    b.write_text("# comment\nquantize: {method: gptq, group_size: 64}\n")  # same recipe once resolved
+    assert load_recipe(a).sha == load_recipe(b).sha
+    assert load_recipe(a, ["calibration.seed=1"]).sha != load_recipe(a).sha
+
+
+def test_unknown_recipe_name_lists_available_and_closest(tmp_path):
+    (tmp_path / "awq-int4.yaml").write_text("quantize: {method: awq}\n")
+    (tmp_path / "gptq-w4a16.yaml").write_text("quantize: {method: gptq}\n")
+    with pytest.raises(UserError) as info:
+        resolve_recipe_path("awq-in4", tmp_path)
+    assert "unknown recipe 'awq-in4'" in str(info.value)
+    assert "Did you mean 'awq-int4'? Available: awq-int4, gptq-w4a16" in str(info.value)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_recipe_validates_and_shows_its_command(path):
+    loaded = load_recipe(path)
+    first = path.read_text().splitlines()[0]
+    assert first == f"# Run: make quantize RECIPE={path.stem}"
+    group = getattr(loaded.recipe.quantize, "group_size", None)
+    assert group is None or 576 % group == 0  # the default model's hidden size
+
+
+def test_shipped_recipes_cover_the_methods():
+    names = {p.stem for p in (REPO / "recipes").glob("*.yaml")}
+    assert {"awq-int4", "gptq-w4a16", "gptq-w8a16", "fp8-dynamic", "w8a8-int8"} <= names
