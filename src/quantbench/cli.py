@@ -80,8 +80,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _terminate_as_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def cmd_quantize(args) -> int:
+    import signal
+
     from quantbench.quantize.job import run
+
+    # `kill` (a timeout, a scheduler) ends the job like Ctrl-C: the MLflow run is marked KILLED
+    # and the staging directory removed, never left RUNNING.
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
 
     try:
         result = run(args.recipe, overrides=tuple(args.overrides), outputs=args.outputs, experiment=args.experiment)
