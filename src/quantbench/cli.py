@@ -16,6 +16,7 @@ EPILOG = """\
 examples:
   quantbench quantize awq-int4                      recipes/awq-int4.yaml on the embedded default model
   quantbench quantize gptq-w4a16 --set calibration.samples=8 --json
+  quantbench evaluate <run id | checkpoint dir>     quality against the base model (suites/default.yaml)
   quantbench validate recipes/*.yaml                check recipes (every error at once)
   quantbench recipes                                list the shipped recipes
   quantbench ui                                     MLflow UI on http://127.0.0.1:5000
@@ -47,6 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--outputs", type=Path, default=Path("outputs"), help="output root (default: outputs)")
     q.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
     q.add_argument("--json", action="store_true", help='print {"run_id", "checkpoint", "metrics"} as the last line')
+
+    e = sub.add_parser(
+        "evaluate",
+        help="score a checkpoint against its base model (ppl, KLD, agreement, tasks, flips)",
+        description="Score a checkpoint against its base model with a suite (suites/NAME.yaml): perplexity, "
+        "KL divergence and top-1 agreement on held-out text, lm-eval tasks, answer flips, recovery. The base "
+        "model is scored once per (model, suite) in a baseline run and reused. A run id logs into that run.",
+    )
+    e.add_argument("target", help="an MLflow run id (from quantize) or a checkpoint directory")
+    e.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
+    e.add_argument("--base", default=None, help="the base model source, for a checkpoint quantbench did not write")
+    e.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
+    e.add_argument("--json", action="store_true", help='print {"run_id", "baseline_run", "metrics", ...} as the last line')
 
     v = sub.add_parser("validate", help="validate recipe files, reporting every error at once",
                        description="Check recipe files against the schema and against their model's layer "
@@ -104,6 +118,26 @@ def cmd_quantize(args) -> int:
     print(f"mlflow run: {result['run_id']}   log: {result['log']}")
     for key, value in sorted(result["metrics"].items()):
         print(f"  {key:28s} {value:.4g}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    import signal
+
+    from quantbench.evaluate.job import run
+
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        result = run(args.target, suite=args.suite, base=args.base, experiment=args.experiment)
+    except UserError:
+        raise
+    except Exception as exc:  # the run is already marked FAILED with the traceback
+        log.exception("evaluate failed: %s", exc)
+        return 1
+    print(f"mlflow run: {result['run_id']}   baseline run: {result['baseline_run']}"
+          f"{' (reused)' if result['baseline_reused'] else ' (scored now)'}")
     if args.json:
         print(json.dumps(result))
     return 0
@@ -179,4 +213,4 @@ def cmd_ui(args) -> int:
     return subprocess.call(cmd)
 
 
-COMMANDS = {"quantize": cmd_quantize, "validate": cmd_validate, "recipes": cmd_recipes, "ui": cmd_ui}
+COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "validate": cmd_validate, "recipes": cmd_recipes, "ui": cmd_ui}

@@ -42,13 +42,15 @@ def python_docs(split: Split) -> str:
     return "\n\n".join(topics[k] for k in python_docs_topics(split))
 
 
-def load_text(source: str, *, field: str, text_field: str = "text", hub_split: str = "train") -> str:
-    """The calibration text a source names; UserError naming `field` if it is unusable."""
+def load_text(
+    source: str, *, field: str, split: Split = "calibration", text_field: str = "text", hub_split: str = "train"
+) -> str:
+    """The text a source names (for a builtin, its `split`); UserError naming `field` if unusable."""
     if source.startswith("builtin:"):
         name = source.removeprefix("builtin:")
         if name not in BUILTIN_TEXTS:
             raise UserError(f"{field}: unknown builtin text '{name}'." + did_you_mean(name, BUILTIN_TEXTS))
-        return python_docs("calibration")
+        return python_docs(split)
     if source.startswith("hub:"):
         return _hub_text(source, field, text_field, hub_split)
     path = Path(source).expanduser()
@@ -61,7 +63,7 @@ def load_text(source: str, *, field: str, text_field: str = "text", hub_split: s
     else:
         raise UserError(f"{field}: '{source}' must be a .txt or .jsonl file")
     if not text.strip():
-        raise UserError(f"{field}: '{source}' is empty; calibration needs text")
+        raise UserError(f"{field}: '{source}' is empty")
     return text
 
 

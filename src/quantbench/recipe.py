@@ -119,12 +119,19 @@ class CheckSpec(Strict):
     generate_tokens: PositiveInt = 16
 
 
+class EvaluateSpec(Strict):
+    """Score the reloaded checkpoint against the base model right after quantizing."""
+
+    suite: str = "default"  # suites/<suite>.yaml
+
+
 class Recipe(Strict):
     description: str = ""
     model: ModelSpec = Field(default_factory=ModelSpec)
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
     quantize: QuantizeSpec
     check: CheckSpec = Field(default_factory=CheckSpec)
+    evaluate: EvaluateSpec | None = None  # no section: no evaluation
 
 
 # method name -> its settings class, e.g. "gptq" -> GPTQSpec

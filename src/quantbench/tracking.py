@@ -82,6 +82,14 @@ class Run:
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def download(self, artifact: str, dest: Path) -> Path:
+        return Path(self.client.download_artifacts(self.run_id, artifact, str(dest)))
+
+    @property
+    def data(self):
+        """The run's current tags, params and metrics (latest values)."""
+        return self.client.get_run(self.run_id).data
+
 
 class Tracker:
     def __init__(self, experiment: str | None = None):
@@ -96,6 +104,30 @@ class Tracker:
         if "MLFLOW_TRACKING_URI" not in os.environ:  # the local default: artifacts in ./mlruns
             location = (Path.cwd() / "mlruns").as_uri()
         return self.client.create_experiment(self.experiment, artifact_location=location)
+
+    def find_runs(self, tags: dict[str, str]) -> list[str]:
+        """FINISHED runs of this experiment carrying all `tags`, newest first."""
+        found = self.client.get_experiment_by_name(self.experiment)
+        if found is None:
+            return []
+        clauses = [f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"]
+        runs = self.client.search_runs([found.experiment_id], " and ".join(clauses), order_by=["attributes.start_time DESC"])
+        return [r.info.run_id for r in runs]
+
+    def existing(self, run_id: str) -> Run | None:
+        """A handle on a finished run (e.g. to read it), or None if the store has no such run."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException:
+            return None
+        return Run(self.client, run_id)
+
+    def resume_run(self, run_id: str) -> Run:
+        """Reopen a run to log a later stage into it; it ends FINISHED or FAILED like a new one."""
+        self.client.update_run(run_id, status="RUNNING")
+        return Run(self.client, run_id)
 
     def start_run(self, run_name: str, tags: dict[str, Any]) -> Run:
         run = self.client.create_run(

@@ -77,3 +77,48 @@ def test_group_128_is_rejected_for_the_default_model(workdir, capsys):
     err = capsys.readouterr().err
     assert "quantize.group_size (line 3): 128 does not divide the input width" in err
     assert "width 576" in err and "width 1536" not in err
+
+
+def test_evaluate_scores_a_checkpoint_of_the_default_model_end_to_end(workdir, capsys):
+    """fp8-dynamic with the cpu-smoke suite: baseline scored once, candidate against it."""
+    shutil.copytree(REPO / "suites", workdir / "suites")
+    result, _ = run_shipped("fp8-dynamic", workdir, capsys, "evaluate.suite=cpu-smoke")
+    runs_by_role = {r.data.tags["quantbench.role"]: r for r in runs()}
+    baseline, candidate = runs_by_role["baseline"], runs_by_role["candidate"]
+    assert candidate.data.tags["quantbench.baseline_run"] == baseline.info.run_id
+    b, m = baseline.data.metrics, candidate.data.metrics
+    # the base model on 2,048 held-out tokens (fp32): ppl ~15.5; its tasks well above chance
+    assert 8 < b["quality/ppl"] < 30
+    assert b["task/qb_pydoc_continuation/acc"] > 0.5  # chance is 0.25
+    assert b["task/qb_pydoc_lastword/acc"] > 0.2
+    # FP8 against it (measured: ppl x1.036, KLD 0.028, agreement 0.90, no flips on 80 items)
+    assert 1.0 < m["recovery/quality/ppl"] < 1.10
+    assert 0.005 < m["quality/kld_mean"] < 0.1 and m["quality/kld_p99"] < 1.0
+    assert m["quality/top1_agreement"] > 0.85
+    assert m["quality/flips_pct"] < 15 and m["quality/flips_items"] == 80
+
+
+def test_cached_reference_kld_equals_two_full_forward_passes(workdir, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantbench import data, models
+    from quantbench.evaluate.quality import compare, reference
+
+    result, _ = run_shipped("fp8-dynamic", workdir, capsys)
+    base = models.resolve("builtin:smollm2-135m-instruct")
+    ids = AutoTokenizer.from_pretrained(base.path)(data.python_docs("evaluation"))["input_ids"][:1024]
+    base_model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto")
+    candidate = AutoModelForCausalLM.from_pretrained(result["checkpoint"])
+    # one window per forward pass, as the suite does: the FP8 checkpoint's dynamic activation
+    # scales on CPU depend on what else is in the batch (measured: logits differ by up to 3.2)
+    exact = []
+    with torch.inference_mode():
+        for window in torch.tensor(ids).view(2, 1, 512):
+            lb = torch.log_softmax(base_model(input_ids=window).logits[0, :-1].double(), -1)
+            lc = torch.log_softmax(candidate(input_ids=window).logits[0, :-1].double(), -1)
+            exact.append((lb.exp() * (lb - lc)).sum(-1))
+    exact = torch.cat(exact)
+    cached = compare(candidate, ids, 512, reference(base_model, ids, 512)).kld.double()
+    assert exact.mean() > 0.01
+    assert (exact - cached).abs().max() < 1e-4  # measured 1e-7

@@ -37,6 +37,7 @@ class Prepared:
     calibration: list[list[int]] | None
     eval_ids: list[int]
     text_shas: dict[str, str]
+    evaluation: object | None  # evaluate.job.Prepared when the recipe has an evaluate: section
 
 
 class CheckpointCheckFailed(RuntimeError):
@@ -84,7 +85,16 @@ def prepare(recipe: str, overrides: tuple[str, ...] = ()) -> Prepared:
     eval_text = data.python_docs("evaluation")
     text_shas["evaluation"] = data.text_sha(eval_text)
     eval_ids = tokenizer(eval_text)["input_ids"][: spec.check.ppl_tokens]
-    return Prepared(loaded, base, tokenizer, backend, calibration, eval_ids, text_shas)
+    evaluation = None
+    if spec.evaluate is not None:
+        from quantbench.evaluate.job import prepare as prepare_evaluation
+        from quantbench.evaluate.suite import load_suite
+
+        try:
+            evaluation = prepare_evaluation(load_suite(spec.evaluate.suite, "evaluate.suite"), tokenizer)
+        except UserError as exc:
+            raise UserError([f"{where}: {p}" for p in exc.problems]) from None
+    return Prepared(loaded, base, tokenizer, backend, calibration, eval_ids, text_shas, evaluation)
 
 
 def check_shapes(loaded: LoadedRecipe, config) -> list[str]:
@@ -187,6 +197,7 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
 
                 log.info("[4/4] reloading the saved checkpoint from disk and checking it")
                 check = _reload_check(staging, p, base_ppl)
+                _write_checkpoint_info(staging, p, run.run_id)
                 size_mb = models.weights_size_mb(staging)
                 metrics = {
                     "quantize/wall_s": wall_s,
@@ -202,6 +213,12 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
                 run.log_artifact(final / "README.md")
                 run.set_tags({TAG + "checkpoint": final.resolve()})
                 log.info("checkpoint: %s", final)
+                if p.evaluation is not None:
+                    from quantbench.evaluate.job import evaluate_loaded
+
+                    log.info("evaluate: suite %s on the reloaded checkpoint", p.evaluation.suite.name)
+                    evaluated = evaluate_loaded(check["model"], check["tokenizer"], p.base, p.evaluation, run, tracker)
+                    metrics.update(evaluated["metrics"])
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -240,7 +257,26 @@ def _reload_check(path: Path, p: Prepared, base_ppl: float) -> dict:
     return {
         "metrics": {"check/base_ppl": base_ppl, "check/reload_ppl": reload_ppl, "check/ppl_ratio": ratio},
         "sample": sample,
+        "model": model,
+        "tokenizer": tokenizer,
     }
+
+
+def _write_checkpoint_info(dest: Path, p: Prepared, run_id: str) -> None:
+    """How this checkpoint was made, for `quantbench evaluate <dir>` and later stages."""
+    import json
+
+    q = p.loaded.recipe.quantize
+    info = {
+        "run_id": run_id,
+        "recipe": p.loaded.name,
+        "recipe_sha": p.loaded.sha,
+        "method": q.method,
+        "scheme": q.scheme,
+        "format": p.backend.format,
+        "base_model": {"source": p.base.source, "name": p.base.name, "fingerprint": p.base.fingerprint, "license": p.base.license},
+    }
+    (dest / "quantbench.json").write_text(json.dumps(info, indent=2))
 
 
 def _param_bytes(model) -> int:

@@ -1,0 +1,74 @@
+"""Evaluation suites: what the quality pass scores and which tasks run. suites/NAME.yaml.
+
+```yaml
+# suites/default.yaml
+tokens: 8192         # held-out tokens of the Python docs' evaluation split (ppl, KLD, agreement)
+window: 512
+tasks: [qb_pydoc_lastword, qb_pydoc_continuation]
+task_limit: null     # items per task (null: all)
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from pydantic import Field, PositiveInt, ValidationError
+
+from quantbench.errors import UserError, did_you_mean
+from quantbench.evaluate.tasks import OFFLINE_TASKS, SUITE_VERSION
+from quantbench.recipe import Strict
+
+DEFAULT_SUITE = "default"
+
+
+class Suite(Strict):
+    description: str = ""
+    # the held-out text of the quality pass: the builtin's evaluation split, or a .txt/.jsonl file
+    text: str = "builtin:python-docs"
+    tokens: PositiveInt = 8192
+    window: PositiveInt = 512
+    batch_size: PositiveInt = 1  # windows per forward pass of the quality pass
+    tasks: list[str] = Field(default_factory=lambda: list(OFFLINE_TASKS))
+    task_limit: PositiveInt | None = None
+    task_batch_size: PositiveInt = 8
+
+
+@dataclass(frozen=True)
+class LoadedSuite:
+    name: str
+    suite: Suite
+
+    def fingerprint(self, text_sha: str) -> str:
+        """Same suite, same text, same scoring code -> same fingerprint -> the baseline is reused."""
+        try:
+            lm_eval = metadata.version("lm_eval")
+        except metadata.PackageNotFoundError:
+            lm_eval = "missing"
+        key = {"suite": self.suite.model_dump(mode="json"), "text": text_sha, "tasks_version": SUITE_VERSION, "lm_eval": lm_eval}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def suites_dir() -> Path:
+    return Path(os.environ.get("QUANTBENCH_SUITES", "suites"))
+
+
+def load_suite(name: str, field: str = "--suite") -> LoadedSuite:
+    import yaml
+
+    path = suites_dir() / f"{name}.yaml"
+    if not path.is_file():
+        available = sorted(p.stem for p in suites_dir().glob("*.yaml"))
+        raise UserError(f"{field}: unknown suite '{name}' (no {path})." + did_you_mean(name, available))
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        return LoadedSuite(name, Suite.model_validate(data))
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: YAML syntax error: {exc}") from None
+    except ValidationError as exc:
+        raise UserError([f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]) from None
