@@ -7,16 +7,20 @@ STAMP  := $(VENV)/.installed
 RECIPE ?= awq-int4
 ARGS   ?=
 
-.PHONY: setup quantize validate recipes test test-fast ui bench clean help
+RUN    ?=
+SUITE  ?= default
+
+.PHONY: setup quantize evaluate validate recipes test test-fast ui bench clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
+	@echo "make evaluate RUN=<run id>      score a checkpoint against its base model (SUITE=default)"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
 	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
 	@echo "make test-fast                  run the fast tier only (tiny models, seconds)"
 	@echo "make ui                         open the MLflow UI on http://127.0.0.1:5000"
-	@echo "make bench                      run bench/quantize_overhead.py"
+	@echo "make bench                      run bench/quantize_overhead.py and bench/eval_throughput.py"
 	@echo "Pass extra CLI flags with ARGS='--json --set calibration.samples=8'"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -35,6 +39,10 @@ setup: $(STAMP)
 quantize: $(STAMP)
 	$(BIN)/quantbench quantize $(RECIPE) $(ARGS)
 
+evaluate: $(STAMP)
+	@test -n "$(RUN)" || { echo "usage: make evaluate RUN=<mlflow run id | checkpoint dir> [SUITE=default]"; exit 2; }
+	$(BIN)/quantbench evaluate $(RUN) --suite $(SUITE) $(ARGS)
+
 validate: $(STAMP)
 	$(BIN)/quantbench validate recipes/*.yaml $(ARGS)
 
@@ -52,6 +60,7 @@ ui: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/quantize_overhead.py $(ARGS)
+	$(BIN)/python bench/eval_throughput.py $(ARGS)
 
 clean:
 	rm -rf outputs

@@ -98,46 +98,46 @@ def _terminate_as_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def cmd_quantize(args) -> int:
+def _run_stage(name: str, fn, *args, **kwargs) -> dict | None:
+    """Run a stage that owns an MLflow run; None (exit 1) if it failed after starting."""
     import signal
 
-    from quantbench.quantize.job import run
-
-    # `kill` (a timeout, a scheduler) ends the job like Ctrl-C: the MLflow run is marked KILLED
-    # and the staging directory removed, never left RUNNING.
+    # `kill` (a timeout, a scheduler) ends a stage like Ctrl-C: its MLflow run is marked KILLED
+    # and any staging directory removed, never left RUNNING.
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
-
     try:
-        result = run(args.recipe, overrides=tuple(args.overrides), outputs=args.outputs, experiment=args.experiment)
+        return fn(*args, **kwargs)
     except UserError:
         raise
     except Exception as exc:  # the run is already marked FAILED with the traceback
-        log.exception("quantize failed: %s", exc)
+        log.exception("%s failed: %s", name, exc)
+        return None
+
+
+def cmd_quantize(args) -> int:
+    from quantbench.quantize.job import run
+
+    result = _run_stage("quantize", run, args.recipe, overrides=tuple(args.overrides), outputs=args.outputs,
+                        experiment=args.experiment)
+    if result is None:
         return 1
     print(f"checkpoint: {result['checkpoint']}")
     print(f"mlflow run: {result['run_id']}   log: {result['log']}")
     for key, value in sorted(result["metrics"].items()):
-        print(f"  {key:28s} {value:.4g}")
+        print(f"  {key:44s} {value:.4g}")
     if args.json:
         print(json.dumps(result))
     return 0
 
 
 def cmd_evaluate(args) -> int:
-    import signal
-
     from quantbench.evaluate.job import run
 
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
-    try:
-        result = run(args.target, suite=args.suite, base=args.base, experiment=args.experiment)
-    except UserError:
-        raise
-    except Exception as exc:  # the run is already marked FAILED with the traceback
-        log.exception("evaluate failed: %s", exc)
+    result = _run_stage("evaluate", run, args.target, suite=args.suite, base=args.base, experiment=args.experiment)
+    if result is None:
         return 1
-    print(f"mlflow run: {result['run_id']}   baseline run: {result['baseline_run']}"
-          f"{' (reused)' if result['baseline_reused'] else ' (scored now)'}")
+    reused = " (reused)" if result["baseline_reused"] else " (scored now)"
+    print(f"mlflow run: {result['run_id']}   baseline run: {result['baseline_run']}{reused}")
     if args.json:
         print(json.dumps(result))
     return 0
@@ -178,6 +178,13 @@ def _validate_against_model(loaded) -> None:
     except UserError as exc:
         raise UserError([f"{loaded.path}: {p}" for p in exc.problems]) from None
     get_backend(loaded.recipe.quantize.method)
+    if loaded.recipe.evaluate is not None:
+        from quantbench.evaluate.suite import load_suite
+
+        try:
+            load_suite(loaded.recipe.evaluate.suite, "evaluate.suite")
+        except UserError as exc:
+            raise UserError([f"{loaded.path}: {p}" for p in exc.problems]) from None
     if config is not None:
         problems = check_shapes(loaded, config)
         if problems:

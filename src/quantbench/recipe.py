@@ -152,6 +152,11 @@ class LoadedRecipe:
     def resolved(self) -> dict[str, Any]:
         return self.recipe.model_dump(mode="json")
 
+    def where(self, *loc: str) -> str:
+        """`quantize.group_size (line 5)`: a field and its line in the recipe file, for messages."""
+        line = _yaml_line(yaml.compose(self.path.read_text()), loc)
+        return ".".join(loc) + (f" (line {line})" if line else "")
+
     @property
     def sha(self) -> str:
         """Content hash of the resolved recipe (defaults filled in, overrides applied)."""

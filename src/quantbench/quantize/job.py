@@ -118,21 +118,9 @@ def check_shapes(loaded: LoadedRecipe, config) -> list[str]:
     detail = "; ".join(f"width {w} ({len(n)} layers, e.g. {n[0]})" for w, n in sorted(bad.items()))
     hint = f" Group sizes that fit every layer: {', '.join(map(str, divisors))}." if divisors else ""
     return [
-        f"{loaded.path}: quantize.group_size{_line(loaded, 'quantize', 'group_size')}: {group_size} does not "
+        f"{loaded.path}: {loaded.where('quantize', 'group_size')}: {group_size} does not "
         f"divide the input width of these layers of {loaded.recipe.model.source}: {detail}.{hint}"
     ]
-
-
-def _line(loaded: LoadedRecipe, *loc: str) -> str:
-    node = yaml.compose(loaded.path.read_text())
-    for part in loc:
-        if not isinstance(node, yaml.MappingNode):
-            return ""
-        match = next(((k, v) for k, v in node.value if k.value == part), None)
-        if match is None:
-            return ""
-        key, node = match
-    return f" (line {key.start_mark.line + 1})"
 
 
 # ---------------------------------------------------------------------------------------------
