@@ -73,6 +73,8 @@ def test_quantize_evaluates_the_reloaded_checkpoint_and_reuses_the_baseline(work
     assert report["baseline_run"] == baseline.info.run_id and report["baseline_reused"] is False
     assert set(report["samples"]) == {"qb_pydoc_lastword", "qb_pydoc_continuation"}
     assert len(report["samples"]["qb_pydoc_lastword"]) == 6 and len(report["kld_per_position"]) == 630
+    card = (Path(first["checkpoint"]) / "README.md").read_text()
+    assert "| `quality/kld_mean` |" in card and "| `check/reload_ppl` |" in card
     assert {a.path for a in client.list_artifacts(baseline.info.run_id, "baseline")} == {
         "baseline/reference.safetensors", "baseline/task_samples.json"}
 

@@ -52,15 +52,20 @@ class Reference:
     head_weight: torch.Tensor  # [vocab, hidden] float32: the base's output head
     head_bias: torch.Tensor | None  # [vocab] or None
     nll: torch.Tensor  # [positions] the base model's own negative log-likelihood per token
+    neg_entropy: torch.Tensor  # [positions] sum(p log p) of the base distribution
+    top1: torch.Tensor  # [positions] int64: the base's most likely next token
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        return torch.nn.functional.linear(self.hidden[start:end], self.head_weight, self.head_bias)
 
     def log_probs(self, start: int, end: int) -> torch.Tensor:
-        logits = torch.nn.functional.linear(self.hidden[start:end], self.head_weight, self.head_bias)
-        return torch.log_softmax(logits, dim=-1)
+        return torch.log_softmax(self.logits(start, end), dim=-1)
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
-        tensors = {"hidden": self.hidden, "head_weight": self.head_weight, "nll": self.nll}
+        tensors = {"hidden": self.hidden, "head_weight": self.head_weight, "nll": self.nll,
+                   "neg_entropy": self.neg_entropy, "top1": self.top1}
         if self.head_bias is not None:
             tensors["head_bias"] = self.head_bias
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
@@ -70,7 +75,7 @@ class Reference:
         from safetensors.torch import load_file
 
         t = load_file(str(path))
-        return cls(t["hidden"], t["head_weight"], t.get("head_bias"), t["nll"])
+        return cls(t["hidden"], t["head_weight"], t.get("head_bias"), t["nll"], t["neg_entropy"], t["top1"])
 
 
 def _windows(token_ids: list[int], window: int) -> torch.Tensor:
@@ -104,7 +109,7 @@ def reference(model, token_ids: list[int], window: int, batch_size: int = 1) -> 
     head = model.get_output_embeddings()
     weight = head.weight.detach().float().cpu()
     bias = head.bias.detach().float().cpu() if getattr(head, "bias", None) is not None else None
-    hidden, nll = [], []
+    hidden, nll, neg_entropy, top1 = [], [], [], []
     for log_probs, targets, states in _forward(model, token_ids, window, batch_size, "base distributions", hidden=True):
         states = states.cpu()
         rebuilt = torch.log_softmax(torch.nn.functional.linear(states, weight, bias), dim=-1)
@@ -115,7 +120,9 @@ def reference(model, token_ids: list[int], window: int, batch_size: int = 1) -> 
             )
         hidden.append(states)
         nll.append(-log_probs.gather(-1, targets[:, None].to(log_probs.device))[:, 0].cpu())
-    return Reference(torch.cat(hidden), weight, bias, torch.cat(nll))
+        neg_entropy.append(torch.linalg.vecdot(rebuilt.exp(), rebuilt))
+        top1.append(rebuilt.argmax(-1))
+    return Reference(torch.cat(hidden), weight, bias, torch.cat(nll), torch.cat(neg_entropy), torch.cat(top1))
 
 
 @dataclass
@@ -142,6 +149,13 @@ def kl_divergence(base_log_probs: torch.Tensor, cand_log_probs: torch.Tensor) ->
     return (base_log_probs.exp() * (base_log_probs - cand_log_probs)).sum(-1).clamp(min=0)
 
 
+def _kl_from_cache(base_logits: torch.Tensor, neg_entropy: torch.Tensor, cand_log_probs: torch.Tensor) -> torch.Tensor:
+    """kl_divergence with the base's sum(p log p) precomputed: one softmax and one dot product
+    per position instead of materialising both log-prob differences (the quality pass's hot loop)."""
+    p = torch.softmax(base_logits, dim=-1)
+    return (neg_entropy - torch.linalg.vecdot(p, cand_log_probs)).clamp(min=0)
+
+
 @torch.inference_mode()
 def compare(model, token_ids: list[int], window: int, ref: Reference, batch_size: int = 1) -> Comparison:
     nll, kld, agree = [], [], []
@@ -151,10 +165,10 @@ def compare(model, token_ids: list[int], window: int, ref: Reference, batch_size
         n = len(targets)
         if offset + n > len(ref.nll):
             raise ValueError("the reference was computed on different text or window")
-        base = ref.log_probs(offset, offset + n)
+        base = ref.logits(offset, offset + n)
         nll.append(-log_probs.gather(-1, targets[:, None])[:, 0])
-        kld.append(kl_divergence(base, log_probs))
-        agree.append(log_probs.argmax(-1) == base.argmax(-1))
+        kld.append(_kl_from_cache(base, ref.neg_entropy[offset : offset + n], log_probs))
+        agree.append(log_probs.argmax(-1) == ref.top1[offset : offset + n])
         offset += n
     if offset != len(ref.nll):
         raise ValueError("the reference was computed on different text or window")

@@ -198,7 +198,6 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
                 _write_model_card(staging, final, p, metrics, check["sample"], run.run_id)
                 staging.rename(final)
                 run.log_metrics(metrics)
-                run.log_artifact(final / "README.md")
                 run.set_tags({TAG + "checkpoint": final.resolve()})
                 log.info("checkpoint: %s", final)
                 if p.evaluation is not None:
@@ -207,6 +206,8 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
                     log.info("evaluate: suite %s on the reloaded checkpoint", p.evaluation.suite.name)
                     evaluated = evaluate_loaded(check["model"], check["tokenizer"], p.base, p.evaluation, run, tracker)
                     metrics.update(evaluated["metrics"])
+                    _write_model_card(final, final, p, metrics, check["sample"], run.run_id)  # now with quality
+                run.log_artifact(final / "README.md")
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -323,4 +324,6 @@ or serve it: `vllm serve {final}`.
 {yaml.safe_dump(p.loaded.resolved, sort_keys=False).strip()}
 ```
 """
-    (dest / "README.md").write_text(card)
+    tmp = dest / ".README.md.tmp"
+    tmp.write_text(card)
+    tmp.rename(dest / "README.md")
