@@ -124,3 +124,13 @@ def test_cached_reference_kld_equals_two_full_forward_passes(workdir, capsys):
     cached = compare(candidate, ids, 512, reference(base_model, ids, 512)).kld.double()
     assert exact.mean() > 0.01
     assert (exact - cached).abs().max() < 1e-4  # measured 1e-7
+
+
+def test_a_local_gguf_file_is_the_same_model_as_the_builtin():
+    from quantbench import models
+
+    builtin = models.resolve("builtin:smollm2-135m-instruct")
+    gguf = models._builtin_gguf("smollm2-135m-instruct", "model.source")
+    local = models.resolve(str(gguf))
+    assert local.path == builtin.path and local.fingerprint == builtin.fingerprint
+    assert local.license == "apache-2.0" and (local.path / "model.safetensors").stat().st_size > 500e6
