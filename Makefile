@@ -9,18 +9,20 @@ ARGS   ?=
 
 RUN    ?=
 SUITE  ?= default
+PROFILE ?= cpu-smoke
 
-.PHONY: setup quantize evaluate validate recipes test test-fast ui bench clean help
+.PHONY: setup quantize evaluate bench validate recipes test test-fast ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
 	@echo "make evaluate RUN=<run id>      score a checkpoint against its base model (SUITE=default)"
+	@echo "make bench RUN=<run id>         speed against the base model (PROFILE=cpu-smoke)"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
 	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
 	@echo "make test-fast                  run the fast tier only (tiny models, seconds)"
 	@echo "make ui                         open the MLflow UI on http://127.0.0.1:5000"
-	@echo "make bench                      run bench/quantize_overhead.py and bench/eval_throughput.py"
+	@echo "make benchmarks                 run bench/quantize_overhead.py and bench/eval_throughput.py"
 	@echo "Pass extra CLI flags with ARGS='--json --set calibration.samples=8'"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -43,6 +45,10 @@ evaluate: $(STAMP)
 	@test -n "$(RUN)" || { echo "usage: make evaluate RUN=<mlflow run id | checkpoint dir> [SUITE=default]"; exit 2; }
 	$(BIN)/quantbench evaluate $(RUN) --suite $(SUITE) $(ARGS)
 
+bench: $(STAMP)
+	@test -n "$(RUN)" || { echo "usage: make bench RUN=<mlflow run id | checkpoint dir> [PROFILE=cpu-smoke]"; exit 2; }
+	$(BIN)/quantbench bench $(RUN) --profile $(PROFILE) $(ARGS)
+
 validate: $(STAMP)
 	$(BIN)/quantbench validate recipes/*.yaml $(ARGS)
 
@@ -58,7 +64,7 @@ test-fast: $(STAMP)
 ui: $(STAMP)
 	$(BIN)/quantbench ui $(ARGS)
 
-bench: $(STAMP)
+benchmarks: $(STAMP)
 	$(BIN)/python bench/quantize_overhead.py $(ARGS)
 	$(BIN)/python bench/eval_throughput.py $(ARGS)
 

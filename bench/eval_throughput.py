@@ -70,7 +70,7 @@ def main() -> None:
         ratio = statistics.median(times["quality pass"]) / statistics.median(times["plain forward"])
         print(f"   quality pass / plain forward = {ratio:.3f} (goal <= 1.15: {'met' if ratio <= 1.15 else 'NOT met'})")
 
-        del base_model, candidate
+        del base_model
         t0 = time.perf_counter()
         first = evaluate_job.run(made["run_id"], suite=args.suite, experiment="bench")
         scratch = time.perf_counter() - t0

@@ -3,7 +3,6 @@ and a scratch working directory per test (outputs/ lands there)."""
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest

@@ -17,6 +17,7 @@ examples:
   quantbench quantize awq-int4                      recipes/awq-int4.yaml on the embedded default model
   quantbench quantize gptq-w4a16 --set calibration.samples=8 --json
   quantbench evaluate <run id | checkpoint dir>     quality against the base model (suites/default.yaml)
+  quantbench bench <run id | checkpoint dir>        speed against the base model (profiles/cpu-smoke.yaml)
   quantbench validate recipes/*.yaml                check recipes (every error at once)
   quantbench recipes                                list the shipped recipes
   quantbench ui                                     MLflow UI on http://127.0.0.1:5000
@@ -61,6 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--base", default=None, help="the base model source, for a checkpoint quantbench did not write")
     e.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
     e.add_argument("--json", action="store_true", help='print {"run_id", "baseline_run", "metrics", ...} as the last line')
+
+    b = sub.add_parser(
+        "bench",
+        help="measure speed against the base model (TTFT, tok/s, latency, throughput, memory)",
+        description="Measure a checkpoint and its base model with a profile (profiles/NAME.yaml), interleaved, "
+        "and log speed/<metric> and speedup/<metric> (above 1 is faster). A run id logs into that run.",
+    )
+    b.add_argument("target", help="an MLflow run id (from quantize) or a checkpoint directory")
+    b.add_argument("--profile", default=None, help="profiles/NAME.yaml (default: cpu-smoke)")
+    b.add_argument("--backend", default="hf", choices=["hf"],
+                   help="hf: in-process transformers generate (the only backend so far)")
+    b.add_argument("--base", default=None, help="the base model source, for a checkpoint quantbench did not write")
+    b.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
+    b.add_argument("--json", action="store_true", help='print {"run_id", "checkpoint", "metrics"} as the last line')
 
     v = sub.add_parser("validate", help="validate recipe files, reporting every error at once",
                        description="Check recipe files against the schema and against their model's layer "
@@ -143,6 +158,19 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from quantbench.evaluate.bench import run
+
+    result = _run_stage("bench", run, args.target, profile=args.profile, backend=args.backend, base=args.base,
+                        experiment=args.experiment)
+    if result is None:
+        return 1
+    print(f"mlflow run: {result['run_id']}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def cmd_validate(args) -> int:
     from quantbench.recipe import load_recipe, recipes_dir
 
@@ -178,13 +206,17 @@ def _validate_against_model(loaded) -> None:
     except UserError as exc:
         raise UserError([f"{loaded.path}: {p}" for p in exc.problems]) from None
     get_backend(loaded.recipe.quantize.method)
-    if loaded.recipe.evaluate is not None:
-        from quantbench.evaluate.suite import load_suite
+    try:
+        if loaded.recipe.evaluate is not None:
+            from quantbench.evaluate.suite import load_suite
 
-        try:
             load_suite(loaded.recipe.evaluate.suite, "evaluate.suite")
-        except UserError as exc:
-            raise UserError([f"{loaded.path}: {p}" for p in exc.problems]) from None
+        if loaded.recipe.bench is not None:
+            from quantbench.evaluate.speed import load_profile
+
+            load_profile(loaded.recipe.bench.profile, "bench.profile")
+    except UserError as exc:
+        raise UserError([f"{loaded.path}: {p}" for p in exc.problems]) from None
     if config is not None:
         problems = check_shapes(loaded, config)
         if problems:
@@ -220,4 +252,4 @@ def cmd_ui(args) -> int:
     return subprocess.call(cmd)
 
 
-COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "validate": cmd_validate, "recipes": cmd_recipes, "ui": cmd_ui}
+COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "validate": cmd_validate, "recipes": cmd_recipes, "ui": cmd_ui}

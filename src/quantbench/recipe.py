@@ -125,6 +125,12 @@ class EvaluateSpec(Strict):
     suite: str = "default"  # suites/<suite>.yaml
 
 
+class BenchSpec(Strict):
+    """Measure speed against the base model after the evaluate stage (backend hf)."""
+
+    profile: str = "cpu-smoke"  # profiles/<profile>.yaml
+
+
 class Recipe(Strict):
     description: str = ""
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -132,6 +138,7 @@ class Recipe(Strict):
     quantize: QuantizeSpec
     check: CheckSpec = Field(default_factory=CheckSpec)
     evaluate: EvaluateSpec | None = None  # no section: no evaluation
+    bench: BenchSpec | None = None  # no section: no speed measurement
 
 
 # method name -> its settings class, e.g. "gptq" -> GPTQSpec

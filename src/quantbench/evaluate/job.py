@@ -21,7 +21,7 @@ from quantbench import data, models
 from quantbench.errors import UserError
 from quantbench.evaluate.suite import DEFAULT_SUITE, LoadedSuite, load_suite
 from quantbench.evaluate.tasks import check_tasks, flips, run_tasks, write_offline_suite
-from quantbench.tracking import TAG, Tracker
+from quantbench.tracking import TAG, Tracker, tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def resolve_target(target: str, tracker: Tracker, base: str | None) -> Target:
         raise UserError(f"'{target}' is neither a checkpoint directory nor an MLflow run id")
     run = tracker.existing(target)
     if run is None:
-        raise UserError(f"MLflow run '{target}' does not exist in {tracker.experiment!r} at the tracking store")
+        raise UserError(f"MLflow run '{target}' does not exist at the tracking store ({tracking_uri()})")
     tags = run.data.tags
     checkpoint = tags.get(TAG + "checkpoint")
     if not checkpoint or not (Path(checkpoint) / "config.json").is_file():

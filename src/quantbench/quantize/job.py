@@ -38,6 +38,7 @@ class Prepared:
     eval_ids: list[int]
     text_shas: dict[str, str]
     evaluation: object | None  # evaluate.job.Prepared when the recipe has an evaluate: section
+    bench: tuple | None  # (profile name, Profile, evaluation token ids) when it has a bench: section
 
 
 class CheckpointCheckFailed(RuntimeError):
@@ -94,7 +95,17 @@ def prepare(recipe: str, overrides: tuple[str, ...] = ()) -> Prepared:
             evaluation = prepare_evaluation(load_suite(spec.evaluate.suite, "evaluate.suite"), tokenizer)
         except UserError as exc:
             raise UserError([f"{where}: {p}" for p in exc.problems]) from None
-    return Prepared(loaded, base, tokenizer, backend, calibration, eval_ids, text_shas, evaluation)
+    bench = None
+    if spec.bench is not None:
+        from quantbench.evaluate.bench import prepare as prepare_bench
+        from quantbench.evaluate.speed import load_profile
+
+        try:
+            profile = load_profile(spec.bench.profile, "bench.profile")
+            bench = (spec.bench.profile, profile, prepare_bench(profile, tokenizer))
+        except UserError as exc:
+            raise UserError([f"{where}: {p}" for p in exc.problems]) from None
+    return Prepared(loaded, base, tokenizer, backend, calibration, eval_ids, text_shas, evaluation, bench)
 
 
 def check_shapes(loaded: LoadedRecipe, config) -> list[str]:
@@ -195,7 +206,8 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
                     "model/compression_ratio": base_size_mb / size_mb,
                     **check["metrics"],
                 }
-                _write_model_card(staging, final, p, metrics, check["sample"], run.run_id)
+                sample = check["sample"]
+                _write_model_card(staging, final, p, metrics, sample, run.run_id)
                 staging.rename(final)
                 run.log_metrics(metrics)
                 run.set_tags({TAG + "checkpoint": final.resolve()})
@@ -206,7 +218,13 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
                     log.info("evaluate: suite %s on the reloaded checkpoint", p.evaluation.suite.name)
                     evaluated = evaluate_loaded(check["model"], check["tokenizer"], p.base, p.evaluation, run, tracker)
                     metrics.update(evaluated["metrics"])
-                    _write_model_card(final, final, p, metrics, check["sample"], run.run_id)  # now with quality
+                if p.bench is not None:
+                    from quantbench.evaluate.bench import bench_loaded
+
+                    del check  # the bench loads one model at a time
+                    metrics.update(bench_loaded(final, p.base, p.bench[2], p.bench[0], p.bench[1], run))
+                if p.evaluation is not None or p.bench is not None:
+                    _write_model_card(final, final, p, metrics, sample, run.run_id)  # now with quality and speed
                 run.log_artifact(final / "README.md")
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,231 @@
+"""Speed against the base model, in-process (`hf` backend): TTFT, decode and prefill tokens/s,
+inter-token and end-to-end latency, throughput at each concurrency level, peak memory.
+
+The candidate and the base model are measured with the same profile, interleaved (A B A B, one
+model loaded at a time) so machine drift hits both alike. Each repetition after the warm-up
+yields one sample per prompt length and per concurrency level; medians are the metrics, min and
+max go to the JSON artifact.
+
+Metric names (DESIGN.md): `speed/ttft_ms_p50`, `speed/ttft_ms_p95`, `speed/decode_tok_s`,
+`speed/itl_ms_p50`, `speed/prefill_tok_s`, `speed/e2e_ms_p50`, `speed/e2e_ms_p95`,
+`speed/c<N>/throughput_tok_s`, `speed/c<N>/requests_s`, `speed/peak_mem_mb`.
+`speedup/<metric>` is oriented so that above 1 is faster: candidate / base for rates,
+base / candidate for times and memory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, PositiveInt, ValidationError
+
+from quantbench.errors import UserError, did_you_mean
+from quantbench.recipe import Strict
+
+DEFAULT_PROFILE = "cpu-smoke"
+LOWER_IS_FASTER = ("_ms_p50", "_ms_p95", "peak_mem_mb")
+
+
+class Profile(Strict):
+    description: str = ""
+    prompt_tokens: list[PositiveInt] = Field(default_factory=lambda: [128])
+    output_tokens: PositiveInt = 32
+    concurrency: list[PositiveInt] = Field(default_factory=lambda: [1, 4])
+    repetitions: PositiveInt = 3
+    warmup: int = Field(1, ge=0)
+    seed: int = 0
+    # the dtype the base model is measured in: on CPU float32 is its fastest plain path,
+    # on a GPU bfloat16 is what would be served
+    base_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+
+def profiles_dir() -> Path:
+    return Path(os.environ.get("QUANTBENCH_PROFILES", "profiles"))
+
+
+def load_profile(name: str, field: str = "--profile") -> Profile:
+    import yaml
+
+    path = profiles_dir() / f"{name}.yaml"
+    if not path.is_file():
+        available = sorted(p.stem for p in profiles_dir().glob("*.yaml"))
+        raise UserError(f"{field}: unknown profile '{name}' (no {path})." + did_you_mean(name, available))
+    try:
+        return Profile.model_validate(yaml.safe_load(path.read_text()) or {})
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: YAML syntax error: {exc}") from None
+    except ValidationError as exc:
+        raise UserError([f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]) from None
+
+
+def prompts(token_ids: list[int], length: int, count: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens from the evaluation text, at offsets fixed by `seed`."""
+    if len(token_ids) < length:
+        raise UserError(f"profile: prompt_tokens {length} is longer than the evaluation text ({len(token_ids)} tokens)")
+    rng = random.Random(f"{seed}-{length}")
+    return [token_ids[start : start + length] for start in (rng.randrange(len(token_ids) - length + 1) for _ in range(count))]
+
+
+# ---------------------------------------------------------------------------------------------
+# One model's measurements
+
+
+class _Clock:
+    """A generate() streamer that only notes when each step's tokens arrive."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:  # first call: the prompt; then one call per new token
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class _PeakRSS:
+    """Peak resident memory of this process while the block runs, sampled every 10 ms."""
+
+    def __enter__(self):
+        import psutil
+
+        self._proc = psutil.Process()
+        self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _generate(model, batch, output_tokens: int, streamer=None):
+    import torch
+
+    with torch.inference_mode():
+        return model.generate(
+            input_ids=batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=output_tokens,
+            min_new_tokens=output_tokens,  # the same length every time: EOS does not end a run early
+            do_sample=False,
+            streamer=streamer,
+            pad_token_id=0,
+        )
+
+
+def measure(model, prompt_sets: dict[int, list[list[int]]], profile: Profile, rep: int) -> dict[str, float]:
+    """One repetition on one loaded model: a streamed request per prompt length, and a batched
+    generate per concurrency level above 1."""
+    import torch
+
+    device = next(model.parameters()).device
+    out: dict[str, float] = {}
+    for length, rows in prompt_sets.items():
+        clock = _Clock()
+        batch = torch.tensor([rows[rep % len(rows)]], device=device)
+        start = time.perf_counter()
+        _generate(model, batch, profile.output_tokens, clock)
+        end = time.perf_counter()
+        token_times = clock.times[1:]  # after the prompt
+        ttft = token_times[0] - start
+        gaps = [b - a for a, b in zip(token_times, token_times[1:])]
+        out[f"p{length}/ttft_ms"] = ttft * 1000
+        out[f"p{length}/e2e_ms"] = (end - start) * 1000
+        out[f"p{length}/prefill_tok_s"] = length / ttft
+        if gaps:
+            out[f"p{length}/decode_tok_s"] = len(gaps) / sum(gaps)
+            out[f"p{length}/itl_ms"] = statistics.median(gaps) * 1000
+    length = max(prompt_sets)
+    for n in profile.concurrency:
+        rows = prompt_sets[length]
+        batch = torch.tensor([rows[(rep + i) % len(rows)] for i in range(n)], device=device)
+        start = time.perf_counter()
+        _generate(model, batch, profile.output_tokens)
+        wall = time.perf_counter() - start
+        out[f"c{n}/throughput_tok_s"] = n * profile.output_tokens / wall
+        out[f"c{n}/requests_s"] = n / wall
+    return out
+
+
+@dataclass
+class SpeedResult:
+    metrics: dict[str, float]  # speed/..., speedup/...
+    samples: dict[str, dict[str, list[float]]]  # model -> sample name -> values per repetition
+
+
+def bench_pair(load_candidate, load_base, token_ids: list[int], profile: Profile) -> SpeedResult:
+    """Measure candidate and base with `profile`, interleaved, one model in memory at a time."""
+    import gc
+
+    from tqdm import tqdm
+
+    count = max(profile.concurrency) + profile.repetitions + profile.warmup
+    prompt_sets = {length: prompts(token_ids, length, count, profile.seed) for length in profile.prompt_tokens}
+    samples: dict[str, dict[str, list[float]]] = {"candidate": {}, "base": {}}
+    loaders = {"candidate": load_candidate, "base": load_base}
+    total = (profile.warmup + profile.repetitions) * 2
+    with tqdm(total=total, desc="bench", unit="run") as bar:
+        for rep in range(profile.warmup + profile.repetitions):
+            for name in ("candidate", "base"):  # A B A B
+                with _PeakRSS() as mem:
+                    before = mem.peak
+                    model = loaders[name]()
+                    values = measure(model, prompt_sets, profile, rep)
+                    del model
+                    gc.collect()
+                values["peak_mem_mb"] = (mem.peak - before) / 2**20
+                if rep >= profile.warmup:
+                    for key, value in values.items():
+                        samples[name].setdefault(key, []).append(value)
+                bar.update(1)
+    metrics = {}
+    for name, prefix in (("candidate", "speed/"), ("base", "base_speed/")):
+        metrics.update({prefix + k: v for k, v in summarize(samples[name], profile).items()})
+    for key, value in list(metrics.items()):
+        if key.startswith("speed/"):
+            base = metrics["base_" + key]
+            lower = key.endswith(LOWER_IS_FASTER)
+            metrics["speedup/" + key.removeprefix("speed/")] = (base / value) if lower else (value / base)
+    return SpeedResult(metrics, samples)
+
+
+def summarize(samples: dict[str, list[float]], profile: Profile) -> dict[str, float]:
+    """Per-repetition samples -> the DESIGN.md metric names (medians; p95 over all samples)."""
+
+    def pooled(suffix: str) -> list[float]:
+        return [v for k, values in samples.items() if k.endswith(suffix) and k.startswith("p") for v in values]
+
+    def pct(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    ttft, e2e = pooled("/ttft_ms"), pooled("/e2e_ms")
+    out = {
+        "ttft_ms_p50": statistics.median(ttft),
+        "ttft_ms_p95": pct(ttft, 0.95),
+        "e2e_ms_p50": statistics.median(e2e),
+        "e2e_ms_p95": pct(e2e, 0.95),
+        "prefill_tok_s": statistics.median(pooled("/prefill_tok_s")),
+        "peak_mem_mb": max(samples["peak_mem_mb"]),
+    }
+    if pooled("/decode_tok_s"):
+        out["decode_tok_s"] = statistics.median(pooled("/decode_tok_s"))
+        out["itl_ms_p50"] = statistics.median(pooled("/itl_ms"))
+    for n in profile.concurrency:
+        out[f"c{n}/throughput_tok_s"] = statistics.median(samples[f"c{n}/throughput_tok_s"])
+        out[f"c{n}/requests_s"] = statistics.median(samples[f"c{n}/requests_s"])
+    return out
