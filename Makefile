@@ -10,13 +10,14 @@ ARGS   ?=
 RUN    ?=
 SUITE  ?= default
 PROFILE ?= cpu-smoke
+BACKEND ?= hf
 
 .PHONY: setup quantize evaluate bench validate recipes test test-fast ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
 	@echo "make evaluate RUN=<run id>      score a checkpoint against its base model (SUITE=default)"
-	@echo "make bench RUN=<run id>         speed against the base model (PROFILE=cpu-smoke)"
+	@echo "make bench RUN=<run id>         speed against the base model (PROFILE=cpu-smoke BACKEND=hf|serve)"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
 	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
@@ -47,7 +48,7 @@ evaluate: $(STAMP)
 
 bench: $(STAMP)
 	@test -n "$(RUN)" || { echo "usage: make bench RUN=<mlflow run id | checkpoint dir> [PROFILE=cpu-smoke]"; exit 2; }
-	$(BIN)/quantbench bench $(RUN) --profile $(PROFILE) $(ARGS)
+	$(BIN)/quantbench bench $(RUN) --profile $(PROFILE) --backend $(BACKEND) $(ARGS)
 
 validate: $(STAMP)
 	$(BIN)/quantbench validate recipes/*.yaml $(ARGS)

@@ -71,8 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("target", help="an MLflow run id (from quantize) or a checkpoint directory")
     b.add_argument("--profile", default=None, help="profiles/NAME.yaml (default: cpu-smoke)")
-    b.add_argument("--backend", default="hf", choices=["hf"],
-                   help="hf: in-process transformers generate (the only backend so far)")
+    b.add_argument("--backend", default="hf", choices=["hf", "openai", "serve"],
+                   help="hf: in-process transformers generate; openai: streaming OpenAI-compatible endpoints "
+                   "(--endpoint, --base-endpoint); serve: starts `transformers serve` for both on 127.0.0.1")
+    b.add_argument("--endpoint", help="with --backend openai: the checkpoint's endpoint, e.g. http://127.0.0.1:8000/v1")
+    b.add_argument("--base-endpoint", help="with --backend openai: the base model's endpoint")
     b.add_argument("--base", default=None, help="the base model source, for a checkpoint quantbench did not write")
     b.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
     b.add_argument("--json", action="store_true", help='print {"run_id", "checkpoint", "metrics"} as the last line')
@@ -162,7 +165,7 @@ def cmd_bench(args) -> int:
     from quantbench.evaluate.bench import run
 
     result = _run_stage("bench", run, args.target, profile=args.profile, backend=args.backend, base=args.base,
-                        experiment=args.experiment)
+                        experiment=args.experiment, endpoint=args.endpoint, base_endpoint=args.base_endpoint)
     if result is None:
         return 1
     print(f"mlflow run: {result['run_id']}")

@@ -22,6 +22,7 @@ def configure_console(verbose: bool = False) -> None:
         root.addHandler(handler)
     root.setLevel(logging.INFO)
     logging.getLogger("quantbench").setLevel(logging.DEBUG if verbose else logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per streamed request otherwise
 
 
 @contextmanager

@@ -91,12 +91,16 @@ class _Clock:
 
 
 class _PeakRSS:
-    """Peak resident memory of this process while the block runs, sampled every 10 ms."""
+    """Peak resident memory of a process (this one by default) while the block runs, sampled
+    every 10 ms."""
+
+    def __init__(self, pid: int | None = None):
+        self.pid = pid
 
     def __enter__(self):
         import psutil
 
-        self._proc = psutil.Process()
+        self._proc = psutil.Process(self.pid)
         self.peak = self._proc.memory_info().rss
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -104,8 +108,13 @@ class _PeakRSS:
         return self
 
     def _sample(self) -> None:
+        import psutil
+
         while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self._proc.memory_info().rss)
+            try:
+                self.peak = max(self.peak, self._proc.memory_info().rss)
+            except psutil.Error:  # the process ended; the caller sees why
+                return
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
@@ -167,27 +176,46 @@ class SpeedResult:
     samples: dict[str, dict[str, list[float]]]  # model -> sample name -> values per repetition
 
 
-def bench_pair(load_candidate, load_base, token_ids: list[int], profile: Profile) -> SpeedResult:
-    """Measure candidate and base with `profile`, interleaved, one model in memory at a time."""
+class PartialBench(RuntimeError):
+    """A backend failed part-way (e.g. the server died): what was measured before is kept."""
+
+    def __init__(self, cause: BaseException, samples: dict[str, dict[str, list[float]]]):
+        super().__init__(f"bench stopped part-way: {type(cause).__name__}: {cause}")
+        self.samples = samples
+
+
+def hf_measurer(load, profile: Profile):
+    """Backend hf: load the model, measure one repetition, free it; peak RSS growth meanwhile."""
     import gc
 
+    def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
+        with _PeakRSS() as mem:
+            before = mem.peak
+            model = load()
+            values = measure(model, prompt_sets, profile, rep)
+            del model
+            gc.collect()
+        values["peak_mem_mb"] = (mem.peak - before) / 2**20
+        return values
+
+    return run
+
+
+def bench_pair(measurers: dict, token_ids: list[int], profile: Profile) -> SpeedResult:
+    """Measure "candidate" and "base" with `profile`, interleaved A B A B; the warm-up dropped."""
     from tqdm import tqdm
 
     count = max(profile.concurrency) + profile.repetitions + profile.warmup
     prompt_sets = {length: prompts(token_ids, length, count, profile.seed) for length in profile.prompt_tokens}
     samples: dict[str, dict[str, list[float]]] = {"candidate": {}, "base": {}}
-    loaders = {"candidate": load_candidate, "base": load_base}
     total = (profile.warmup + profile.repetitions) * 2
     with tqdm(total=total, desc="bench", unit="run") as bar:
         for rep in range(profile.warmup + profile.repetitions):
             for name in ("candidate", "base"):  # A B A B
-                with _PeakRSS() as mem:
-                    before = mem.peak
-                    model = loaders[name]()
-                    values = measure(model, prompt_sets, profile, rep)
-                    del model
-                    gc.collect()
-                values["peak_mem_mb"] = (mem.peak - before) / 2**20
+                try:
+                    values = measurers[name](prompt_sets, rep)
+                except Exception as exc:
+                    raise PartialBench(exc, samples) from exc
                 if rep >= profile.warmup:
                     for key, value in values.items():
                         samples[name].setdefault(key, []).append(value)
@@ -196,7 +224,7 @@ def bench_pair(load_candidate, load_base, token_ids: list[int], profile: Profile
     for name, prefix in (("candidate", "speed/"), ("base", "base_speed/")):
         metrics.update({prefix + k: v for k, v in summarize(samples[name], profile).items()})
     for key, value in list(metrics.items()):
-        if key.startswith("speed/"):
+        if key.startswith("speed/") and "base_" + key in metrics:
             base = metrics["base_" + key]
             lower = key.endswith(LOWER_IS_FASTER)
             metrics["speedup/" + key.removeprefix("speed/")] = (base / value) if lower else (value / base)
@@ -220,8 +248,9 @@ def summarize(samples: dict[str, list[float]], profile: Profile) -> dict[str, fl
         "e2e_ms_p50": statistics.median(e2e),
         "e2e_ms_p95": pct(e2e, 0.95),
         "prefill_tok_s": statistics.median(pooled("/prefill_tok_s")),
-        "peak_mem_mb": max(samples["peak_mem_mb"]),
     }
+    if samples.get("peak_mem_mb"):
+        out["peak_mem_mb"] = max(samples["peak_mem_mb"])
     if pooled("/decode_tok_s"):
         out["decode_tok_s"] = statistics.median(pooled("/decode_tok_s"))
         out["itl_ms_p50"] = statistics.median(pooled("/itl_ms"))
