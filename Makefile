@@ -23,7 +23,7 @@ help:
 	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
 	@echo "make test-fast                  run the fast tier only (tiny models, seconds)"
 	@echo "make ui                         open the MLflow UI on http://127.0.0.1:5000"
-	@echo "make benchmarks                 run bench/quantize_overhead.py and bench/eval_throughput.py"
+	@echo "make benchmarks                 run the benchmarks in bench/ (ratios against baselines)"
 	@echo "Pass extra CLI flags with ARGS='--json --set calibration.samples=8'"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -68,6 +68,7 @@ ui: $(STAMP)
 benchmarks: $(STAMP)
 	$(BIN)/python bench/quantize_overhead.py $(ARGS)
 	$(BIN)/python bench/eval_throughput.py $(ARGS)
+	$(BIN)/python bench/decode_speed.py $(ARGS)
 
 clean:
 	rm -rf outputs

@@ -129,6 +129,7 @@ class BenchSpec(Strict):
     """Measure speed against the base model after the evaluate stage (backend hf)."""
 
     profile: str = "cpu-smoke"  # profiles/<profile>.yaml
+    backend: Literal["hf", "serve"] = "hf"  # serve: a real `transformers serve` process per model
 
 
 class Recipe(Strict):

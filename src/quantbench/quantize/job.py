@@ -222,7 +222,8 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
                     from quantbench.evaluate.bench import bench_loaded
 
                     del check  # the bench loads one model at a time
-                    metrics.update(bench_loaded(final, p.base, p.bench[2], p.bench[0], p.bench[1], run))
+                    metrics.update(bench_loaded(final, p.base, p.bench[2], p.bench[0], p.bench[1], run,
+                                                spec.bench.backend))
                 if p.evaluation is not None or p.bench is not None:
                     _write_model_card(final, final, p, metrics, sample, run.run_id)  # now with quality and speed
                 run.log_artifact(final / "README.md")
