@@ -172,6 +172,20 @@ class LoadedRecipe:
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def load_named(directory: Path, name: str, schema: type[BaseModel], field: str, kind: str) -> BaseModel:
+    """A small settings file by name (suites/NAME.yaml, profiles/NAME.yaml), validated by `schema`."""
+    path = directory / f"{name}.yaml"
+    if not path.is_file():
+        available = sorted(p.stem for p in directory.glob("*.yaml"))
+        raise UserError(f"{field}: unknown {kind} '{name}' (no {path})." + did_you_mean(name, available))
+    try:
+        return schema.model_validate(yaml.safe_load(path.read_text()) or {})
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: {_yaml_error(exc)}") from None
+    except ValidationError as exc:
+        raise UserError([f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]) from None
+
+
 # ---------------------------------------------------------------------------------------------
 # Finding recipes by name
 

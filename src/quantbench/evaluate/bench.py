@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from quantbench import data, environment, models
-from quantbench.evaluate.job import check_loadable, resolve_target
+from quantbench.evaluate.job import check_loadable, resolve_target, target_run
 from quantbench.errors import UserError
 from quantbench.evaluate.speed import DEFAULT_PROFILE, PartialBench, Profile, bench_pair, hf_measurer, load_profile, prompts
 from quantbench.tracking import TAG, Tracker
@@ -50,15 +50,7 @@ def run(target: str, *, profile: str | None = None, backend: str = "hf", base: s
     check_loadable(tgt.checkpoint)
     base_model = models.resolve(tgt.base_source, field="--base")
     ids = prepare(loaded_profile, AutoTokenizer.from_pretrained(tgt.checkpoint))
-    if tgt.run_id:
-        context = tracker.resume_run(tgt.run_id)
-    else:
-        context = tracker.start_run(
-            f"bench {tgt.checkpoint.name}",
-            {TAG + "role": "candidate", TAG + "checkpoint": tgt.checkpoint.resolve(), TAG + "base_model": tgt.base_source,
-             TAG + "base_fingerprint": base_model.fingerprint},
-        )
-    with context as run_:
+    with target_run(tracker, tgt, base_model, "bench") as run_:
         metrics = bench_loaded(tgt.checkpoint, base_model, ids, name, loaded_profile, run_, backend, endpoints)
     return {"run_id": run_.run_id, "checkpoint": str(tgt.checkpoint), "metrics": metrics}
 

@@ -114,6 +114,17 @@ def resolve_target(target: str, tracker: Tracker, base: str | None) -> Target:
     return Target(Path(checkpoint), target, base or tags[TAG + "base_model"])
 
 
+def target_run(tracker: Tracker, tgt: Target, base: models.ResolvedModel, stage: str):
+    """The checkpoint's own MLflow run, reopened; or a new candidate run for a foreign checkpoint."""
+    if tgt.run_id:
+        return tracker.resume_run(tgt.run_id)
+    return tracker.start_run(
+        f"{stage} {tgt.checkpoint.name}",
+        {TAG + "role": "candidate", TAG + "checkpoint": tgt.checkpoint.resolve(), TAG + "base_model": tgt.base_source,
+         TAG + "base_fingerprint": base.fingerprint},
+    )
+
+
 def check_loadable(checkpoint: Path) -> None:
     """A checkpoint whose format needs a package that is missing: say which."""
     import importlib.util
@@ -140,15 +151,7 @@ def run(target: str, *, suite: str | None = None, base: str | None = None, exper
     tokenizer = AutoTokenizer.from_pretrained(tgt.checkpoint)
     prepared = prepare(loaded_suite, tokenizer)
 
-    if tgt.run_id:
-        context = tracker.resume_run(tgt.run_id)
-    else:
-        context = tracker.start_run(
-            f"evaluate {tgt.checkpoint.name}",
-            {TAG + "role": "candidate", TAG + "checkpoint": tgt.checkpoint.resolve(), TAG + "base_model": tgt.base_source,
-             TAG + "base_fingerprint": base_model.fingerprint},
-        )
-    with context as run:
+    with target_run(tracker, tgt, base_model, "evaluate") as run:
         model = AutoModelForCausalLM.from_pretrained(tgt.checkpoint)
         result = evaluate_loaded(model, tokenizer, base_model, prepared, run, tracker)
     return {"run_id": run.run_id, "checkpoint": str(tgt.checkpoint), **result}

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, ValidationError
+from pydantic import Field, PositiveInt
 
-from quantbench.errors import UserError, did_you_mean
-from quantbench.recipe import Strict
+from quantbench.errors import UserError
+from quantbench.recipe import Strict, load_named
 
 DEFAULT_PROFILE = "cpu-smoke"
 LOWER_IS_FASTER = ("_ms_p50", "_ms_p95", "peak_mem_mb")
@@ -51,18 +51,7 @@ def profiles_dir() -> Path:
 
 
 def load_profile(name: str, field: str = "--profile") -> Profile:
-    import yaml
-
-    path = profiles_dir() / f"{name}.yaml"
-    if not path.is_file():
-        available = sorted(p.stem for p in profiles_dir().glob("*.yaml"))
-        raise UserError(f"{field}: unknown profile '{name}' (no {path})." + did_you_mean(name, available))
-    try:
-        return Profile.model_validate(yaml.safe_load(path.read_text()) or {})
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: YAML syntax error: {exc}") from None
-    except ValidationError as exc:
-        raise UserError([f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]) from None
+    return load_named(profiles_dir(), name, Profile, field, "profile")
 
 
 def prompts(token_ids: list[int], length: int, count: int, seed: int) -> list[list[int]]:

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from pydantic import Field, PositiveInt, ValidationError
+from pydantic import Field, PositiveInt
 
-from quantbench.errors import UserError, did_you_mean
 from quantbench.evaluate.tasks import OFFLINE_TASKS, SUITE_VERSION
-from quantbench.recipe import Strict
+from quantbench.recipe import Strict, load_named
 
 DEFAULT_SUITE = "default"
 
@@ -59,16 +58,4 @@ def suites_dir() -> Path:
 
 
 def load_suite(name: str, field: str = "--suite") -> LoadedSuite:
-    import yaml
-
-    path = suites_dir() / f"{name}.yaml"
-    if not path.is_file():
-        available = sorted(p.stem for p in suites_dir().glob("*.yaml"))
-        raise UserError(f"{field}: unknown suite '{name}' (no {path})." + did_you_mean(name, available))
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-        return LoadedSuite(name, Suite.model_validate(data))
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: YAML syntax error: {exc}") from None
-    except ValidationError as exc:
-        raise UserError([f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]) from None
+    return LoadedSuite(name, load_named(suites_dir(), name, Suite, field, "suite"))
