@@ -11,18 +11,23 @@ RUN    ?=
 SUITE  ?= default
 PROFILE ?= cpu-smoke
 BACKEND ?= hf
+POLICY ?= release
+HOST   ?= 127.0.0.1
+PORT   ?= 5000
 
-.PHONY: setup quantize evaluate bench validate recipes test test-fast ui benchmarks clean help
+.PHONY: setup quantize evaluate bench compare gate validate recipes test test-fast ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
 	@echo "make evaluate RUN=<run id>      score a checkpoint against its base model (SUITE=default)"
 	@echo "make bench RUN=<run id>         speed against the base model (PROFILE=cpu-smoke BACKEND=hf|serve)"
+	@echo "make compare                    every candidate in one table + Pareto plot (outputs/compare/)"
+	@echo "make gate RUN=<run id>          pass/fail against policies/<POLICY>.yaml (default release); a pass moves the alias"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
 	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
 	@echo "make test-fast                  run the fast tier only (tiny models, seconds)"
-	@echo "make ui                         open the MLflow UI on http://127.0.0.1:5000"
+	@echo "make ui                         the MLflow UI on http://127.0.0.1:5000 (PORT=, HOST=; loopback unless told)"
 	@echo "make benchmarks                 run the benchmarks in bench/ (ratios against baselines)"
 	@echo "Pass extra CLI flags with ARGS='--json --set calibration.samples=8'"
 
@@ -50,6 +55,13 @@ bench: $(STAMP)
 	@test -n "$(RUN)" || { echo "usage: make bench RUN=<mlflow run id | checkpoint dir> [PROFILE=cpu-smoke]"; exit 2; }
 	$(BIN)/quantbench bench $(RUN) --profile $(PROFILE) --backend $(BACKEND) $(ARGS)
 
+compare: $(STAMP)
+	$(BIN)/quantbench compare $(ARGS)
+
+gate: $(STAMP)
+	@test -n "$(RUN)" || { echo "usage: make gate RUN=<mlflow run id> [POLICY=release]"; exit 2; }
+	$(BIN)/quantbench gate $(RUN) --policy $(POLICY) $(ARGS)
+
 validate: $(STAMP)
 	$(BIN)/quantbench validate recipes/*.yaml $(ARGS)
 
@@ -63,7 +75,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not real" $(ARGS)
 
 ui: $(STAMP)
-	$(BIN)/quantbench ui $(ARGS)
+	$(BIN)/quantbench ui --host $(HOST) --port $(PORT) $(ARGS)
 
 benchmarks: $(STAMP)
 	$(BIN)/python bench/quantize_overhead.py $(ARGS)

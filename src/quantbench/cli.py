@@ -18,11 +18,13 @@ examples:
   quantbench quantize gptq-w4a16 --set calibration.samples=8 --json
   quantbench evaluate <run id | checkpoint dir>     quality against the base model (suites/default.yaml)
   quantbench bench <run id | checkpoint dir>        speed against the base model (profiles/cpu-smoke.yaml)
+  quantbench compare                                all candidates, Pareto frontier (quality vs speed)
+  quantbench gate <run id> --policy release         pass/fail; a pass moves the registry alias 'champion'
   quantbench validate recipes/*.yaml                check recipes (every error at once)
   quantbench recipes                                list the shipped recipes
   quantbench ui                                     MLflow UI on http://127.0.0.1:5000
 
-exit codes: 0 ok, 1 the job failed (see its log), 2 bad input (nothing was written)
+exit codes: 0 ok, 1 the job failed (see its log) or the gate failed, 2 bad input (nothing was written)
 tracking: MLFLOW_TRACKING_URI (default sqlite:///mlflow.db here, artifacts in ./mlruns)
 """
 
@@ -79,6 +81,34 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--base", default=None, help="the base model source, for a checkpoint quantbench did not write")
     b.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
     b.add_argument("--json", action="store_true", help='print {"run_id", "checkpoint", "metrics"} as the last line')
+
+    c = sub.add_parser(
+        "compare",
+        help="one table of candidates with the quality-vs-speed Pareto frontier; Markdown, HTML, PNG",
+        description="Compare the FINISHED candidate runs of an experiment (or --runs): size, recovery, KLD, "
+        "flips, task scores, speedups, memory, gate verdicts; mark the Pareto frontier on --quality vs --speed. "
+        "Writes outputs/compare/<summary run>/compare.{md,html,png,json} and logs them to a summary run.",
+    )
+    c.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
+    c.add_argument("--runs", nargs="+", metavar="RUN_ID", help="compare exactly these candidate runs")
+    c.add_argument("--quality", default=None, help="quality axis (default quality/kld_mean; e.g. recovery/quality/ppl)")
+    c.add_argument("--speed", default=None, help="speed axis (default speedup/decode_tok_s, or model/compression_ratio "
+                   "when no candidate has been benched)")
+    c.add_argument("--outputs", type=Path, default=Path("outputs"), help="output root (default: outputs)")
+    c.add_argument("--json", action="store_true", help="print the comparison as JSON on the last line")
+
+    g = sub.add_parser(
+        "gate",
+        help="pass/fail a candidate run against a policy; on pass register it and move an alias",
+        description="Check a candidate run against a policy (policies/NAME.yaml): required stages, recovery "
+        "against the baseline, absolute limits, licence. Prints every check. On pass the checkpoint becomes a "
+        "new version of the policy's registered model and the alias (champion) moves to it; the replaced "
+        "version keeps the alias 'previous'. Exit 0 pass, 1 fail, 2 bad input.",
+    )
+    g.add_argument("run_id", help="the candidate's MLflow run id")
+    g.add_argument("--policy", default="release", help="policies/NAME.yaml or a path (default: release)")
+    g.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
+    g.add_argument("--json", action="store_true", help="print the gate report as JSON on the last line")
 
     v = sub.add_parser("validate", help="validate recipe files, reporting every error at once",
                        description="Check recipe files against the schema and against their model's layer "
@@ -174,6 +204,29 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from quantbench.compare import run
+
+    result = _run_stage("compare", run, experiment=args.experiment, run_ids=args.runs, quality=args.quality,
+                        speed=args.speed, outputs=args.outputs)
+    if result is None:
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def cmd_gate(args) -> int:
+    from quantbench.gate import run
+
+    result = _run_stage("gate", run, args.run_id, args.policy, experiment=args.experiment)
+    if result is None:
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result["passed"] else 1
+
+
 def cmd_validate(args) -> int:
     from quantbench.recipe import load_recipe, recipes_dir
 
@@ -251,8 +304,12 @@ def cmd_ui(args) -> int:
 
     uri = tracking_uri()
     print(f"MLflow UI for {uri} on http://{args.host}:{args.port}")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: {args.host} is not loopback; the MLflow UI has no login of its own. Put authentication "
+              "in front of it first (README: 'Exposing the UI').", file=sys.stderr)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host, "--port", str(args.port)]
     return subprocess.call(cmd)
 
 
-COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "validate": cmd_validate, "recipes": cmd_recipes, "ui": cmd_ui}
+COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "compare": cmd_compare, "gate": cmd_gate,
+            "validate": cmd_validate, "recipes": cmd_recipes, "ui": cmd_ui}

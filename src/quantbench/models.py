@@ -48,6 +48,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QUANTBENCH_CACHE", Path.home() / ".cache" / "quantbench"))
 
 
+def short_name(source: str) -> str:
+    """A model's name for run names: builtin:smollm2-135m-instruct -> smollm2-135m-instruct,
+    hub:org/name -> name, /path/to/ckpt -> ckpt, model.gguf -> model."""
+    name = source.removeprefix("builtin:").removeprefix("hub:").rstrip("/")
+    return Path(name).stem if name.endswith(".gguf") else Path(name).name
+
+
 def resolve(source: str, field: str = "model.source") -> ResolvedModel:
     """Turn a model source into a local checkpoint dir; UserError naming `field` if it can't."""
     kind, target = _classify(source, field)

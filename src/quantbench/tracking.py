@@ -82,6 +82,12 @@ class Run:
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_artifacts(self, directory: Path, artifact_path: str) -> None:
+        self.client.log_artifacts(self.run_id, str(directory), artifact_path)
+
+    def has_artifact(self, path: str) -> bool:
+        return bool(self.client.list_artifacts(self.run_id, path))
+
     def download(self, artifact: str, dest: Path) -> Path:
         return Path(self.client.download_artifacts(self.run_id, artifact, str(dest)))
 
@@ -89,6 +95,10 @@ class Run:
     def data(self):
         """The run's current tags, params and metrics (latest values)."""
         return self.client.get_run(self.run_id).data
+
+    @property
+    def info(self):
+        return self.client.get_run(self.run_id).info
 
 
 class Tracker:
@@ -129,6 +139,16 @@ class Tracker:
         self.client.update_run(run_id, status="RUNNING")
         return Run(self.client, run_id)
 
+    def runs(self, tags: dict[str, str], run_ids: list[str] | None = None) -> list:
+        """Runs of this experiment (or exactly `run_ids`, any experiment) with these tags, newest first."""
+        if run_ids:
+            return [self.client.get_run(run_id) for run_id in run_ids]
+        found = self.client.get_experiment_by_name(self.experiment)
+        if found is None:
+            return []
+        clauses = [f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"]
+        return self.client.search_runs([found.experiment_id], " and ".join(clauses), order_by=["attributes.start_time DESC"])
+
     def start_run(self, run_name: str, tags: dict[str, Any]) -> Run:
         run = self.client.create_run(
             self.experiment_id(), run_name=run_name, tags={k: str(v) for k, v in tags.items()}
@@ -151,3 +171,42 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def _param_value(value: Any) -> str:
     text = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
     return text[:6000]
+
+
+class Registry:
+    """The MLflow Model Registry: versions of a registered model and the aliases that point at them."""
+
+    def __init__(self):
+        self.client = _client()
+
+    def version_for_run(self, name: str, run_id: str):
+        """The version already registered from this run, if any (re-gating does not duplicate it)."""
+        found = self.client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+        return found[0] if found else None
+
+    def register(self, name: str, run: Run, artifact_path: str, description: str, tags: dict[str, str]):
+        """A new version of `name` whose source is the run's artifact (created if missing)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(name)
+        except MlflowException:
+            self.client.create_registered_model(name, description="Checkpoints promoted by quantbench gate.")
+        return self.client.create_model_version(
+            name, f"runs:/{run.run_id}/{artifact_path}", run_id=run.run_id, tags=tags, description=description
+        )
+
+    def alias_version(self, name: str, alias: str) -> str | None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_model_version_by_alias(name, alias).version
+        except MlflowException:
+            return None
+
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(name, alias, version)
+
+    def set_version_tags(self, name: str, version: str, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_model_version_tag(name, version, key, str(value))

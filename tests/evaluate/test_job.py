@@ -62,7 +62,10 @@ def test_quantize_evaluates_the_reloaded_checkpoint_and_reuses_the_baseline(work
     assert m["quality/positions"] == 10 * 63
     assert 0 < m["quality/kld_mean"] <= m["quality/kld_p99"] <= m["quality/kld_max"]
     assert 0 < m["quality/top1_agreement"] <= 1
-    assert m["recovery/quality/ppl"] == pytest.approx(m["quality/ppl"] / baseline.data.metrics["quality/ppl"])
+    # recovery: the share of the base's score kept, above 1 better (for perplexity: base / candidate)
+    assert m["recovery/quality/ppl"] == pytest.approx(baseline.data.metrics["quality/ppl"] / m["quality/ppl"])
+    assert m["recovery/task/qb_pydoc_lastword/acc"] == pytest.approx(
+        m["task/qb_pydoc_lastword/acc"] / baseline.data.metrics["task/qb_pydoc_lastword/acc"])
     assert m["quality/flips_items"] == 12  # 6 items of each task, compared item by item
     assert m["quality/flips_pct"] == pytest.approx(m["quality/flips_right_to_wrong_pct"] + m["quality/flips_wrong_to_right_pct"])
 

@@ -2,7 +2,7 @@
 
 One quality pass over held-out text (perplexity, KL divergence to the base model, top-1
 agreement), task evals through lm-eval, answer flips against the base model's per-item results,
-and recovery (candidate / baseline). The base model is scored once per (model fingerprint,
+and recovery (the share of the base model's score kept; above 1 is better). The base model is scored once per (model fingerprint,
 suite fingerprint) in its own MLflow run tagged `quantbench.role=baseline`, with its top-k
 next-token distributions stored as an artifact; every later candidate reuses that run.
 """
@@ -21,6 +21,7 @@ from quantbench import data, models
 from quantbench.errors import UserError
 from quantbench.evaluate.suite import DEFAULT_SUITE, LoadedSuite, load_suite
 from quantbench.evaluate.tasks import check_tasks, flips, run_tasks, write_offline_suite
+from quantbench.metrics import RECOVERABLE, direction
 from quantbench.tracking import TAG, Tracker, tracking_uri
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,6 @@ log = logging.getLogger(__name__)
 CHECKPOINT_INFO = "quantbench.json"  # written by the quantize stage into every checkpoint
 REFERENCE = "baseline/reference.safetensors"
 SAMPLES = "baseline/task_samples.json"
-# Which way is better, for the docs and the table. Recovery is candidate / baseline either way.
-LOWER_IS_BETTER = ("quality/ppl", "/perplexity")
 # Package each checkpoint format needs to load (quantization_config.quant_method -> package)
 FORMAT_PACKAGES = {"compressed-tensors": "compressed_tensors", "bitsandbytes": "bitsandbytes", "gptq": "gptqmodel", "awq": "gptqmodel"}
 
@@ -119,7 +118,7 @@ def target_run(tracker: Tracker, tgt: Target, base: models.ResolvedModel, stage:
     if tgt.run_id:
         return tracker.resume_run(tgt.run_id)
     return tracker.start_run(
-        f"{stage} {tgt.checkpoint.name}",
+        f"{stage} {tgt.checkpoint.name} · {models.short_name(tgt.base_source)}",
         {TAG + "role": "candidate", TAG + "checkpoint": tgt.checkpoint.resolve(), TAG + "base_model": tgt.base_source,
          TAG + "base_fingerprint": base.fingerprint},
     )
@@ -170,12 +169,7 @@ def evaluate_loaded(model, tokenizer, base: models.ResolvedModel, p: Prepared, r
     tasks = run_tasks(model, tokenizer, spec.tasks, p.tasks_dir, limit=spec.task_limit, batch_size=spec.task_batch_size)
     metrics.update(tasks.metrics)
     metrics.update(flips(baseline.correct, tasks.correct))
-    recovery = {
-        f"recovery/{key}": value / baseline.metrics[key]
-        for key, value in metrics.items()
-        if key in baseline.metrics and baseline.metrics[key] and (key.startswith("task/") or key == "quality/ppl")
-    }
-    metrics.update(recovery)
+    metrics.update(recovery(metrics, baseline.metrics))
     run.log_metrics(metrics)
     run.set_tags({TAG + "baseline_run": baseline.run_id, TAG + "suite": p.suite.name, TAG + "suite_sha": p.fingerprint})
     report = {
@@ -224,7 +218,8 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Prepared, k
     tags = {**keys, TAG + "base_model": base.source, TAG + "license": base.license, TAG + "suite": p.suite.name,
             **{TAG + k: v for k, v in environment.describe().items()}}
     log.info("evaluate: scoring the base model %s once for suite %s (baseline run)", base.name, p.suite.name)
-    with tracker.start_run(f"baseline {base.name} / {p.suite.name}", tags) as run:
+    tags["mlflow.note.content"] = f"The base model `{base.source}` scored with suite `{p.suite.name}`; candidates reuse it."
+    with tracker.start_run(f"baseline · {models.short_name(base.source)} · {p.suite.name}", tags) as run:
         run.log_params({"suite": spec.model_dump(mode="json")})
         model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto")
         tokenizer = AutoTokenizer.from_pretrained(base.path)
@@ -242,14 +237,23 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Prepared, k
     return Baseline(run.run_id, metrics, ref, tasks.correct, reused=False)
 
 
+def recovery(metrics: dict[str, float], baseline: dict[str, float]) -> dict[str, float]:
+    """recovery/<m> for quality/ppl and task/*: the share of the base model's score kept, above 1
+    better, so for a lower-is-better metric (perplexity) it is baseline / candidate."""
+    out = {}
+    for key, value in metrics.items():
+        base = baseline.get(key)
+        if base and value and RECOVERABLE.fullmatch(key):
+            out[f"recovery/{key}"] = base / value if direction(key) == "lower" else value / base
+    return out
+
+
 def table(metrics: dict[str, float], baseline: dict[str, float]) -> str:
     rows = [f"{'metric':42s} {'baseline':>10s} {'candidate':>10s} {'recovery':>9s}  better"]
     for key in sorted(k for k in metrics if not k.startswith("recovery/")):
         base = baseline.get(key)
         rec = metrics.get(f"recovery/{key}")
-        better = "lower" if key.endswith(LOWER_IS_BETTER) or key.startswith(("quality/kld", "quality/flips")) else "higher"
-        if key in ("quality/positions", "quality/flips_items"):
-            better = ""
+        better = direction(key) or ""
         rows.append(f"{key:42s} {_fmt(base):>10s} {_fmt(metrics[key]):>10s} {_fmt(rec):>9s}  {better}")
     return "\n".join(rows)
 

@@ -157,7 +157,11 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
         **{TAG + k: v for k, v in environment.describe().items()},
     }
     tracker = Tracker(experiment)
-    with tracker.start_run(run_name=p.loaded.name, tags=tags) as run:
+    tags["mlflow.note.content"] = (  # the run's description in the MLflow UI
+        f"{q.method} {q.scheme} of `{spec.model.source}` by recipe `{p.loaded.path}` (sha {p.loaded.sha[:12]}); "
+        f"format {p.backend.format}. {spec.description}".strip()
+    )
+    with tracker.start_run(run_name=f"{p.loaded.name} · {models.short_name(spec.model.source)}", tags=tags) as run:
         recipe_dir = outputs / p.loaded.name
         final = recipe_dir / run.run_id
         staging = recipe_dir / f".{run.run_id}.partial"

@@ -1,0 +1,254 @@
+"""`quantbench compare`: every candidate in one table, the quality-vs-speed Pareto frontier marked,
+written as Markdown, HTML, JSON and a PNG plot, and logged as artifacts of a summary run.
+
+Candidates are found by tags (`quantbench.role=candidate`, FINISHED), never by run names. A
+candidate is on the frontier when no other candidate is at least as good on both axes and better
+on one; which way is better comes from the metric catalogue (`metrics.py`).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantbench import metrics as catalogue
+from quantbench.errors import UserError
+from quantbench.tracking import TAG, Tracker
+
+log = logging.getLogger(__name__)
+
+DEFAULT_QUALITY = "quality/kld_mean"
+DEFAULT_SPEED = "speedup/decode_tok_s"
+FALLBACK_SPEED = "model/compression_ratio"  # when no candidate has been benched yet
+# (column header, metric or tag, format)
+COLUMNS = [
+    ("size MB", "model/size_mb", "{:.1f}"),
+    ("compr ×", "model/compression_ratio", "{:.2f}"),
+    ("ppl recov", "recovery/quality/ppl", "{:.3f}"),
+    ("KLD", "quality/kld_mean", "{:.4f}"),
+    ("top-1", "quality/top1_agreement", "{:.3f}"),
+    ("flips %", "quality/flips_pct", "{:.1f}"),
+    ("decode ×", "speedup/decode_tok_s", "{:.2f}"),
+    ("TTFT ×", "speedup/ttft_ms_p50", "{:.2f}"),
+    ("peak MB", "speed/peak_mem_mb", "{:.0f}"),
+]
+
+
+@dataclass
+class Candidate:
+    run_id: str
+    name: str
+    status: str
+    tags: dict[str, str]
+    metrics: dict[str, float]
+    frontier: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.tags.get(TAG + "recipe") or self.name
+
+    def gates(self) -> str:
+        prefix = TAG + "gate."
+        found = {k.removeprefix(prefix): v for k, v in self.tags.items() if k.startswith(prefix) and not k.endswith(".at")}
+        return ", ".join(f"{policy}: {verdict}" for policy, verdict in sorted(found.items()))
+
+
+@dataclass
+class Comparison:
+    quality: str
+    speed: str
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def task_columns(self) -> list[str]:
+        return sorted({k for c in self.candidates for k in c.metrics if k.startswith("task/") and k.endswith("/acc")})
+
+
+def collect(tracker: Tracker, run_ids: list[str] | None = None) -> list[Candidate]:
+    """The candidates: the given runs, or every FINISHED candidate run of the experiment."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        runs = tracker.runs({TAG + "role": "candidate"}, run_ids)
+    except MlflowException as exc:
+        raise UserError(f"--runs: {exc.message}") from None
+    out = []
+    for r in runs:
+        if r.data.tags.get(TAG + "role") != "candidate":
+            raise UserError(f"--runs: '{r.info.run_id}' is a {r.data.tags.get(TAG + 'role', 'non-quantbench')} run, not a candidate")
+        out.append(Candidate(r.info.run_id, r.info.run_name, r.info.status, dict(r.data.tags), dict(r.data.metrics)))
+    return out
+
+
+def frontier(candidates: list[Candidate], quality: str, speed: str) -> list[Candidate]:
+    """Mark and return the candidates not dominated on (quality, speed)."""
+    scored = [c for c in candidates if quality in c.metrics and speed in c.metrics]
+
+    def dominates(a: Candidate, b: Candidate) -> bool:
+        no_worse = all(not catalogue.is_better(m, b.metrics[m], a.metrics[m]) for m in (quality, speed))
+        better = any(catalogue.is_better(m, a.metrics[m], b.metrics[m]) for m in (quality, speed))
+        return no_worse and better
+
+    for c in candidates:
+        c.frontier = c in scored and not any(dominates(o, c) for o in scored if o is not c)
+    return [c for c in candidates if c.frontier]
+
+
+def check_metric(name: str, flag: str) -> None:
+    if catalogue.direction(name) is None:
+        problem = catalogue.check_name(name) or f"'{name}' is a context value, not a score"
+        raise UserError(f"{flag}: {problem}")
+
+
+def build(candidates: list[Candidate], quality: str | None, speed: str | None) -> Comparison:
+    quality = quality or DEFAULT_QUALITY
+    check_metric(quality, "--quality")
+    if speed is None:
+        speed = DEFAULT_SPEED
+        if candidates and not any(DEFAULT_SPEED in c.metrics for c in candidates):
+            log.warning("no candidate has %s yet (run `make bench RUN=<id>`); plotting against %s", DEFAULT_SPEED, FALLBACK_SPEED)
+            speed = FALLBACK_SPEED
+    check_metric(speed, "--speed")
+    comparison = Comparison(quality, speed, candidates)
+    frontier(candidates, quality, speed)
+    # frontier first, then by quality (best first); unscored last
+    def key(c: Candidate):
+        q = c.metrics.get(quality)
+        return (not c.frontier, q is None, (q if catalogue.direction(quality) == "lower" else -q) if q is not None else 0)
+
+    comparison.candidates.sort(key=key)
+    return comparison
+
+
+# ---------------------------------------------------------------------------------------------
+# Output: rows, Markdown, HTML, PNG
+
+
+def rows(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
+    header = ["", "run", "recipe", "method", "scheme", "format"] + [h for h, _, _ in COLUMNS]
+    header += [t.removeprefix("task/").removesuffix("/acc") + " acc" for t in cmp.task_columns()] + ["gate"]
+    body = []
+    for c in cmp.candidates:
+        row = ["★" if c.frontier else "", c.run_id[:8], c.label, c.tags.get(TAG + "method", ""),
+               c.tags.get(TAG + "scheme", ""), c.tags.get(TAG + "format", "")]
+        for _, key, fmt in COLUMNS:
+            row.append(fmt.format(c.metrics[key]) if key in c.metrics else "—")
+        row += [f"{c.metrics[t]:.3f}" if t in c.metrics else "—" for t in cmp.task_columns()]
+        row.append(c.gates())
+        body.append(row)
+    return header, body
+
+
+def terminal(cmp: Comparison) -> str:
+    header, body = rows(cmp)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + f"\n★ Pareto frontier on {cmp.quality} ({catalogue.direction(cmp.quality)} is better) " \
+                              f"vs {cmp.speed} ({catalogue.direction(cmp.speed)} is better)"
+
+
+def markdown(cmp: Comparison, title: str) -> str:
+    header, body = rows(cmp)
+    lines = [f"# {title}", "", f"Pareto frontier (★) on `{cmp.quality}` vs `{cmp.speed}`.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines) + "\n\n![quality vs speed](compare.png)\n"
+
+
+def html_page(cmp: Comparison, title: str) -> str:
+    header, body = rows(cmp)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    trs = "".join(
+        f"<tr class='{'frontier' if r[0] else ''}'>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>" for r in body
+    )
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
+            "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+            "padding:4px 8px;text-align:right}tr.frontier{background:#eaf6ea;font-weight:bold}</style></head><body>"
+            f"<h1>{html.escape(title)}</h1><p>Pareto frontier (★) on <code>{html.escape(cmp.quality)}</code> vs "
+            f"<code>{html.escape(cmp.speed)}</code>.</p><table><tr>{head}</tr>{trs}</table>"
+            "<p><img src='compare.png' alt='quality vs speed'></p></body></html>\n")
+
+
+def plot(cmp: Comparison, path: Path, title: str) -> Path:
+    """Quality (y) vs speed (x), better towards the top right; the frontier drawn; points labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
+    scored = [c for c in cmp.candidates if cmp.quality in c.metrics and cmp.speed in c.metrics]
+    for c in scored:
+        x, y = c.metrics[cmp.speed], c.metrics[cmp.quality]
+        ax.scatter([x], [y], s=60, color="tab:green" if c.frontier else "tab:gray", zorder=3)
+        ax.annotate(c.label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=9)
+    line = sorted((c.metrics[cmp.speed], c.metrics[cmp.quality]) for c in scored if c.frontier)
+    if len(line) > 1:
+        ax.plot(*zip(*line), color="tab:green", linestyle="--", zorder=2, label="Pareto frontier")
+    if cmp.speed.startswith("speedup/"):
+        ax.axvline(1.0, color="tab:blue", linewidth=0.8, label="base model speed")
+    if cmp.quality.startswith("recovery/"):
+        ax.axhline(1.0, color="tab:blue", linewidth=0.8, label="base model quality")
+    if catalogue.direction(cmp.quality) == "lower":
+        ax.invert_yaxis()
+    if catalogue.direction(cmp.speed) == "lower":
+        ax.invert_xaxis()
+    ax.set_xlabel(f"{cmp.speed} ({catalogue.direction(cmp.speed)} is better)")
+    ax.set_ylabel(f"{cmp.quality} ({catalogue.direction(cmp.quality)} is better)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=8)
+    if not scored:
+        ax.text(0.5, 0.5, f"no candidate has both {cmp.quality} and {cmp.speed}", ha="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def as_json(cmp: Comparison) -> dict:
+    return {
+        "quality": cmp.quality,
+        "speed": cmp.speed,
+        "frontier": [c.run_id for c in cmp.candidates if c.frontier],
+        "candidates": [
+            {"run_id": c.run_id, "name": c.name, "recipe": c.label, "status": c.status, "frontier": c.frontier,
+             "method": c.tags.get(TAG + "method"), "scheme": c.tags.get(TAG + "scheme"), "format": c.tags.get(TAG + "format"),
+             "gates": c.gates(), "metrics": c.metrics}
+            for c in cmp.candidates
+        ],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The verb
+
+
+def run(*, experiment: str | None = None, run_ids: list[str] | None = None, quality: str | None = None,
+        speed: str | None = None, outputs: Path = Path("outputs")) -> dict:
+    tracker = Tracker(experiment)
+    candidates = collect(tracker, run_ids)
+    if not candidates:
+        raise UserError(f"no finished candidate runs in experiment '{tracker.experiment}' "
+                        "(run `make quantize RECIPE=...` first, or pass --experiment / --runs)")
+    cmp = build(candidates, quality, speed)
+    title = f"quantbench compare · {tracker.experiment} · {len(candidates)} candidate{'s' if len(candidates) != 1 else ''}"
+    tags = {TAG + "role": "summary", TAG + "compared_runs": ",".join(c.run_id for c in candidates),
+            TAG + "quality_metric": cmp.quality, TAG + "speed_metric": cmp.speed,
+            "mlflow.note.content": f"Pareto frontier of {len(candidates)} candidates on {cmp.quality} vs {cmp.speed}."}
+    with tracker.start_run(f"compare · {len(candidates)} candidates", tags) as run_:
+        out = outputs / "compare" / run_.run_id
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.md").write_text(markdown(cmp, title))
+        (out / "compare.html").write_text(html_page(cmp, title))
+        (out / "compare.json").write_text(json.dumps(as_json(cmp), indent=2))
+        plot(cmp, out / "compare.png", title)
+        run_.log_artifacts(out, "compare")
+        run_.log_metrics({"compare/candidates": len(candidates), "compare/frontier": sum(c.frontier for c in candidates)})
+    print(terminal(cmp))
+    print(f"written: {out}/compare.{{md,html,png,json}}   summary run: {run_.run_id}")
+    return {"run_id": run_.run_id, "outputs": str(out), **as_json(cmp)}

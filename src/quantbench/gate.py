@@ -1,0 +1,247 @@
+"""`quantbench gate <run id> --policy release`: pass or fail a candidate against a policy, and on
+pass promote its checkpoint in the MLflow Model Registry.
+
+Every check is computed on the raw logged values (rounding only for display) with the direction
+each metric has in the catalogue (`metrics.py`), and every check is reported, passed or not, in one
+table. On pass: the checkpoint is logged as the run's `checkpoint/` artifact, registered as a new
+version of the policy's registered model, and the policy's alias (`champion`) moved to it; the
+version it replaces keeps a second alias (`previous`). On fail nothing in the registry moves.
+Either way the report is an artifact of the run (`gate/<policy>-<time>.json` and `.md`) and the
+outcome a run tag (`quantbench.gate.<policy>`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import string
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from quantbench import metrics as catalogue
+from quantbench import models
+from quantbench.errors import UserError
+from quantbench.recipe import Strict, load_named
+from quantbench.tracking import TAG, Registry, Tracker, tracking_uri
+
+log = logging.getLogger(__name__)
+
+Stage = Literal["quantize", "evaluate", "bench"]
+# What shows that a stage ran to the end in a run: a metric it always logs.
+STAGE_EVIDENCE = {"quantize": "quantize/wall_s", "evaluate": "quality/kld_mean", "bench": "speedup/decode_tok_s"}
+NAME_FIELDS = ("base_model", "recipe", "method", "scheme")
+
+
+class Register(Strict):
+    """Where a passing checkpoint goes in the MLflow Model Registry."""
+
+    model: str = Field("{base_model}", description="registered model name; may use {base_model} {recipe} {method} {scheme}")
+    alias: str = "champion"
+    previous_alias: str | None = Field("previous", description="alias kept on the version the new one replaces")
+
+
+class Policy(Strict):
+    """A release policy (policies/NAME.yaml). Example:
+
+        stages: [quantize, evaluate, bench]
+        recovery: {quality/ppl: 0.85}            # at least 85% of the base's score kept
+        max: {quality/kld_mean: 0.2, quality/flips_pct: 15}
+        min: {speedup/decode_tok_s: 1.0}
+        licenses: [apache-2.0, mit]
+        registry: {model: "{base_model}", alias: champion}
+    """
+
+    description: str = ""
+    stages: list[Stage] = ["quantize", "evaluate"]
+    recovery: dict[str, float] = Field(default_factory=dict, description="minimum recovery/<metric> (1 = as good as the base)")
+    min: dict[str, float] = Field(default_factory=dict, description="absolute lower limits (higher-is-better metrics)")
+    max: dict[str, float] = Field(default_factory=dict, description="absolute upper limits (lower-is-better metrics)")
+    licenses: list[str] | None = Field(None, description="allowed licences of the base model; null allows any")
+    registry: Register = Register()
+
+
+@dataclass
+class LoadedPolicy:
+    name: str
+    path: Path
+    policy: Policy
+    sha: str
+
+
+@dataclass
+class Check:
+    check: str
+    value: float | str | None
+    threshold: float | str | None
+    passed: bool
+    note: str = ""
+
+
+def policies_dir() -> Path:
+    return Path("policies")
+
+
+def load_policy(name_or_path: str) -> LoadedPolicy:
+    """policies/NAME.yaml or a path; UserError listing every problem with the file and field."""
+    path = Path(name_or_path) if name_or_path.endswith((".yaml", ".yml")) else policies_dir() / f"{name_or_path}.yaml"
+    if name_or_path.endswith((".yaml", ".yml")) and not path.is_file():
+        raise UserError(f"{path}: policy file does not exist")
+    policy = load_named(path.parent, path.stem, Policy, "--policy", "policy")
+    problems = []
+    for key, threshold in policy.recovery.items():
+        problem = catalogue.check_name(f"recovery/{key}")
+        if problem:
+            problems.append(f"{path}: recovery.{key}: {problem}")
+        elif not 0 < threshold:
+            problems.append(f"{path}: recovery.{key}: {threshold} is not a share of the base's score (e.g. 0.95)")
+    for bound, wrong in (("min", "lower"), ("max", "higher")):
+        for key in getattr(policy, bound):
+            problem = catalogue.check_name(key)
+            if problem:
+                problems.append(f"{path}: {bound}.{key}: {problem}")
+            elif catalogue.direction(key) == wrong:
+                right = "max" if bound == "min" else "min"
+                problems.append(f"{path}: {bound}.{key}: {wrong} is better for this metric, so its limit belongs under {right}:")
+            elif catalogue.direction(key) is None:
+                problems.append(f"{path}: {bound}.{key}: a context value, not a score; it cannot be gated")
+    fields = {f for _, f, _, _ in string.Formatter().parse(policy.registry.model) if f is not None}
+    if fields - set(NAME_FIELDS):
+        problems.append(f"{path}: registry.model: unknown placeholder(s) {sorted(fields - set(NAME_FIELDS))}; "
+                        f"available: {', '.join('{' + f + '}' for f in NAME_FIELDS)}")
+    if problems:
+        raise UserError(problems)
+    sha = hashlib.sha256(json.dumps(policy.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    return LoadedPolicy(path.stem, path, policy, sha)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks
+
+
+def evaluate_policy(policy: Policy, status: str, tags: dict[str, str], metrics: dict[str, float]) -> list[Check]:
+    """Every check of the policy on one run's raw values; none is skipped when an earlier fails."""
+    checks = [Check("run status", status, "FINISHED", status == "FINISHED")]
+    for stage in policy.stages:
+        evidence = STAGE_EVIDENCE[stage]
+        present = evidence in metrics
+        note = "" if present else f"no {evidence}: run `make {stage} RUN=<run id>`" if stage != "quantize" else "not a quantize run"
+        if stage == "bench" and tags.get(TAG + "bench_partial") == "true":
+            present, note = False, "the last bench was partial (its server died)"
+        checks.append(Check(f"stage {stage}", "present" if present else "missing", "present", present, note))
+    if policy.licenses is not None:
+        license_ = tags.get(TAG + "license", "unknown")
+        allowed = [x.lower() for x in policy.licenses]
+        checks.append(Check("licence", license_, " | ".join(policy.licenses), license_.lower() in allowed))
+    for key, threshold in policy.recovery.items():
+        checks.append(_bound(f"recovery/{key}", metrics, threshold, ">="))
+    for key, threshold in policy.min.items():
+        checks.append(_bound(key, metrics, threshold, ">="))
+    for key, threshold in policy.max.items():
+        checks.append(_bound(key, metrics, threshold, "<="))
+    checkpoint = tags.get(TAG + "checkpoint")
+    on_disk = bool(checkpoint) and (Path(checkpoint) / "config.json").is_file()
+    checks.append(Check("checkpoint on disk", "present" if on_disk else "missing", "present", on_disk,
+                        checkpoint if on_disk else f"{checkpoint or 'no checkpoint tag'}: needed to register it"))
+    return checks
+
+
+def _bound(key: str, metrics: dict[str, float], threshold: float, op: str) -> Check:
+    value = metrics.get(key)
+    if value is None:
+        return Check(key, None, f"{op} {threshold}", False, "not logged in this run")
+    passed = value >= threshold if op == ">=" else value <= threshold
+    return Check(key, value, f"{op} {threshold}", passed)
+
+
+def table(checks: list[Check]) -> str:
+    rows = [f"{'check':40s} {'value':>14s} {'threshold':>16s}  result", "-" * 82]
+    for c in checks:
+        value = f"{c.value:.4g}" if isinstance(c.value, float) else str(c.value if c.value is not None else "—")
+        note = f"  ({c.note})" if c.note else ""
+        rows.append(f"{c.check:40s} {value:>14s} {str(c.threshold):>16s}  {'pass' if c.passed else 'FAIL'}{note}")
+    return "\n".join(rows)
+
+
+def markdown(checks: list[Check], header: str) -> str:
+    rows = [header, "", "| check | value | threshold | result |", "|---|---|---|---|"]
+    for c in checks:
+        value = repr(c.value) if isinstance(c.value, float) else str(c.value if c.value is not None else "—")
+        rows.append(f"| `{c.check}` | {value} | {c.threshold} | {'pass' if c.passed else '**FAIL**'} {c.note} |")
+    return "\n".join(rows) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The verb
+
+
+def run(run_id: str, policy_name: str, *, experiment: str | None = None) -> dict:
+    loaded = load_policy(policy_name)
+    tracker = Tracker(experiment)
+    if not re.fullmatch(r"[0-9a-f]{32}", run_id):
+        raise UserError(f"'{run_id}' is not an MLflow run id (32 hex digits)")
+    run_ = tracker.existing(run_id)
+    if run_ is None:
+        raise UserError(f"MLflow run '{run_id}' does not exist at the tracking store ({tracking_uri()})")
+    info, data = run_.info, run_.data
+    tags, metrics = dict(data.tags), dict(data.metrics)
+    if tags.get(TAG + "role") != "candidate":
+        raise UserError(f"MLflow run '{run_id}' is a {tags.get(TAG + 'role', 'non-quantbench')} run; gate a candidate run")
+
+    checks = evaluate_policy(loaded.policy, info.status, tags, metrics)
+    passed = all(c.passed for c in checks)
+    verdict = "PASS" if passed else "FAIL"
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    print(f"gate {loaded.name} on run {run_id} ({info.run_name}): {verdict}")
+    print(table(checks))
+
+    registered = None
+    if passed:
+        registered = _promote(loaded, run_, tags)
+        print(f"registered: {registered['model']} version {registered['version']} -> alias '{registered['alias']}'"
+              + (f"; version {registered['previous']} keeps alias '{loaded.policy.registry.previous_alias}'"
+                 if registered["previous"] else ""))
+    else:
+        print("nothing registered, no alias moved")
+    report = {"run_id": run_id, "run_name": info.run_name, "policy": loaded.name, "policy_file": str(loaded.path),
+              "policy_sha": loaded.sha, "policy_settings": loaded.policy.model_dump(mode="json"), "passed": passed,
+              "checks": [asdict(c) for c in checks], "registered": registered, "at": stamp}
+    run_.log_dict(report, f"gate/{loaded.name}-{stamp}.json")
+    run_.client.log_text(run_id, markdown(checks, f"# Gate `{loaded.name}`: {verdict}\n\nrun `{run_id}` · policy sha "
+                                          f"`{loaded.sha[:12]}` · {stamp}"), f"gate/{loaded.name}-{stamp}.md")
+    run_.set_tags({f"{TAG}gate.{loaded.name}": "pass" if passed else "fail", f"{TAG}gate.{loaded.name}.at": stamp})
+    return report
+
+
+def _promote(loaded: LoadedPolicy, run_, tags: dict[str, str]) -> dict:
+    spec = loaded.policy.registry
+    fields = {"base_model": models.short_name(tags.get(TAG + "base_model", "model")), "recipe": tags.get(TAG + "recipe", ""),
+              "method": tags.get(TAG + "method", ""), "scheme": tags.get(TAG + "scheme", "")}
+    name = spec.model.format(**fields)
+    registry = Registry()
+    version = registry.version_for_run(name, run_.run_id)
+    if version is None:
+        if not run_.has_artifact("checkpoint/config.json"):
+            log.info("gate: logging the checkpoint as the run's artifact checkpoint/")
+            run_.log_artifacts(Path(tags[TAG + "checkpoint"]), "checkpoint")
+        version = registry.register(
+            name, run_, "checkpoint",
+            description=f"{tags.get(TAG + 'recipe', '?')} ({tags.get(TAG + 'method')} {tags.get(TAG + 'scheme')}) of "
+                        f"{tags.get(TAG + 'base_model')}, passed policy {loaded.name}",
+            tags={TAG + "recipe": tags.get(TAG + "recipe", ""), TAG + "run": run_.run_id,
+                  TAG + "format": tags.get(TAG + "format", "")},
+        )
+    previous = registry.alias_version(name, spec.alias)
+    if previous is not None and previous != version.version and spec.previous_alias:
+        registry.set_alias(name, spec.previous_alias, previous)
+    registry.set_alias(name, spec.alias, version.version)
+    registry.set_version_tags(name, version.version, {
+        f"{TAG}gate.{loaded.name}": "pass", f"{TAG}gate.policy_sha": loaded.sha, f"{TAG}gate.at": time.strftime("%Y%m%dT%H%M%S"),
+    })
+    return {"model": name, "version": version.version, "alias": spec.alias,
+            "previous": previous if previous != version.version else None}
