@@ -54,3 +54,44 @@ def workdir(tmp_path, monkeypatch, tracking_db, request) -> Path:
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", f"test-{request.node.name}"[:200])
     monkeypatch.delenv("QUANTBENCH_RECIPES", raising=False)
     return tmp_path
+
+
+TINY_SUITE = "tokens: 640\nwindow: 64\ntasks: [qb_pydoc_lastword, qb_pydoc_continuation]\ntask_limit: 6\ntask_batch_size: 4\n"
+TINY_PROFILE = "prompt_tokens: [16]\noutput_tokens: 4\nconcurrency: [1]\nrepetitions: 1\nwarmup: 0\nbase_dtype: float32\n"
+
+
+@pytest.fixture(scope="session")
+def scored_runs(tmp_path_factory, tiny_model_dir, tracking_db) -> dict:
+    """Real candidate runs on the tiny model, made once per session by `quantbench quantize` with
+    evaluate and bench sections, in their own experiment: 'gptq' (quantize, evaluate, bench) and
+    'fp8' (quantize, evaluate; no bench). compare, gate, the notebook and the UI test read them."""
+    import contextlib
+    import io
+    import json
+
+    from quantbench.cli import main
+    from tests.helpers import tiny_recipe
+
+    root = tmp_path_factory.mktemp("scored")
+    for sub in ("recipes", "suites", "profiles"):
+        (root / sub).mkdir()
+    (root / "suites" / "tiny.yaml").write_text(TINY_SUITE)
+    (root / "profiles" / "tiny.yaml").write_text(TINY_PROFILE)
+    sections = "evaluate:\n  suite: tiny\n"
+    (root / "recipes" / "gptq.yaml").write_text(
+        tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n") + sections + "bench:\n  profile: tiny\n")
+    (root / "recipes" / "fp8.yaml").write_text(tiny_recipe(tiny_model_dir, "method: fp8\n") + sections)
+    experiment = "scored-runs"
+    ids = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        mp.setenv("MLFLOW_TRACKING_URI", tracking_db)
+        mp.setenv("MLFLOW_EXPERIMENT_NAME", experiment)
+        mp.delenv("QUANTBENCH_RECIPES", raising=False)
+        for name in ("gptq", "fp8"):
+            buffer = io.StringIO()
+            with contextlib.redirect_stdout(buffer):
+                assert main(["quantize", name, "--json"]) == 0, buffer.getvalue()
+            (root / f"{name}.out").write_text(buffer.getvalue())
+            ids[name] = json.loads(buffer.getvalue().strip().splitlines()[-1])["run_id"]
+    return {"root": root, "experiment": experiment, "tracking_uri": tracking_db, **ids}

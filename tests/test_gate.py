@@ -1,0 +1,155 @@
+"""`quantbench gate` on real runs made by the tests (tiny model, quantize + evaluate + bench), with
+a real MLflow store and Model Registry: verdicts, the boundary, alias moves, reports, bad input."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quantbench.cli import main
+
+
+def client():
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+
+
+def write_policy(workdir: Path, name: str, policy: dict) -> str:
+    (workdir / "policies").mkdir(exist_ok=True)
+    (workdir / "policies" / f"{name}.yaml").write_text(yaml.safe_dump(policy))
+    return name
+
+
+def gate(run_id: str, policy: str, capsys) -> tuple[int, dict | None, str]:
+    code = main(["gate", run_id, "--policy", policy, "--json"])
+    out = capsys.readouterr()
+    lines = out.out.strip().splitlines()
+    report = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    return code, report, out.out + out.err
+
+
+def metric(run_id: str, key: str) -> float:
+    return client().get_run(run_id).data.metrics[key]
+
+
+def test_boundary_pass_registers_and_fail_moves_nothing(workdir, scored_runs, capsys):
+    run_id = scored_runs["gptq"]
+    kld = metric(run_id, "quality/kld_mean")
+    speedup = metric(run_id, "speedup/decode_tok_s")
+    model = "tiny-boundary"
+    at = {"stages": ["quantize", "evaluate", "bench"], "max": {"quality/kld_mean": kld},
+          "min": {"speedup/decode_tok_s": speedup}, "licenses": ["MIT"], "registry": {"model": model}}
+    # exactly at both thresholds (raw values, YAML round-trips the float): pass
+    code, report, out = gate(run_id, write_policy(workdir, "at", at), capsys)
+    assert code == 0 and report["passed"], out
+    assert {c["check"] for c in report["checks"]} >= {"stage bench", "licence", "quality/kld_mean", "speedup/decode_tok_s"}
+    kld_check = next(c for c in report["checks"] if c["check"] == "quality/kld_mean")
+    assert kld_check["value"] == kld and kld_check["passed"]
+    assert report["registered"]["model"] == model and report["registered"]["previous"] is None
+    version = client().get_model_version_by_alias(model, "champion")
+    assert version.run_id == run_id and version.source == f"runs:/{run_id}/checkpoint"
+    assert version.tags["quantbench.gate.at"] and version.tags["quantbench.gate.policy_sha"] == report["policy_sha"]
+    assert client().list_artifacts(run_id, "checkpoint")  # the checkpoint travels with the run
+
+    # one ulp stricter on KLD: fail, exit 1, no alias moved, the failed report still recorded
+    stricter = {**at, "max": {"quality/kld_mean": math.nextafter(kld, 0)}}
+    code, report, out = gate(run_id, write_policy(workdir, "stricter", stricter), capsys)
+    assert code == 1 and not report["passed"] and report["registered"] is None
+    assert "FAIL" in out and "nothing registered" in out
+    failed = [c["check"] for c in report["checks"] if not c["passed"]]
+    assert failed == ["quality/kld_mean"]
+    assert client().get_model_version_by_alias(model, "champion").version == version.version
+    tags = client().get_run(run_id).data.tags
+    assert tags["quantbench.gate.stricter"] == "fail" and tags["quantbench.gate.at"] == "pass"
+    reports = [a.path for a in client().list_artifacts(run_id, "gate")]
+    assert any(p.startswith("gate/stricter-") and p.endswith(".json") for p in reports)
+    assert any(p.startswith("gate/at-") and p.endswith(".md") for p in reports)
+
+
+def test_alias_moves_on_pass_and_the_previous_version_stays_reachable(workdir, scored_runs, capsys, tmp_path):
+    import mlflow
+
+    model = "tiny-promotion"
+    loose = {"stages": ["quantize", "evaluate"], "max": {"quality/kld_mean": 100.0}, "registry": {"model": model}}
+    policy = write_policy(workdir, "loose", loose)
+    assert gate(scored_runs["gptq"], policy, capsys)[0] == 0
+    first = client().get_model_version_by_alias(model, "champion")
+    # a failing candidate moves nothing
+    strict = write_policy(workdir, "strict", {**loose, "max": {"quality/kld_mean": 0.0}})
+    assert gate(scored_runs["fp8"], strict, capsys)[0] == 1
+    assert client().get_model_version_by_alias(model, "champion").version == first.version
+    # a passing one becomes champion; the replaced version keeps 'previous'
+    code, report, _ = gate(scored_runs["fp8"], policy, capsys)
+    assert code == 0 and report["registered"]["previous"] == first.version
+    champion = client().get_model_version_by_alias(model, "champion")
+    previous = client().get_model_version_by_alias(model, "previous")
+    assert champion.run_id == scored_runs["fp8"] and previous.version == first.version
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{model}@previous", dst_path=str(tmp_path / "prev"),
+                                                     tracking_uri=os.environ["MLFLOW_TRACKING_URI"]))
+    assert (local / "config.json").is_file() and json.loads((local / "quantbench.json").read_text())["run_id"] == scored_runs["gptq"]
+    # re-gating the champion does not register it twice
+    assert gate(scored_runs["fp8"], policy, capsys)[0] == 0
+    assert len(client().search_model_versions(f"name = '{model}'")) == 2
+
+
+def test_missing_stage_and_licence_fail_without_crashing(workdir, scored_runs, capsys):
+    policy = write_policy(workdir, "needs-bench", {"stages": ["quantize", "evaluate", "bench"], "licenses": ["apache-2.0"],
+                                                   "min": {"speedup/decode_tok_s": 0.1}, "registry": {"model": "tiny-x"}})
+    code, report, out = gate(scored_runs["fp8"], policy, capsys)  # fp8 was never benched; the tiny model is MIT
+    assert code == 1
+    failed = {c["check"]: c for c in report["checks"] if not c["passed"]}
+    assert set(failed) == {"stage bench", "licence", "speedup/decode_tok_s"}
+    assert failed["licence"]["value"] == "mit" and "make bench" in failed["stage bench"]["note"]
+    assert failed["speedup/decode_tok_s"]["note"] == "not logged in this run"
+    assert "FAIL" in out and "Traceback" not in out
+    assert client().search_registered_models("name = 'tiny-x'") == []
+
+
+def test_shipped_policies_load_and_the_release_gate_reads_the_real_run(workdir, scored_runs, capsys):
+    repo = Path(__file__).resolve().parents[1]
+    (workdir / "policies").mkdir()
+    for path in (repo / "policies").glob("*.yaml"):
+        (workdir / "policies" / path.name).write_text(path.read_text())
+        assert path.read_text().startswith(f"# Gate: make gate RUN=<run id> POLICY={path.stem}\n")
+    assert {p.stem for p in (repo / "policies").glob("*.yaml")} == {"release", "experimental"}
+    code, report, out = gate(scored_runs["gptq"], "release", capsys)
+    assert code in (0, 1) and report["policy"] == "release"  # a random tiny model: the verdict is what it is
+    assert len(report["checks"]) == 3 + 1 + 1 + 3 + 2 + 2 + 1  # status, stages, licence, recovery, min, max, checkpoint
+    for c in report["checks"]:  # a recovery of a zero baseline score is not defined: reported, not skipped
+        assert isinstance(c["value"], (float, str)) or (c["note"] == "not logged in this run" and not c["passed"])
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [
+        ({"max": {"quality/kld_mena": 0.1}}, "max.quality/kld_mena: unknown metric 'quality/kld_mena'. Close matches: quality/kld_mean"),
+        ({"min": {"quality/kld_mean": 0.1}}, "min.quality/kld_mean: lower is better for this metric, so its limit belongs under max:"),
+        ({"recovery": {"quality/kld_mean": 0.9}}, "recovery.quality/kld_mean: unknown metric 'recovery/quality/kld_mean'"),
+        ({"recovery": {"task/qb_pydoc_lastwrod/acc": 0.9}}, "Close matches: recovery/task/qb_pydoc_lastword/acc"),
+        ({"maximum": {"quality/kld_mean": 0.1}}, "maximum: Extra inputs are not permitted"),
+        ({"stages": ["quantise"]}, "stages.0: Input should be 'quantize', 'evaluate' or 'bench'"),
+        ({"registry": {"model": "{base}-x"}}, "registry.model: unknown placeholder(s) ['base']"),
+    ],
+)
+def test_bad_policies_name_the_file_and_field(workdir, scored_runs, capsys, policy, expected):
+    write_policy(workdir, "bad", policy)
+    assert main(["gate", scored_runs["gptq"], "--policy", "bad"]) == 2
+    err = capsys.readouterr().err
+    assert f"policies/bad.yaml: {expected}" in err or (expected.startswith("Close") and expected in err), err
+
+
+def test_unknown_run_unknown_policy_and_a_baseline_run(workdir, scored_runs, capsys):
+    write_policy(workdir, "ok", {"max": {"quality/kld_mean": 1.0}})
+    assert main(["gate", "0" * 32, "--policy", "ok"]) == 2
+    assert f"MLflow run '{'0' * 32}' does not exist" in capsys.readouterr().err
+    assert main(["gate", "not-a-run", "--policy", "ok"]) == 2
+    assert "not an MLflow run id" in capsys.readouterr().err
+    assert main(["gate", scored_runs["gptq"], "--policy", "oj"]) == 2
+    assert "unknown policy 'oj'" in capsys.readouterr().err
+    baseline = client().get_run(scored_runs["gptq"]).data.tags["quantbench.baseline_run"]
+    assert main(["gate", baseline, "--policy", "ok"]) == 2
+    assert "is a baseline run" in capsys.readouterr().err
