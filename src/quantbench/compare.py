@@ -113,10 +113,11 @@ def build(candidates: list[Candidate], quality: str | None, speed: str | None) -
     check_metric(speed, "--speed")
     comparison = Comparison(quality, speed, candidates)
     frontier(candidates, quality, speed)
-    # frontier first, then by quality (best first); unscored last
+    # frontier first, then the other scored ones by quality (best first); those missing an axis last
     def key(c: Candidate):
         q = c.metrics.get(quality)
-        return (not c.frontier, q is None, (q if catalogue.direction(quality) == "lower" else -q) if q is not None else 0)
+        scored = q is not None and speed in c.metrics
+        return (not c.frontier, not scored, q is None, (q if catalogue.direction(quality) == "lower" else -q) if q is not None else 0)
 
     comparison.candidates.sort(key=key)
     return comparison
