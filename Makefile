@@ -15,7 +15,7 @@ POLICY ?= release
 HOST   ?= 127.0.0.1
 PORT   ?= 5000
 
-.PHONY: setup quantize evaluate bench compare gate validate recipes test test-fast ui benchmarks clean help
+.PHONY: setup quantize evaluate bench compare gate notebook validate recipes test test-fast ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
@@ -23,6 +23,7 @@ help:
 	@echo "make bench RUN=<run id>         speed against the base model (PROFILE=cpu-smoke BACKEND=hf|serve)"
 	@echo "make compare                    every candidate in one table + Pareto plot (outputs/compare/)"
 	@echo "make gate RUN=<run id>          pass/fail against policies/<POLICY>.yaml (default release); a pass moves the alias"
+	@echo "make notebook                   run notebooks/tradeoffs.ipynb headless into outputs/notebooks/"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
 	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
@@ -61,6 +62,12 @@ compare: $(STAMP)
 gate: $(STAMP)
 	@test -n "$(RUN)" || { echo "usage: make gate RUN=<mlflow run id> [POLICY=release]"; exit 2; }
 	$(BIN)/quantbench gate $(RUN) --policy $(POLICY) $(ARGS)
+
+notebook: $(STAMP)
+	mkdir -p outputs/notebooks
+	cp notebooks/tradeoffs.ipynb outputs/notebooks/tradeoffs.ipynb
+	MLFLOW_TRACKING_URI=$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db} $(BIN)/jupyter-execute --inplace outputs/notebooks/tradeoffs.ipynb
+	@echo "executed: outputs/notebooks/tradeoffs.ipynb (plot: outputs/notebooks/tradeoffs.png)"
 
 validate: $(STAMP)
 	$(BIN)/quantbench validate recipes/*.yaml $(ARGS)

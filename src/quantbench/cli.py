@@ -300,10 +300,13 @@ def cmd_recipes(args) -> int:
 def cmd_ui(args) -> int:
     import subprocess
 
-    from quantbench.tracking import tracking_uri
+    from quantbench.tracking import Tracker, experiment_name, tracking_uri
 
     uri = tracking_uri()
     print(f"MLflow UI for {uri} on http://{args.host}:{args.port}")
+    found = Tracker().client.get_experiment_by_name(experiment_name())
+    if found is not None:  # MLflow 3 opens its GenAI view by default; this link opens the runs table
+        print(f"runs: http://{args.host}:{args.port}/#/experiments/{found.experiment_id}/runs?workflowType=machine_learning")
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: {args.host} is not loopback; the MLflow UI has no login of its own. Put authentication "
               "in front of it first (README: 'Exposing the UI').", file=sys.stderr)

@@ -15,6 +15,8 @@ from typing import Any
 
 DEFAULT_EXPERIMENT = "quantbench"
 TAG = "quantbench."  # prefix of every tag of ours (DESIGN.md, MLflow contract)
+# MLflow 3's UI opens an experiment in its GenAI (traces) view unless told it holds model runs.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def tracking_uri() -> str:
@@ -109,11 +111,13 @@ class Tracker:
     def experiment_id(self) -> str:
         found = self.client.get_experiment_by_name(self.experiment)
         if found is not None:
+            if EXPERIMENT_KIND[0] not in found.tags:
+                self.client.set_experiment_tag(found.experiment_id, *EXPERIMENT_KIND)
             return found.experiment_id
         location = None
         if "MLFLOW_TRACKING_URI" not in os.environ:  # the local default: artifacts in ./mlruns
             location = (Path.cwd() / "mlruns").as_uri()
-        return self.client.create_experiment(self.experiment, artifact_location=location)
+        return self.client.create_experiment(self.experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
 
     def find_runs(self, tags: dict[str, str]) -> list[str]:
         """FINISHED runs of this experiment carrying all `tags`, newest first."""
