@@ -42,6 +42,6 @@ def test_notebook_executes_against_the_store(workdir, scored_runs, monkeypatch, 
     text = "\n".join(texts)
     assert images == 1 and (workdir / "outputs" / "notebooks" / "tradeoffs.png").is_file()
     assert scored_runs["gptq"][:8] in text and scored_runs["fp8"][:8] in text
-    assert "nb: pass" in text and "tiny-notebook@champion" in text and "not gated" in text
+    assert "nb: pass" in text and "tiny-notebook@champion" in text
     assert "★" in text and "quality/kld_mean" in text
     (workdir / "executed.ipynb").write_text(json.dumps(nb))  # kept with the test's tmp dir for a look

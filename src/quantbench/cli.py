@@ -75,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", default=None, help="profiles/NAME.yaml (default: cpu-smoke)")
     b.add_argument("--backend", default="hf", choices=["hf", "openai", "serve"],
                    help="hf: in-process transformers generate; openai: streaming OpenAI-compatible endpoints "
-                   "(--endpoint, --base-endpoint); serve: starts `transformers serve` for both on 127.0.0.1")
+                   "(--endpoint, --base-endpoint); serve: starts a server (vLLM or transformers serve) for both on 127.0.0.1")
+    b.add_argument("--server", default="auto", choices=["auto", "vllm", "transformers"],
+                   help="with --backend serve: auto = vLLM where installed (here or $QUANTBENCH_VLLM_PYTHON), "
+                   "else transformers serve")
     b.add_argument("--endpoint", help="with --backend openai: the checkpoint's endpoint, e.g. http://127.0.0.1:8000/v1")
     b.add_argument("--base-endpoint", help="with --backend openai: the base model's endpoint")
     b.add_argument("--base", default=None, help="the base model source, for a checkpoint quantbench did not write")
@@ -195,7 +198,8 @@ def cmd_bench(args) -> int:
     from quantbench.evaluate.bench import run
 
     result = _run_stage("bench", run, args.target, profile=args.profile, backend=args.backend, base=args.base,
-                        experiment=args.experiment, endpoint=args.endpoint, base_endpoint=args.base_endpoint)
+                        experiment=args.experiment, endpoint=args.endpoint, base_endpoint=args.base_endpoint,
+                        server=args.server)
     if result is None:
         return 1
     print(f"mlflow run: {result['run_id']}")

