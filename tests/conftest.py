@@ -12,32 +12,48 @@ TINY = {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2, "nu
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A 2-layer Llama (hidden 96 = 3 x 32, so group 64 cannot divide it) with a BPE tokenizer
-    trained here on the calibration split of the Python docs. Random weights, fixed seed."""
-    import torch
+def tiny_tokenizer():
+    """A BPE tokenizer (vocab 512) trained here on the calibration split of the Python docs."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     from quantbench.data import python_docs
 
-    path = tmp_path_factory.mktemp("tiny-llama")
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=TINY["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator([python_docs("calibration")[:200_000]], trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                        pad_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+
+
+def build_tiny(path: Path, tokenizer, **overrides) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(**TINY, tie_word_embeddings=True, max_position_embeddings=512,
+    config = LlamaConfig(**{**TINY, **overrides}, tie_word_embeddings=True, max_position_embeddings=512,
                          bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(path)
+    LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     (path / "README.md").write_text("---\nlicense: mit\n---\n# tiny test model\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A 2-layer Llama (hidden 96 = 3 x 32, so group 64 cannot divide it). Random weights, fixed seed."""
+    return build_tiny(tmp_path_factory.mktemp("tiny-llama"), tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny128_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """The same with hidden 128 / intermediate 256: every width a multiple of 64, as bitsandbytes'
+    4-bit CPU kernels need."""
+    return build_tiny(tmp_path_factory.mktemp("tiny-llama-128"), tiny_tokenizer, hidden_size=128,
+                      intermediate_size=256, num_attention_heads=4)
 
 
 @pytest.fixture(scope="session")

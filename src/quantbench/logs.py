@@ -13,6 +13,20 @@ from pathlib import Path
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class _Once(logging.Filter):
+    """Let a message that starts with `prefix` through the first time only."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix, self.seen = prefix, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(self.prefix):
+            return True
+        seen, self.seen = self.seen, True
+        return not seen
+
+
 def configure_console(verbose: bool = False) -> None:
     root = logging.getLogger()
     if not any(getattr(h, "_quantbench_console", False) for h in root.handlers):
@@ -23,6 +37,10 @@ def configure_console(verbose: bool = False) -> None:
     root.setLevel(logging.INFO)
     logging.getLogger("quantbench").setLevel(logging.DEBUG if verbose else logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per streamed request otherwise
+    # bitsandbytes INT8 warns on every forward of a bf16 model that it computes in fp16
+    bnb = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _Once) for f in bnb.filters):
+        bnb.addFilter(_Once("MatMul8bitLt: inputs will be cast"))
 
 
 @contextmanager

@@ -65,7 +65,13 @@ class _QuantizeBase(Strict):
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
 
 
-class GPTQSpec(_QuantizeBase):
+class _LLMCompressorBase(_QuantizeBase):
+    # fp8: also quantize the KV cache to FP8 with per-tensor scales calibrated on the calibration
+    # data (stored in the checkpoint; vLLM serves it with --kv-cache-dtype fp8). None: 16-bit cache.
+    kv_cache: Literal["fp8"] | None = None
+
+
+class GPTQSpec(_LLMCompressorBase):
     """GPTQ weight-only: INT4 (W4A16) or INT8 (W8A16), compressed-tensors output."""
 
     method: Literal["gptq"]
@@ -76,7 +82,7 @@ class GPTQSpec(_QuantizeBase):
     block_size: PositiveInt = 128
 
 
-class AWQSpec(_QuantizeBase):
+class AWQSpec(_LLMCompressorBase):
     """AWQ activation-aware scaling, then INT4 weight-only quantization (W4A16)."""
 
     method: Literal["awq"]
@@ -87,14 +93,15 @@ class AWQSpec(_QuantizeBase):
     duo_scaling: bool | Literal["both"] = True
 
 
-class FP8Spec(_QuantizeBase):
-    """FP8 weights (per channel) and dynamic per-token FP8 activations; needs no data."""
+class FP8Spec(_LLMCompressorBase):
+    """FP8 weights (per channel) and dynamic per-token FP8 activations; needs no data (unless
+    `kv_cache: fp8`, whose scales are calibrated)."""
 
     method: Literal["fp8"]
     scheme: Literal["FP8_DYNAMIC"] = "FP8_DYNAMIC"
 
 
-class SmoothQuantSpec(_QuantizeBase):
+class SmoothQuantSpec(_LLMCompressorBase):
     """SmoothQuant to move activation outliers into weights, then GPTQ: INT8 W8A8."""
 
     method: Literal["smoothquant"]
@@ -103,8 +110,20 @@ class SmoothQuantSpec(_QuantizeBase):
     dampening_frac: float = Field(0.01, gt=0, lt=1)
 
 
+class BnbSpec(_QuantizeBase):
+    """bitsandbytes, quantized as the model loads (no calibration): LLM.int8 (INT8) or 4-bit NF4 /
+    FP4; saved as a transformers checkpoint with bitsandbytes serialization."""
+
+    method: Literal["bnb"]
+    scheme: Literal["INT8", "NF4", "FP4"] = "NF4"
+    double_quant: bool = False  # 4-bit: quantize the quantization constants too (~0.4 bit/param less)
+    # 4-bit: the dtype the matmuls run in; bitsandbytes computes in floating point only
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    int8_threshold: float = Field(6.0, ge=0)  # INT8: activation outlier threshold of LLM.int8
+
+
 QuantizeSpec = Annotated[
-    Union[GPTQSpec, AWQSpec, FP8Spec, SmoothQuantSpec], Field(discriminator="method")
+    Union[GPTQSpec, AWQSpec, FP8Spec, SmoothQuantSpec, BnbSpec], Field(discriminator="method")
 ]
 
 

@@ -162,12 +162,12 @@ def test_a_format_whose_package_is_missing_names_it(workdir, tiny_model_dir, sui
     import importlib.util
     import shutil
 
-    if importlib.util.find_spec("bitsandbytes") is not None:
-        pytest.skip("bitsandbytes is installed here; the check needs a format whose package is missing")
-    ckpt = tmp_path / "bnb"
+    if importlib.util.find_spec("gptqmodel") is not None:
+        pytest.skip("gptqmodel is installed here; the check needs a format whose package is missing")
+    ckpt = tmp_path / "gptq"
     shutil.copytree(tiny_model_dir, ckpt)
     config = json.loads((ckpt / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
     (ckpt / "config.json").write_text(json.dumps(config))
     err = evaluate_error([str(ckpt), "--base", str(tiny_model_dir), "--suite", suite], capsys)
-    assert "is a bitsandbytes checkpoint; loading it needs the package 'bitsandbytes'" in err
+    assert "is a gptq checkpoint; loading it needs the package 'gptqmodel'" in err

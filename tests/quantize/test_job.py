@@ -164,3 +164,27 @@ def test_reload_check_rejects_a_checkpoint_that_reloads_broken(workdir, tiny_mod
     AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(good)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(good)
     assert _reload_check(good, prepared, base_ppl)["metrics"]["check/ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("section", ["method: fp8\nkv_cache: fp8\n", "method: gptq\ngroup_size: 32\nkv_cache: fp8\n"])
+def test_fp8_kv_cache_combines_with_the_weight_scheme(section, workdir, tiny_model_dir, capsys):
+    """kv_cache: fp8 adds calibrated per-tensor K/V scales to the checkpoint (vLLM's FP8 KV cache)."""
+    from safetensors import safe_open
+
+    write_recipe(workdir, "kv", tiny_recipe(tiny_model_dir, section))
+    code, out, err = quantize(["kv", "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    ckpt = Path(result["checkpoint"])
+    qcfg = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    kv = qcfg["kv_cache_scheme"]
+    assert kv["num_bits"] == 8 and kv["type"] == "float" and kv["strategy"] == "tensor" and kv["dynamic"] is False
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        scales = {k: f.get_tensor(k).item() for k in f.keys() if k.endswith(("k_scale", "v_scale"))}
+    assert len(scales) == 2 * 2 and all(0 < v < 1 for v in scales.values())  # 2 layers x (k, v), calibrated
+    assert json.loads((ckpt / "quantbench.json").read_text())["kv_cache"] == "fp8"
+    card = (ckpt / "README.md").read_text()
+    assert "KV cache: FP8" in card and "--kv-cache-dtype fp8" in card
+    [run] = runs()
+    assert run.data.tags["quantbench.kv_cache"] == "fp8" and "vLLM" in run.data.tags["quantbench.loaders"]
+    assert run.data.params["calibration.samples"] == "4" and result["metrics"]["check/ppl_ratio"] < 1.2

@@ -134,3 +134,17 @@ def test_a_local_gguf_file_is_the_same_model_as_the_builtin():
     local = models.resolve(str(gguf))
     assert local.path == builtin.path and local.fingerprint == builtin.fingerprint
     assert local.license == "apache-2.0" and (local.path / "model.safetensors").stat().st_size > 500e6
+
+
+@pytest.mark.parametrize("recipe, max_ratio, min_compression", [("bnb-int8", 1.05, 1.5), ("bnb-nf4", 1.35, 1.8)])
+def test_bitsandbytes(recipe, max_ratio, min_compression, workdir, capsys):
+    """bitsandbytes INT8 and NF4 on the default model: saved before any forward, reloaded from
+    disk and scored against the base (measured here: INT8 x1.00, NF4 x1.1-1.2)."""
+    result, qcfg = run_shipped(recipe, workdir, capsys)
+    assert qcfg["quant_method"] == "bitsandbytes"
+    assert qcfg["load_in_8bit"] if recipe == "bnb-int8" else qcfg["bnb_4bit_quant_type"] == "nf4"
+    m = assert_tracked(result)
+    assert m["check/ppl_ratio"] < max_ratio
+    assert m["model/compression_ratio"] > min_compression
+    [run] = runs()
+    assert run.data.tags["quantbench.format"] == "bitsandbytes" and "transformers" in run.data.tags["quantbench.loaders"]

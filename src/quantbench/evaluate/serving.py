@@ -162,7 +162,7 @@ def server_command(engine: str, checkpoint: Path, port: int, max_model_len: int)
     # metadata under the name "vllm" and fails (FIELD-NOTES).
     cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
            "--served-model-name", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(max_model_len), "--disable-log-requests"]
+           "--max-model-len", str(max_model_len)]
     config = json.loads((checkpoint / "config.json").read_text())
     if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
         cmd += ["--kv-cache-dtype", "fp8"]  # a checkpoint with calibrated FP8 KV-cache scales

@@ -3,7 +3,8 @@
 A backend is a class built from the recipe's `quantize` section with:
 - `needs_calibration`: whether `quantize` wants calibration windows;
 - `format`: the checkpoint format it writes;
-- `quantize(model, calibration)`: compress the loaded model in place;
+- `quantize(model, calibration)`: compress the loaded model in place; or, with
+  `loads_quantized = True`, `load(base_path, dtype)`: a new model quantized as it loads;
 - `save(model, tokenizer, dest)`: write the checkpoint into `dest`.
 """
 
@@ -19,9 +20,10 @@ BACKENDS = {
     "awq": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
     "fp8": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
     "smoothquant": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
+    "bnb": "quantbench.quantize.bnb:BnbBackend",
 }
 # the package a backend module needs, for a clear error when it is missing
-PACKAGES = {"quantbench.quantize.llmcompressor": "llmcompressor"}
+PACKAGES = {"quantbench.quantize.llmcompressor": "llmcompressor", "quantbench.quantize.bnb": "bitsandbytes"}
 
 
 def get_backend(method: str):

@@ -108,9 +108,23 @@ def prepare(recipe: str, overrides: tuple[str, ...] = ()) -> Prepared:
     return Prepared(loaded, base, tokenizer, backend, calibration, eval_ids, text_shas, evaluation, bench)
 
 
+# bitsandbytes 0.50's 4-bit CPU kernels repack weights in blocks of 64 input features (the
+# quantization block size) on the first forward; other widths crash there, so check first.
+BNB_4BIT_BLOCK = 64
+
+
 def check_shapes(loaded: LoadedRecipe, config) -> list[str]:
     """A group size must divide the input width of every layer it quantizes."""
-    group_size = getattr(loaded.recipe.quantize, "group_size", None)
+    q = loaded.recipe.quantize
+    group_size = getattr(q, "group_size", None)
+    field, why = "group_size", ""
+    if q.method == "bnb" and q.scheme != "INT8":
+        import torch
+
+        if torch.cuda.is_available():
+            return []
+        group_size, field = BNB_4BIT_BLOCK, "scheme"
+        why = f" (bitsandbytes 4-bit on CPU packs weights in blocks of {BNB_4BIT_BLOCK} input features)"
     if not group_size:
         return []
     import torch
@@ -125,11 +139,14 @@ def check_shapes(loaded: LoadedRecipe, config) -> list[str]:
     bad = {w: names for w, names in widths.items() if w % group_size}
     if not bad:
         return []
-    divisors = [g for g in (256, 128, 64, 32, 16) if all(w % g == 0 for w in widths)]
     detail = "; ".join(f"width {w} ({len(n)} layers, e.g. {n[0]})" for w, n in sorted(bad.items()))
+    if why:
+        return [f"{loaded.path}: {loaded.where('quantize', field)}: {q.scheme} cannot quantize these layers of "
+                f"{loaded.recipe.model.source}{why}: {detail}. Use scheme INT8, or add them to quantize.ignore."]
+    divisors = [g for g in (256, 128, 64, 32, 16) if all(w % g == 0 for w in widths)]
     hint = f" Group sizes that fit every layer: {', '.join(map(str, divisors))}." if divisors else ""
     return [
-        f"{loaded.path}: {loaded.where('quantize', 'group_size')}: {group_size} does not "
+        f"{loaded.path}: {loaded.where('quantize', field)}: {group_size} does not "
         f"divide the input width of these layers of {loaded.recipe.model.source}: {detail}.{hint}"
     ]
 
@@ -153,6 +170,8 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
         TAG + "base_model": spec.model.source,
         TAG + "base_fingerprint": p.base.fingerprint,
         TAG + "format": p.backend.format,
+        TAG + "loaders": p.backend.loaders(),
+        TAG + "kv_cache": getattr(q, "kv_cache", None) or "none",
         TAG + "license": p.base.license,
         **{TAG + k: v for k, v in environment.describe().items()},
     }
@@ -189,7 +208,12 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
 
                 log.info("[2/4] quantizing: %s %s", q.method, q.scheme)
                 started = time.perf_counter()
-                p.backend.quantize(model, p.calibration)
+                if getattr(p.backend, "loads_quantized", False):
+                    # bitsandbytes quantizes while loading: a fresh model, saved before any forward
+                    del model
+                    model = p.backend.load(p.base.path, dtype)
+                else:
+                    p.backend.quantize(model, p.calibration)
                 wall_s = time.perf_counter() - started
                 peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -286,6 +310,8 @@ def _write_checkpoint_info(dest: Path, p: Prepared, run_id: str) -> None:
         "method": q.method,
         "scheme": q.scheme,
         "format": p.backend.format,
+        "loaders": p.backend.loaders(),
+        "kv_cache": getattr(q, "kv_cache", None),
         "base_model": {"source": p.base.source, "name": p.base.name, "fingerprint": p.base.fingerprint, "license": p.base.license},
     }
     (dest / "quantbench.json").write_text(json.dumps(info, indent=2))
@@ -320,7 +346,8 @@ Quantized by quantbench from `{spec.model.source}` with the recipe `{p.loaded.na
 - Base model: {p.base.name} (`{spec.model.source}`, fingerprint `{p.base.fingerprint[:16]}`)
 - Licence: {p.base.license} (inherited from the base model)
 - Method / scheme: {q.method} / {q.scheme}
-- Format: {p.backend.format}
+- Format: {p.backend.format}; loads with: {p.backend.loaders()}
+- KV cache: {"FP8, per-tensor scales calibrated on the calibration data (vLLM: `--kv-cache-dtype fp8`)" if getattr(q, "kv_cache", None) else "not quantized (16-bit)"}
 - Calibration: {"none" if p.calibration is None else f"{len(p.calibration)} × {spec.calibration.seq_len} tokens of `{spec.calibration.source}`"}
 
 ## Metrics
@@ -339,7 +366,7 @@ Greedy sample after "{spec.check.prompt}": {sample!r}
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("{final}")
 ```
-or serve it: `vllm serve {final}`.
+or serve it: `vllm serve {final}`{" --kv-cache-dtype fp8" if getattr(q, "kv_cache", None) else ""}.
 
 ## Resolved recipe
 

@@ -13,12 +13,22 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from quantbench.recipe import AWQSpec, FP8Spec, GPTQSpec, SmoothQuantSpec
 
 
+# recipe `kv_cache:` -> llm-compressor's kv_cache_scheme (static per-tensor scales, calibrated)
+KV_CACHE_SCHEMES = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
+
+
 class LLMCompressorBackend:
     format = "compressed-tensors"
 
+    @staticmethod
+    def loaders() -> str:
+        import compressed_tensors
+
+        return f"compressed-tensors {compressed_tensors.__version__} — vLLM, SGLang, transformers (+compressed-tensors)"
+
     def __init__(self, spec: GPTQSpec | AWQSpec | FP8Spec | SmoothQuantSpec):
         self.spec = spec
-        self.needs_calibration = not isinstance(spec, FP8Spec)
+        self.needs_calibration = not isinstance(spec, FP8Spec) or spec.kv_cache is not None
 
     def modifiers(self) -> list:
         """The llm-compressor recipe for this spec, as modifier objects."""
@@ -27,6 +37,7 @@ class LLMCompressorBackend:
         from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
 
         spec = self.spec
+        kv = {"kv_cache_scheme": KV_CACHE_SCHEMES[spec.kv_cache]} if spec.kv_cache else {}
         if isinstance(spec, GPTQSpec):
             bits = {"W4A16": 4, "W8A16": 8}[spec.scheme]
             return [
@@ -35,6 +46,7 @@ class LLMCompressorBackend:
                     ignore=spec.ignore,
                     block_size=spec.block_size,
                     dampening_frac=spec.dampening_frac,
+                    **kv,
                 )
             ]
         if isinstance(spec, AWQSpec):
@@ -45,13 +57,14 @@ class LLMCompressorBackend:
                 QuantizationModifier(
                     config_groups={"group_0": weight_only_scheme(4, spec.group_size, spec.symmetric)},
                     ignore=spec.ignore,
+                    **kv,
                 ),
             ]
         if isinstance(spec, FP8Spec):
-            return [QuantizationModifier(targets=["Linear"], scheme=spec.scheme, ignore=spec.ignore)]
+            return [QuantizationModifier(targets=["Linear"], scheme=spec.scheme, ignore=spec.ignore, **kv)]
         return [
             SmoothQuantModifier(smoothing_strength=spec.smoothing_strength),
-            GPTQModifier(targets=["Linear"], scheme=spec.scheme, ignore=spec.ignore, dampening_frac=spec.dampening_frac),
+            GPTQModifier(targets=["Linear"], scheme=spec.scheme, ignore=spec.ignore, dampening_frac=spec.dampening_frac, **kv),
         ]
 
     def quantize(self, model, calibration: list[list[int]] | None) -> None:
