@@ -10,6 +10,14 @@ each (the difference is the price of quantbench's checks and tracking), and each
 peak RSS.
 
     python bench/quantize_overhead.py [--reps 2] [--samples 16] [--seq-len 256]
+
+`--backends`: every engine instead, each shipped recipe of a backend (calibration trimmed to
+--samples x --seq-len, evaluation off) quantized by `quantbench quantize` in its own process,
+round-robin over --reps: quantize wall time and peak RSS, the reload check's perplexity ratio and
+the checkpoint size, and each recipe's quantize time as a ratio of fp8-dynamic's (no calibration,
+a round-to-nearest pass) measured in the same run.
+
+    python bench/quantize_overhead.py --backends [--reps 1] [--samples 16] [--seq-len 256]
 """
 
 from __future__ import annotations
@@ -67,8 +75,40 @@ def child_quantbench(samples: int, seq_len: int, out: Path) -> dict:
     return {"oneshot_s": result["metrics"]["quantize/wall_s"], "wall_s": time.perf_counter() - started}
 
 
+# one shipped recipe per backend / scheme family
+BACKEND_RECIPES = ["fp8-dynamic", "gptq-w4a16", "awq-int4", "w8a8-int8", "fp8-dynamic-kv8", "bnb-int8", "bnb-nf4"]
+
+
+def child_recipe(recipe: str, samples: int, seq_len: int, out: Path) -> dict:
+    from quantbench.quantize.job import run
+
+    result = run(str(REPO / "recipes" / f"{recipe}.yaml"), outputs=out, experiment="bench-backends",
+                 overrides=(f"calibration.samples={samples}", f"calibration.seq_len={seq_len}", "evaluate=null"))
+    m = result["metrics"]
+    return {"quantize_s": m["quantize/wall_s"], "rss_mb": m["quantize/peak_rss_mb"], "ppl_ratio": m["check/ppl_ratio"],
+            "size_mb": m["model/size_mb"]}
+
+
+def backends(args) -> None:
+    results: dict[str, list[dict]] = {r: [] for r in BACKEND_RECIPES}
+    with tempfile.TemporaryDirectory(prefix="qb-bench-") as tmp:
+        for rep in range(args.reps):
+            for recipe in BACKEND_RECIPES:
+                r = spawn(f"recipe:{recipe}", args, Path(tmp))
+                results[recipe].append(r)
+                print(f"rep {rep + 1}/{args.reps} {recipe:16s} quantize {r['quantize_s']:7.1f} s  peak RSS "
+                      f"{r['rss_mb']:6.0f} MB  ppl x{r['ppl_ratio']:.3f}  {r['size_mb']:6.1f} MB", flush=True)
+    base = statistics.median(r["quantize_s"] for r in results["fp8-dynamic"])
+    print(f"\nquantize stage per backend, {args.samples} x {args.seq_len} calibration tokens, median of {args.reps}")
+    print(f"{'recipe':18s}{'quantize s':>11s}{'x fp8':>8s}{'peak RSS MB':>13s}{'ppl ratio':>11s}{'size MB':>9s}")
+    for recipe, rs in results.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        print(f"{recipe:18s}{med['quantize_s']:11.1f}{med['quantize_s'] / base:8.1f}{med['rss_mb']:13.0f}"
+              f"{med['ppl_ratio']:11.3f}{med['size_mb']:9.1f}")
+
+
 def spawn(kind: str, args, scratch: Path) -> dict:
-    out = scratch / f"{kind}-{time.monotonic_ns()}"
+    out = scratch / f"{kind.replace(':', '-')}-{time.monotonic_ns()}"
     cmd = [sys.executable, __file__, "--child", kind, "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--out", str(out)]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{scratch / 'mlflow.db'}"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=scratch)
@@ -82,15 +122,22 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--child", choices=["direct", "quantbench"], help=argparse.SUPPRESS)
+    parser.add_argument("--backends", action="store_true", help="every engine's quantize stage instead")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child:
-        fn = child_direct if args.child == "direct" else child_quantbench
-        result = fn(args.samples, args.seq_len, args.out)
+        if args.child.startswith("recipe:"):
+            result = child_recipe(args.child.removeprefix("recipe:"), args.samples, args.seq_len, args.out)
+        else:
+            fn = child_direct if args.child == "direct" else child_quantbench
+            result = fn(args.samples, args.seq_len, args.out)
         result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(result))
+        return
+    if args.backends:
+        backends(args)
         return
 
     results: dict[str, list[dict]] = {"direct": [], "quantbench": []}

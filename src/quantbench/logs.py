@@ -27,6 +27,15 @@ class _Once(logging.Filter):
         return not seen
 
 
+class _Drop(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
 def configure_console(verbose: bool = False) -> None:
     root = logging.getLogger()
     if not any(getattr(h, "_quantbench_console", False) for h in root.handlers):
@@ -41,6 +50,11 @@ def configure_console(verbose: bool = False) -> None:
     bnb = logging.getLogger("bitsandbytes.autograd._functions")
     if not any(isinstance(f, _Once) for f in bnb.filters):
         bnb.addFilter(_Once("MatMul8bitLt: inputs will be cast"))
+    # bitsandbytes' CPU backend tries to fetch an optional kernel from the hub at import and warns
+    # when it can't; quantbench runs offline by design and bitsandbytes falls back to its own.
+    ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _Drop) for f in ops.filters):
+        ops.addFilter(_Drop("Failed to load CPU gemm_4bit_forward from kernels-community"))
 
 
 @contextmanager
