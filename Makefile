@@ -12,10 +12,11 @@ SUITE  ?= default
 PROFILE ?= cpu-smoke
 BACKEND ?= hf
 POLICY ?= release
+SWEEP  ?=
 HOST   ?= 127.0.0.1
 PORT   ?= 5000
 
-.PHONY: setup quantize evaluate bench compare gate notebook validate recipes test test-fast ui benchmarks clean help
+.PHONY: setup quantize evaluate bench compare gate sweep notebook validate recipes test test-fast ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
@@ -23,6 +24,7 @@ help:
 	@echo "make bench RUN=<run id>         speed against the base model (PROFILE=cpu-smoke BACKEND=hf|serve)"
 	@echo "make compare                    every candidate in one table + Pareto plot (outputs/compare/)"
 	@echo "make gate RUN=<run id>          pass/fail against policies/<POLICY>.yaml (default release); a pass moves the alias"
+	@echo "make sweep SWEEP=cpu-grid       run sweeps/<SWEEP>.yaml: many jobs, resumable (outputs/sweeps/<SWEEP>/)"
 	@echo "make notebook                   run notebooks/tradeoffs.ipynb headless into outputs/notebooks/"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
@@ -62,6 +64,10 @@ compare: $(STAMP)
 gate: $(STAMP)
 	@test -n "$(RUN)" || { echo "usage: make gate RUN=<mlflow run id> [POLICY=release]"; exit 2; }
 	$(BIN)/quantbench gate $(RUN) --policy $(POLICY) $(ARGS)
+
+sweep: $(STAMP)
+	@test -n "$(SWEEP)" || { echo "usage: make sweep SWEEP=<name> (sweeps/<name>.yaml)"; exit 2; }
+	$(BIN)/quantbench sweep $(SWEEP) $(ARGS)
 
 notebook: $(STAMP)
 	mkdir -p outputs/notebooks

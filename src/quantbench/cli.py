@@ -20,6 +20,7 @@ examples:
   quantbench bench <run id | checkpoint dir>        speed against the base model (profiles/cpu-smoke.yaml)
   quantbench compare                                all candidates, Pareto frontier (quality vs speed)
   quantbench gate <run id> --policy release         pass/fail; a pass moves the registry alias 'champion'
+  quantbench sweep cpu-grid                         many jobs (sweeps/cpu-grid.yaml): resumable, timeouts, retries
   quantbench validate recipes/*.yaml                check recipes (every error at once)
   quantbench recipes                                list the shipped recipes
   quantbench ui                                     MLflow UI on http://127.0.0.1:5000
@@ -112,6 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", default="release", help="policies/NAME.yaml or a path (default: release)")
     g.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
     g.add_argument("--json", action="store_true", help="print the gate report as JSON on the last line")
+
+    s = sub.add_parser(
+        "sweep",
+        help="run many recipes (a list and/or a matrix of overrides); resumable, with timeouts and retries",
+        description="Run the jobs of sweeps/NAME.yaml, each `quantbench quantize` in its own process with a log "
+        "file, a timeout and retries. State in outputs/sweeps/NAME/state.json: re-running resumes, skipping jobs "
+        "whose recipe sha already has a FINISHED run (unless --force). Ends with a summary table, a parent MLflow "
+        "run and the compare output. Exit 0 if every job finished, 1 if any failed, 2 bad input.",
+    )
+    s.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a path to a .yaml file")
+    s.add_argument("--force", action="store_true", help="run every job again, even those already FINISHED")
+    s.add_argument("--outputs", type=Path, default=Path("outputs"), help="output root (default: outputs)")
+    s.add_argument("--experiment", help="MLflow experiment (default: the sweep's, $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
+    s.add_argument("--json", action="store_true", help="print the sweep summary as JSON on the last line")
 
     v = sub.add_parser("validate", help="validate recipe files, reporting every error at once",
                        description="Check recipe files against the schema and against their model's layer "
@@ -231,6 +246,17 @@ def cmd_gate(args) -> int:
     return 0 if result["passed"] else 1
 
 
+def cmd_sweep(args) -> int:
+    from quantbench.sweep import run
+
+    result = _run_stage("sweep", run, args.sweep, force=args.force, outputs=args.outputs, experiment=args.experiment)
+    if result is None:
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result["counts"]["failed"] == 0 else 1
+
+
 def cmd_validate(args) -> int:
     from quantbench.recipe import load_recipe, recipes_dir
 
@@ -318,5 +344,5 @@ def cmd_ui(args) -> int:
     return subprocess.call(cmd)
 
 
-COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "compare": cmd_compare, "gate": cmd_gate,
+COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "compare": cmd_compare, "gate": cmd_gate, "sweep": cmd_sweep,
             "validate": cmd_validate, "recipes": cmd_recipes, "ui": cmd_ui}

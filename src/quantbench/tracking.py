@@ -153,6 +153,18 @@ class Tracker:
         clauses = [f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"]
         return self.client.search_runs([found.experiment_id], " and ".join(clauses), order_by=["attributes.start_time DESC"])
 
+    def runs_with_status(self, tags: dict[str, str], status: str) -> list:
+        found = self.client.get_experiment_by_name(self.experiment)
+        if found is None:
+            return []
+        clauses = [f"tags.`{k}` = '{v}'" for k, v in tags.items()] + [f"attributes.status = '{status}'"]
+        return self.client.search_runs([found.experiment_id], " and ".join(clauses))
+
+    def fail_run(self, run_id: str, reason: str) -> None:
+        """Mark a run that nobody will finish FAILED, with the reason as its error tag."""
+        self.client.set_tag(run_id, TAG + "error", reason)
+        self.client.set_terminated(run_id, "FAILED")
+
     def start_run(self, run_name: str, tags: dict[str, Any]) -> Run:
         run = self.client.create_run(
             self.experiment_id(), run_name=run_name, tags={k: str(v) for k, v in tags.items()}

@@ -174,6 +174,7 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
         TAG + "kv_cache": getattr(q, "kv_cache", None) or "none",
         TAG + "license": p.base.license,
         **{TAG + k: v for k, v in environment.describe().items()},
+        **_sweep_tags(),
     }
     tracker = Tracker(experiment)
     tags["mlflow.note.content"] = (  # the run's description in the MLflow UI
@@ -262,6 +263,21 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
             if log_path.exists():
                 run.log_artifact(log_path)
     return {"run_id": run.run_id, "checkpoint": str(final), "log": str(log_path), "metrics": metrics}
+
+
+def _sweep_tags() -> dict[str, str]:
+    """Set by `quantbench sweep` for its children: group the run under the sweep's parent run, and
+    record the pid so a resumed sweep can tell a run whose process died."""
+    import os
+
+    from quantbench.sweep import ENV_JOB, ENV_PARENT, ENV_SWEEP
+
+    if ENV_SWEEP not in os.environ:
+        return {}
+    tags = {TAG + "sweep": os.environ[ENV_SWEEP], TAG + "sweep_job": os.environ.get(ENV_JOB, ""), TAG + "pid": str(os.getpid())}
+    if os.environ.get(ENV_PARENT):
+        tags["mlflow.parentRunId"] = os.environ[ENV_PARENT]
+    return tags
 
 
 def _perplexity(model, p: Prepared) -> float:

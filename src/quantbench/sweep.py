@@ -1,0 +1,406 @@
+"""`quantbench sweep sweeps/NAME.yaml`: many quantize jobs, each in its own process, that lose
+nothing and do nothing twice.
+
+- Jobs: shipped recipes by name and/or a matrix of overrides over a base recipe; every job is
+  validated before any runs (all errors at once), and identified by its resolved recipe's sha.
+- Each attempt is a `quantbench quantize` child process in its own process group, with a log file,
+  a wall-clock timeout (the group is killed: SIGTERM, then SIGKILL) and bounded retries with
+  back-off. Bad input (exit 2) is not retried. If the sweep itself dies, its children get SIGTERM
+  (PR_SET_PDEATHSIG) and mark their runs KILLED.
+- State (`outputs/sweeps/NAME/state.json`, rewritten atomically after every change) records each
+  job's attempts, runs and result. Re-running the sweep resumes: jobs whose recipe sha already has
+  a FINISHED run are skipped (unless --force), RUNNING runs left by a dead sweep are marked FAILED,
+  and the rest run. A lock file keeps two processes from running the same sweep at once.
+- At the end: a summary table, a parent MLflow run grouping the jobs' runs (`mlflow.parentRunId`),
+  and the compare output for them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+from pydantic import Field, PositiveInt, ValidationError
+
+from quantbench.errors import UserError, did_you_mean
+from quantbench.recipe import Strict, load_recipe, resolve_recipe_path
+from quantbench.tracking import TAG, Tracker
+
+log = logging.getLogger(__name__)
+
+# Environment a sweep gives each child, so its run carries the sweep's tags.
+ENV_SWEEP, ENV_JOB, ENV_PARENT = "QUANTBENCH_SWEEP", "QUANTBENCH_SWEEP_JOB", "QUANTBENCH_PARENT_RUN"
+KILL_GRACE_S = 20.0
+
+
+class Matrix(Strict):
+    base: str  # a recipe name or path
+    overrides: dict[str, list] = Field(default_factory=dict)  # field path -> values; the grid is their product
+
+
+class Sweep(Strict):
+    """A sweep file (sweeps/NAME.yaml)."""
+
+    description: str = ""
+    recipes: list[str] = Field(default_factory=list)
+    matrix: Matrix | None = None
+    set: list[str] = Field(default_factory=list)  # KEY=VALUE overrides applied to every job
+    timeout_s: PositiveInt = 3600
+    retries: int = Field(1, ge=0, le=10)  # attempts after the first
+    backoff_s: float = Field(30.0, ge=0)  # wait before retry n: backoff_s * 2**(n-1)
+    concurrency: PositiveInt = 1
+    experiment: str | None = None
+
+
+@dataclass
+class Job:
+    id: str
+    recipe_path: str
+    overrides: list[str]
+    sha: str
+    status: str = "pending"  # pending | running | finished | failed | skipped
+    attempts: list[dict] = field(default_factory=list)  # {n, started, ended, exit, reason, run_id, log}
+    run_id: str | None = None
+    reason: str = ""
+    wall_s: float = 0.0
+    metrics: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: every problem at once
+
+
+def sweeps_dir() -> Path:
+    return Path("sweeps")
+
+
+def load_sweep(name_or_path: str) -> tuple[Path, Sweep, list[Job]]:
+    path = Path(name_or_path) if name_or_path.endswith((".yaml", ".yml")) else sweeps_dir() / f"{name_or_path}.yaml"
+    if not path.is_file():
+        available = sorted(p.stem for p in sweeps_dir().glob("*.yaml"))
+        raise UserError(f"unknown sweep '{name_or_path}' (no {path})." + did_you_mean(path.stem, available))
+    try:
+        sweep = Sweep.model_validate(yaml.safe_load(path.read_text()) or {})
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: YAML syntax error: {exc}") from None
+    except ValidationError as exc:
+        raise UserError([f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]) from None
+    specs: list[tuple[str, str, list[str]]] = []  # (job id, recipe name or path, overrides)
+    for name in sweep.recipes:
+        specs.append((Path(name).stem, name, list(sweep.set)))
+    if sweep.matrix is not None:
+        keys = list(sweep.matrix.overrides)
+        for values in itertools.product(*(sweep.matrix.overrides[k] for k in keys)):
+            items = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in zip(keys, values)]
+            label = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values))
+            specs.append((f"{Path(sweep.matrix.base).stem}[{label}]", sweep.matrix.base, [*sweep.set, *items]))
+    if not specs:
+        raise UserError(f"{path}: no jobs: give recipes: and/or matrix:")
+    problems, jobs, seen = [], [], {}
+    for job_id, recipe, overrides in specs:
+        try:
+            loaded = load_recipe(resolve_recipe_path(recipe), tuple(overrides))
+        except UserError as exc:
+            problems += [f"{path}: job {job_id}: {p}" for p in exc.problems]
+            continue
+        if loaded.sha in seen:
+            problems.append(f"{path}: job {job_id} is the same recipe as job {seen[loaded.sha]} (sha {loaded.sha[:12]})")
+            continue
+        seen[loaded.sha] = job_id
+        jobs.append(Job(job_id, str(loaded.path), overrides, loaded.sha))
+    if problems:
+        raise UserError(problems)
+    return path, sweep, jobs
+
+
+# ---------------------------------------------------------------------------------------------
+# State on disk
+
+
+class State:
+    """The sweep's durable record; every change is written to a temp file and renamed into place."""
+
+    def __init__(self, directory: Path, name: str, sha: str):
+        self.path = directory / "state.json"
+        self.data: dict = {"sweep": name, "sweep_sha": sha, "parent_run": None, "jobs": {}}
+        if self.path.exists():
+            self.data = json.loads(self.path.read_text())
+
+    def job(self, job: Job) -> Job:
+        """The recorded job with this sha (its history), or the new one."""
+        saved = self.data["jobs"].get(job.sha)
+        return Job(**saved) if saved else job
+
+    def save(self, jobs: list[Job] | None = None) -> None:
+        if jobs is not None:
+            self.data["jobs"] = {j.sha: asdict(j) for j in jobs}
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2))
+        os.replace(tmp, self.path)
+
+
+def _lock(directory: Path):
+    handle = open(directory / "lock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"this sweep is already running (lock held: {directory / 'lock'}); "
+                        "wait for it, or run another sweep") from None
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+# ---------------------------------------------------------------------------------------------
+# Running one attempt
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the sweep process dies, whatever killed it (Linux prctl)."""
+    import ctypes
+
+    os.setsid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Attempt:
+    job: Job
+    n: int
+    proc: subprocess.Popen
+    log_path: Path
+    started: float
+
+
+def _start(job: Job, n: int, sweep_name: str, directory: Path, experiment: str, parent: str | None,
+           outputs: Path) -> Attempt:
+    log_path = directory / "logs" / f"{_safe(job.id)}.attempt{n}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "quantbench", "quantize", job.recipe_path, "--json", "--experiment", experiment,
+           "--outputs", str(outputs)]
+    for item in job.overrides:
+        cmd += ["--set", item]
+    env = {**os.environ, ENV_SWEEP: sweep_name, ENV_JOB: job.id, **({ENV_PARENT: parent} if parent else {})}
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+    return Attempt(job, n, proc, log_path, time.monotonic())
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # the group may outlive its leader (a child of the job)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _safe(job_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.=," else "_" for c in job_id)
+
+
+def _result(log_path: Path) -> dict | None:
+    for line in reversed(log_path.read_text(errors="replace").strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def _tail(log_path: Path) -> str:
+    lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors or lines or ["(empty log)"])[-1][-300:]
+
+
+# ---------------------------------------------------------------------------------------------
+# The verb
+
+
+def run(name_or_path: str, *, force: bool = False, outputs: Path = Path("outputs"), experiment: str | None = None) -> dict:
+    from tqdm import tqdm
+
+    path, sweep, jobs = load_sweep(name_or_path)
+    name = path.stem
+    experiment = experiment or sweep.experiment
+    tracker = Tracker(experiment)
+    directory = outputs / "sweeps" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = _lock(directory)
+    try:
+        state = State(directory, name, "")
+        jobs = [state.job(j) for j in jobs]
+        _reap_stale_runs(tracker, name)
+        parent = _parent_run(tracker, state, name, sweep)
+        for job in jobs:  # resume: what is done stays done, the rest runs (again)
+            if job.status == "running":  # its attempt died with the previous sweep
+                job.attempts[-1].update(ended=time.time(), reason="the sweep died during this attempt")
+            done = tracker.find_runs({TAG + "recipe_sha": job.sha})
+            if done and not force:
+                if job.status != "finished":
+                    job.status, job.run_id, job.reason = "skipped", done[0], f"already FINISHED in run {done[0]}"
+            else:
+                job.status, job.reason = "pending", ""
+        state.save(jobs)
+        todo = [j for j in jobs if j.status == "pending"]
+        log.info("sweep %s: %d jobs, %d to run, %d done before", name, len(jobs), len(todo), len(jobs) - len(todo))
+        bar = tqdm(total=len(todo), desc=f"sweep {name}", unit="job", file=sys.stderr)
+        _execute(todo, jobs, sweep, name, directory, tracker.experiment, parent, outputs, state, bar)
+        bar.close()
+        summary = _finish(tracker, state, jobs, parent, directory, name)
+    finally:
+        lock.close()
+    return summary
+
+
+def _execute(todo, jobs, sweep: Sweep, name, directory, experiment, parent, outputs, state: State, bar) -> None:
+    queue = list(todo)
+    ready_at = {j.sha: 0.0 for j in queue}
+    tries = {j.sha: 0 for j in queue}  # attempts in this invocation: each re-run gets a fresh budget
+    running: list[Attempt] = []
+    try:
+        while queue or running:
+            now = time.monotonic()
+            while queue and len(running) < sweep.concurrency:
+                job = next((j for j in queue if ready_at[j.sha] <= now), None)
+                if job is None:
+                    break
+                queue.remove(job)
+                tries[job.sha] += 1
+                n = len(job.attempts) + 1
+                attempt = _start(job, n, name, directory, experiment, parent, outputs)
+                job.status = "running"
+                job.attempts.append({"n": n, "started": time.time(), "ended": None, "exit": None, "reason": "",
+                                     "run_id": None, "log": str(attempt.log_path)})
+                state.save(jobs)
+                tqdm_write(f"start  {job.id} (try {tries[job.sha]}/{sweep.retries + 1}) log: {attempt.log_path}")
+                running.append(attempt)
+            for attempt in list(running):
+                job, record = attempt.job, attempt.job.attempts[-1]
+                timed_out = time.monotonic() - attempt.started > sweep.timeout_s
+                if attempt.proc.poll() is None and not timed_out:
+                    continue
+                if timed_out and attempt.proc.poll() is None:
+                    _kill(attempt.proc)
+                    reason = f"timeout after {sweep.timeout_s} s"
+                else:
+                    reason = ""
+                running.remove(attempt)
+                code = attempt.proc.returncode
+                elapsed = time.monotonic() - attempt.started
+                job.wall_s += elapsed
+                result = _result(attempt.log_path) if code == 0 else None
+                record.update(ended=time.time(), exit=code, run_id=(result or {}).get("run_id"))
+                if code == 0 and result:
+                    job.status, job.run_id, job.metrics, job.reason = "finished", result["run_id"], result["metrics"], ""
+                    bar.update(1)
+                    tqdm_write(f"done   {job.id} in {elapsed:.0f} s: run {job.run_id}")
+                else:
+                    reason = reason or (f"bad input (exit 2): {_tail(attempt.log_path)}" if code == 2 else
+                                        f"exit {code}: {_tail(attempt.log_path)}" if code and code > 0 else
+                                        f"killed by signal {-code}" if code else "no result in the log")
+                    record["reason"] = reason
+                    retry = code != 2 and tries[job.sha] <= sweep.retries
+                    if retry:
+                        delay = sweep.backoff_s * 2 ** (tries[job.sha] - 1)
+                        ready_at[job.sha] = time.monotonic() + delay
+                        queue.append(job)
+                        job.status = "pending"
+                        tqdm_write(f"retry  {job.id} in {delay:.0f} s: {reason}")
+                    else:
+                        job.status, job.reason = "failed", reason
+                        bar.update(1)
+                        tqdm_write(f"FAILED {job.id} after {tries[job.sha]} tr{'y' if tries[job.sha] == 1 else 'ies'}: {reason}")
+                state.save(jobs)
+            time.sleep(0.2)
+    except BaseException:
+        for attempt in running:  # Ctrl-C or SIGTERM: no orphan jobs
+            _kill(attempt.proc)
+            attempt.job.status = "pending"
+            attempt.job.attempts[-1].update(ended=time.time(), reason="the sweep was interrupted")
+        state.save(jobs)
+        raise
+
+
+def tqdm_write(line: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr)
+
+
+def _reap_stale_runs(tracker: Tracker, name: str) -> None:
+    """RUNNING runs of this sweep whose process is gone: the sweep (or node) died. Mark them FAILED."""
+    import psutil
+
+    for run in tracker.runs_with_status({TAG + "sweep": name, TAG + "role": "candidate"}, "RUNNING"):
+        pid = int(run.data.tags.get(TAG + "pid", "0") or 0)
+        if pid and psutil.pid_exists(pid):
+            try:
+                os.killpg(pid, signal.SIGKILL)  # a leftover of a dead sweep (the lock says no sweep owns it)
+            except (ProcessLookupError, PermissionError):
+                pass
+        tracker.fail_run(run.info.run_id, f"left RUNNING by a sweep that died (pid {pid or '?'} gone); marked FAILED on resume")
+        log.warning("sweep %s: run %s was left RUNNING by a dead sweep; marked FAILED", name, run.info.run_id)
+
+
+def _parent_run(tracker: Tracker, state: State, name: str, sweep: Sweep) -> str:
+    parent = state.data.get("parent_run")
+    if parent and tracker.existing(parent) is not None:
+        return parent
+    run = tracker.start_run(f"sweep · {name}", {TAG + "role": "sweep", TAG + "sweep": name,
+                                                "mlflow.note.content": sweep.description or f"sweep {name}"})
+    state.data["parent_run"] = run.run_id
+    state.save()
+    return run.run_id
+
+
+def _finish(tracker: Tracker, state: State, jobs: list[Job], parent: str, directory: Path, name: str) -> dict:
+    rows = [f"{'job':44s} {'status':9s} {'tries':>5s} {'wall s':>7s} {'size MB':>8s} {'ppl ×':>7s} {'KLD':>7s} "
+            f"{'decode ×':>8s}  run / reason"]
+    for j in jobs:
+        m = j.metrics
+        cell = lambda k, f: format(m[k], f) if k in m else "—"  # noqa: E731
+        rows.append(f"{j.id[:44]:44s} {j.status:9s} {len(j.attempts):5d} {j.wall_s:7.0f} {cell('model/size_mb', '8.1f'):>8s} "
+                    f"{cell('check/ppl_ratio', '7.3f'):>7s} {cell('quality/kld_mean', '7.4f'):>7s} "
+                    f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {j.run_id or j.reason}")
+    table = "\n".join(rows)
+    print(table)
+    counts = {s: sum(j.status == s for j in jobs) for s in ("finished", "skipped", "failed")}
+    summary = {"sweep": name, "parent_run": parent, "counts": counts, "state": str(state.path),
+               "jobs": [asdict(j) for j in jobs]}
+    run = tracker.resume_run(parent)
+    with run:
+        run.log_dict(summary, "sweep.json")
+        run.client.log_text(parent, table + "\n", "sweep.txt")
+        run.log_metrics({f"sweep/{k}": v for k, v in counts.items()})
+        run.set_tags({TAG + "sweep_runs": ",".join(j.run_id for j in jobs if j.run_id)})
+    finished = [j.run_id for j in jobs if j.run_id and j.status in ("finished", "skipped")]
+    if finished:
+        from quantbench import compare
+
+        try:
+            summary["compare"] = compare.run(experiment=tracker.experiment, run_ids=finished,
+                                             outputs=directory.parent.parent)["outputs"]
+        except UserError as exc:
+            log.warning("sweep %s: no comparison: %s", name, "; ".join(exc.problems))
+    return summary
