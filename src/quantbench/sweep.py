@@ -130,9 +130,9 @@ def load_sweep(name_or_path: str) -> tuple[Path, Sweep, list[Job]]:
 class State:
     """The sweep's durable record; every change is written to a temp file and renamed into place."""
 
-    def __init__(self, directory: Path, name: str, sha: str):
+    def __init__(self, directory: Path, name: str):
         self.path = directory / "state.json"
-        self.data: dict = {"sweep": name, "sweep_sha": sha, "parent_run": None, "jobs": {}}
+        self.data: dict = {"sweep": name, "parent_run": None, "jobs": {}}
         if self.path.exists():
             self.data = json.loads(self.path.read_text())
 
@@ -248,7 +248,7 @@ def run(name_or_path: str, *, force: bool = False, outputs: Path = Path("outputs
     directory.mkdir(parents=True, exist_ok=True)
     lock = _lock(directory)
     try:
-        state = State(directory, name, "")
+        state = State(directory, name)
         jobs = [state.job(j) for j in jobs]
         _reap_stale_runs(tracker, name)
         parent = _parent_run(tracker, state, name, sweep)
@@ -265,8 +265,13 @@ def run(name_or_path: str, *, force: bool = False, outputs: Path = Path("outputs
         todo = [j for j in jobs if j.status == "pending"]
         log.info("sweep %s: %d jobs, %d to run, %d done before", name, len(jobs), len(todo), len(jobs) - len(todo))
         bar = tqdm(total=len(todo), desc=f"sweep {name}", unit="job", file=sys.stderr)
-        _execute(todo, jobs, sweep, name, directory, tracker.experiment, parent, outputs, state, bar)
-        bar.close()
+        try:
+            _execute(todo, jobs, sweep, name, directory, tracker.experiment, parent, outputs, state, bar)
+        except BaseException:  # Ctrl-C / SIGTERM: the jobs were stopped; the parent run says so
+            tracker.fail_run(parent, "the sweep was interrupted; re-run it to resume", status="KILLED")
+            raise
+        finally:
+            bar.close()
         summary = _finish(tracker, state, jobs, parent, directory, name)
     finally:
         lock.close()

@@ -160,10 +160,10 @@ class Tracker:
         clauses = [f"tags.`{k}` = '{v}'" for k, v in tags.items()] + [f"attributes.status = '{status}'"]
         return self.client.search_runs([found.experiment_id], " and ".join(clauses))
 
-    def fail_run(self, run_id: str, reason: str) -> None:
-        """Mark a run that nobody will finish FAILED, with the reason as its error tag."""
+    def fail_run(self, run_id: str, reason: str, status: str = "FAILED") -> None:
+        """End a run that nobody will finish (FAILED, or KILLED), with the reason as its error tag."""
         self.client.set_tag(run_id, TAG + "error", reason)
-        self.client.set_terminated(run_id, "FAILED")
+        self.client.set_terminated(run_id, status)
 
     def start_run(self, run_name: str, tags: dict[str, Any]) -> Run:
         run = self.client.create_run(
