@@ -2,7 +2,6 @@
 against the real runs the tests made, after one of them was gated."""
 
 import json
-import os
 from pathlib import Path
 
 import nbformat

@@ -8,8 +8,6 @@ create their own database, object store and MLflow server, and stop and drop the
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +19,7 @@ import pytest
 import yaml
 
 from quantbench.cli import main
+from quantbench.processes import free_port, stop_group
 
 from tests.conftest import TINY_PROFILE, TINY_SUITE
 from tests.helpers import tiny_recipe, write_recipe
@@ -35,12 +34,6 @@ if not POSTGRES:
 S3_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -51,18 +44,6 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 1
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{url} did not come up:\n{log.read_text()[-3000:]}")
             time.sleep(0.5)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +78,7 @@ def team_server(tmp_path_factory):
         yield {"uri": uri, "s3": s3, "database": database, "procs": procs}
     finally:
         for proc in reversed(procs):
-            stop(proc)
+            stop_group(proc, 20)
         with psycopg.connect(POSTGRES, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 

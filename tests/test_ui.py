@@ -3,10 +3,7 @@
 quality/* and speed/* values. Screenshots are kept under test-artifacts/."""
 
 import os
-import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from quantbench.processes import free_port, stop_group
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(os.environ.get("QUANTBENCH_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
@@ -24,12 +23,6 @@ if not Path(CHROMIUM).exists():
     if os.environ.get("CI"):
         raise RuntimeError(f"CI needs a browser for the UI test: {CHROMIUM} is missing (.ci/run installs Debian's chromium)")
     pytest.skip("no Chromium here: `apt-get install chromium` to run the MLflow UI browser test", allow_module_level=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -52,11 +45,7 @@ def ui(scored_runs, tmp_path):
                 time.sleep(0.5)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc, 20)
         log.close()
 
 

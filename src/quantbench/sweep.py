@@ -33,6 +33,7 @@ import yaml
 from pydantic import Field, PositiveInt, ValidationError
 
 from quantbench.errors import UserError, did_you_mean
+from quantbench.processes import stop_group
 from quantbench.recipe import Strict, load_recipe, resolve_recipe_path
 from quantbench.tracking import TAG, Tracker
 
@@ -196,23 +197,6 @@ def _start(job: Job, n: int, sweep_name: str, directory: Path, experiment: str, 
     return Attempt(job, n, proc, log_path, time.monotonic())
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # the group may outlive its leader (a child of the job)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def _safe(job_id: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.=," else "_" for c in job_id)
 
@@ -306,7 +290,7 @@ def _execute(todo, jobs, sweep: Sweep, name, directory, experiment, parent, outp
                 if attempt.proc.poll() is None and not timed_out:
                     continue
                 if timed_out and attempt.proc.poll() is None:
-                    _kill(attempt.proc)
+                    stop_group(attempt.proc, KILL_GRACE_S)
                     reason = f"timeout after {sweep.timeout_s} s"
                 else:
                     reason = ""
@@ -340,7 +324,7 @@ def _execute(todo, jobs, sweep: Sweep, name, directory, experiment, parent, outp
             time.sleep(0.2)
     except BaseException:
         for attempt in running:  # Ctrl-C or SIGTERM: no orphan jobs
-            _kill(attempt.proc)
+            stop_group(attempt.proc, KILL_GRACE_S)
             attempt.job.status = "pending"
             attempt.job.attempts[-1].update(ended=time.time(), reason="the sweep was interrupted")
         state.save(jobs)

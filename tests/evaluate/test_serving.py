@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from quantbench.cli import main
-from quantbench.evaluate.serving import VLLM_PYTHON, free_port, model_server, server_command, vllm_python
+from quantbench.evaluate.serving import VLLM_PYTHON, model_server, server_command, vllm_python
+from quantbench.processes import free_port
 
 from tests.helpers import runs
 

