@@ -151,12 +151,17 @@ class State:
 
 
 def _lock(directory: Path):
-    handle = open(directory / "lock", "w")
+    handle = open(directory / "lock", "a+")  # not "w": that would erase the holder's pid before the check
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise UserError(f"this sweep is already running (lock held: {directory / 'lock'}); "
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise UserError(f"this sweep is already running (pid {holder}, lock {directory / 'lock'}); "
                         "wait for it, or run another sweep") from None
+    handle.seek(0)
+    handle.truncate()
     handle.write(str(os.getpid()))
     handle.flush()
     return handle
