@@ -94,6 +94,7 @@ benchmarks: $(STAMP)
 	$(BIN)/python bench/quantize_overhead.py $(ARGS)
 	$(BIN)/python bench/eval_throughput.py $(ARGS)
 	$(BIN)/python bench/decode_speed.py $(ARGS)
+	$(BIN)/python bench/sweep_overhead.py
 
 clean:
 	rm -rf outputs
