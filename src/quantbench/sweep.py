@@ -267,7 +267,20 @@ def run(name_or_path: str, *, force: bool = False, outputs: Path = Path("outputs
     return summary
 
 
+def _preload() -> None:
+    """Import what the summary needs (compare, matplotlib: ~1.5 s) while the first job runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+    from quantbench import compare  # noqa: F401
+
+
 def _execute(todo, jobs, sweep: Sweep, name, directory, experiment, parent, outputs, state: State, bar) -> None:
+    import threading
+
+    threading.Thread(target=_preload, name="preload", daemon=True).start()
     queue = list(todo)
     ready_at = {j.sha: 0.0 for j in queue}
     tries = {j.sha: 0 for j in queue}  # attempts in this invocation: each re-run gets a fresh budget
