@@ -52,9 +52,6 @@ class BnbBackend:
         return AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, quantization_config=self.config(),
                                                     device_map="cuda" if torch.cuda.is_available() else "cpu")
 
-    def quantize(self, model, calibration) -> None:
-        raise NotImplementedError("bitsandbytes quantizes at load time: the job calls load()")
-
     def save(self, model, tokenizer, dest: Path) -> None:
         model.save_pretrained(dest)
         tokenizer.save_pretrained(dest)
