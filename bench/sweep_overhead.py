@@ -65,19 +65,19 @@ def main() -> None:
         # two experiments so that neither way finds the other's FINISHED runs
         hand_env = {**env, "MLFLOW_EXPERIMENT_NAME": "by-hand"}
         sweep_env = {**env, "MLFLOW_EXPERIMENT_NAME": "sweep"}
-        sweep_first = by_hand_s = sweep_s = None
-        for order in ("hand-first", "sweep-first"):
-            exp = f"-{order}"
+        hand_s, sweep_s = [], []
+        for order in ("hand-first", "sweep-first"):  # alternate which goes first, so drift hits both
+            hand_env_o = {**hand_env, "MLFLOW_EXPERIMENT_NAME": f"by-hand-{order}"}
+            sweep_env_o = {**sweep_env, "MLFLOW_EXPERIMENT_NAME": f"sweep-{order}"}
             if order == "hand-first":
-                by_hand_s = by_hand(range(n), root, {**hand_env, "MLFLOW_EXPERIMENT_NAME": "by-hand" + exp})
-                sweep_s = sweep("all" + exp, range(n), root, {**sweep_env, "MLFLOW_EXPERIMENT_NAME": "sweep" + exp})
+                hand_s.append(by_hand(range(n), root, hand_env_o))
+                sweep_s.append(sweep(f"all-{order}", range(n), root, sweep_env_o))
             else:
-                sweep_first = sweep("all" + exp, range(n), root, {**sweep_env, "MLFLOW_EXPERIMENT_NAME": "sweep" + exp})
-                hand_second = by_hand(range(n), root, {**hand_env, "MLFLOW_EXPERIMENT_NAME": "by-hand" + exp})
-            print(f"{order}: by hand {by_hand_s if order == 'hand-first' else hand_second:7.1f} s, "
-                  f"sweep {sweep_s if order == 'hand-first' else sweep_first:7.1f} s", flush=True)
-        hand = (by_hand_s + hand_second) / 2
-        swept = (sweep_s + sweep_first) / 2
+                sweep_s.append(sweep(f"all-{order}", range(n), root, sweep_env_o))
+                hand_s.append(by_hand(range(n), root, hand_env_o))
+            print(f"{order}: by hand {hand_s[-1]:7.1f} s, sweep {sweep_s[-1]:7.1f} s", flush=True)
+        hand = sum(hand_s) / len(hand_s)
+        swept = sum(sweep_s) / len(sweep_s)
         print(f"\n{n} jobs (fp8-dynamic on the default model), concurrency 1, mean of both orders")
         print(f"by hand {hand:7.1f} s   sweep {swept:7.1f} s   sweep / by hand = {swept / hand:.3f} "
               f"(goal <= 1.05: {'met' if swept / hand <= 1.05 else 'NOT met'})")

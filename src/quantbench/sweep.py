@@ -182,7 +182,6 @@ def _die_with_parent() -> None:
 @dataclass
 class Attempt:
     job: Job
-    n: int
     proc: subprocess.Popen
     log_path: Path
     started: float
@@ -199,7 +198,7 @@ def _start(job: Job, n: int, sweep_name: str, directory: Path, experiment: str, 
     env = {**os.environ, ENV_SWEEP: sweep_name, ENV_JOB: job.id, **({ENV_PARENT: parent} if parent else {})}
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
-    return Attempt(job, n, proc, log_path, time.monotonic())
+    return Attempt(job, proc, log_path, time.monotonic())
 
 
 def _safe(job_id: str) -> str:
