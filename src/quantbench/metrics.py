@@ -24,6 +24,20 @@ FIXED: dict[str, Direction | None] = {
     "check/base_ppl": None,
     "check/reload_ppl": "lower",
     "check/ppl_ratio": "lower",
+    "check/trained_ppl": None,
+    "distill/loss": "lower",
+    "distill/kd_loss": "lower",
+    "distill/lm_loss": "lower",
+    "distill/final_loss": "lower",
+    "distill/learning_rate": None,
+    "distill/grad_norm": None,
+    "distill/step_tokens_per_s": "higher",
+    "distill/tokens_per_s": "higher",
+    "distill/wall_s": "lower",
+    "distill/steps": None,
+    "distill/tokens": None,
+    "distill/student_params": "lower",
+    "distill/teacher_params": None,
     "quality/ppl": "lower",
     "quality/kld_mean": "lower",
     "quality/kld_p90": "lower",
@@ -46,6 +60,8 @@ SPEED: dict[str, Direction] = {
     "decode_tok_s": "higher",
     "prefill_tok_s": "higher",
     "peak_mem_mb": "lower",
+    "spec_acceptance": "higher",  # speculative decoding with a draft model (bench --draft)
+    "spec_decode_tok_s": "higher",
 }
 CONCURRENT: dict[str, Direction] = {"throughput_tok_s": "higher", "requests_s": "higher"}
 # task/<task>/<metric>: lm-eval's metric names; these are lower-is-better, the rest higher.

@@ -6,7 +6,10 @@ recipe names the hub:
   converted once to an fp32 safetensors checkpoint in the cache and reused;
 - a local directory holding an HF checkpoint (config.json + weights);
 - a local `.gguf` file, converted and cached like the builtin one;
-- `hub:ORG/NAME`: downloaded from the Hugging Face hub, only when the hub is reachable.
+- `hub:ORG/NAME`: downloaded from the Hugging Face hub, only when the hub is reachable;
+- `run:RUN_ID` or `recipe:NAME`: the checkpoint an earlier quantbench run wrote (for `recipe:`,
+  the newest FINISHED run of that recipe in the experiment), e.g. to quantize a distilled student.
+  The run is the new run's lineage (`quantbench.parent_run`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class ResolvedModel:
     name: str
     license: str
     fingerprint: str  # sha256 over config and weight files
+    parent_run: str | None = None  # the MLflow run that wrote it (run: and recipe: sources)
 
 
 def cache_dir() -> Path:
@@ -58,6 +62,9 @@ def short_name(source: str) -> str:
 def resolve(source: str, field: str = "model.source") -> ResolvedModel:
     """Turn a model source into a local checkpoint dir; UserError naming `field` if it can't."""
     kind, target = _classify(source, field)
+    if kind == "run":
+        run_id, path, name = _run_checkpoint(source, field)
+        return ResolvedModel(source, path, name, _card_license(path), fingerprint(path), parent_run=run_id)
     if kind == "builtin":
         return _from_gguf(source, _builtin_gguf(target, field))
     if kind == "gguf":
@@ -82,6 +89,11 @@ def read_config(source: str, field: str = "model.source"):
     kind, target = _classify(source, field)
     if kind == "hub":
         return None
+    if kind == "run":
+        try:
+            return AutoConfig.from_pretrained(_run_checkpoint(source, field)[1])
+        except UserError:
+            return None  # the run it names may not exist yet (e.g. validating a pipeline's recipes)
     if kind in ("builtin", "gguf"):
         gguf = _builtin_gguf(target, field) if kind == "builtin" else target
         cached = _converted_dir(gguf)
@@ -92,6 +104,8 @@ def read_config(source: str, field: str = "model.source"):
 
 
 def _classify(source: str, field: str) -> tuple[str, object]:
+    if source.startswith(("run:", "recipe:")):
+        return "run", source
     if source.startswith("builtin:"):
         name = source.removeprefix("builtin:")
         if name not in BUILTIN_MODELS:
@@ -115,6 +129,31 @@ def _classify(source: str, field: str) -> tuple[str, object]:
     if not (path / "config.json").is_file():
         raise UserError(f"{field}: '{source}' has no config.json; it is not a Hugging Face checkpoint dir")
     return "dir", path.resolve()
+
+
+def _run_checkpoint(source: str, field: str) -> tuple[str, Path, str]:
+    """`run:ID` / `recipe:NAME` -> (run id, its checkpoint dir, a name for cards and run names)."""
+    from quantbench.tracking import TAG, Tracker, tracking_uri
+
+    tracker = Tracker()
+    kind, _, value = source.partition(":")
+    if kind == "recipe":
+        found = tracker.find_runs({TAG + "recipe": value, TAG + "role": "candidate"})
+        if not found:
+            raise UserError(f"{field}: '{source}': no FINISHED run of the recipe '{value}' in the experiment "
+                            f"'{tracker.experiment}' ({tracking_uri()}); run `make quantize RECIPE={value}` first")
+        run_id = found[0]
+    else:
+        run_id = value
+    run = tracker.existing(run_id)
+    if run is None:
+        raise UserError(f"{field}: '{source}': no such MLflow run at {tracking_uri()}")
+    tags = run.data.tags
+    checkpoint = tags.get(TAG + "checkpoint")
+    if run.info.status != "FINISHED" or not checkpoint or not (Path(checkpoint) / "config.json").is_file():
+        raise UserError(f"{field}: '{source}': run {run_id} ({run.info.status}) has no checkpoint on this machine "
+                        f"(tag {TAG}checkpoint: {checkpoint or 'none'})")
+    return run_id, Path(checkpoint), f"{tags.get(TAG + 'recipe', 'run')}-{run_id[:8]}"
 
 
 def _builtin_gguf(name: str, field: str) -> Path:

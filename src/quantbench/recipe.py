@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from quantbench.errors import UserError, did_you_mean
 
@@ -122,8 +122,63 @@ class BnbSpec(_QuantizeBase):
     int8_threshold: float = Field(6.0, ge=0)  # INT8: activation outlier threshold of LLM.int8
 
 
+class StudentSpec(Strict):
+    """Where the student starts; exactly one of the three (none given: `layers: every-other`).
+    - `layers`: depth pruning, the teacher's layers at these indices (or `every-other`: 0, 2, 4, ...);
+    - `config`: the teacher's config with these fields changed, randomly initialised;
+    - `source`: another model (any model source) that shares the teacher's tokenizer."""
+
+    layers: Literal["every-other"] | list[Annotated[int, Field(ge=0)]] | None = None
+    config: dict[str, Any] | None = None
+    source: str | None = None
+
+    @model_validator(mode="after")
+    def _one_init(self) -> StudentSpec:
+        given = [name for name in ("layers", "config", "source") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of layers, config, source (got {', '.join(given)})")
+        if not given:
+            self.layers = "every-other"
+        if isinstance(self.layers, list) and (not self.layers or len(set(self.layers)) != len(self.layers)):
+            raise ValueError("layers: a non-empty list of distinct teacher layer indices")
+        return self
+
+
+class TrainTextSpec(Strict):
+    """The text the student learns from. For builtin:python-docs this is its training split,
+    never the evaluation split."""
+
+    source: str = Field(DEFAULT_TEXT, description="builtin:python-docs, a local .txt/.jsonl file, or hub:DATASET")
+    text_field: str = "text"
+    split: str = "train"  # the split read from a hub dataset
+
+
+class DistillSpec(Strict):
+    """Knowledge distillation: a smaller student learns the teacher's (the model's) next-token
+    distribution; saved as a bf16 transformers checkpoint. Trained with transformers' Trainer."""
+
+    method: Literal["distill"]
+    scheme: Literal["BF16"] = "BF16"  # what the student is saved in
+    student: StudentSpec = Field(default_factory=StudentSpec)
+    data: TrainTextSpec = Field(default_factory=TrainTextSpec)
+    temperature: float = Field(2.0, gt=0)  # softens both distributions; the KD loss is scaled by T^2
+    lm_loss_weight: float = Field(0.0, ge=0, le=1)  # loss = (1 - w) * KD + w * next-token cross-entropy
+    steps: PositiveInt = 200
+    batch_size: PositiveInt = 4
+    seq_len: PositiveInt = 256
+    learning_rate: float = Field(2e-4, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    seed: int = 0
+    save_steps: PositiveInt = 25  # a resumable checkpoint every N steps
+    log_steps: PositiveInt = 5  # loss / tokens-per-second to MLflow every N steps
+    # bf16 autocast for the matmuls (fast on CPUs with AMX / AVX512-bf16 and on GPUs); weights,
+    # optimizer state and the loss stay float32
+    bf16: bool = True
+
+
 QuantizeSpec = Annotated[
-    Union[GPTQSpec, AWQSpec, FP8Spec, SmoothQuantSpec, BnbSpec], Field(discriminator="method")
+    Union[GPTQSpec, AWQSpec, FP8Spec, SmoothQuantSpec, BnbSpec, DistillSpec], Field(discriminator="method")
 ]
 
 

@@ -4,7 +4,9 @@ A backend is a class built from the recipe's `quantize` section with:
 - `needs_calibration`: whether `quantize` wants calibration windows;
 - `format`: the checkpoint format it writes;
 - `quantize(model, calibration)`: compress the loaded model in place; or, with
-  `loads_quantized = True`, `load(base_path, dtype)`: a new model quantized as it loads;
+  `loads_quantized = True`, `load(base_path, dtype)`: a new model quantized as it loads; or, with
+  `trains = True`, `prepare_training(...)` at prepare time and `train(teacher, tokenizer, run,
+  workdir)`: a new model trained against the loaded one (distillation);
 - `save(model, tokenizer, dest)`: write the checkpoint into `dest`.
 """
 
@@ -21,9 +23,11 @@ BACKENDS = {
     "fp8": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
     "smoothquant": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
     "bnb": "quantbench.quantize.bnb:BnbBackend",
+    "distill": "quantbench.quantize.distill:DistillBackend",
 }
 # the package a backend module needs, for a clear error when it is missing
-PACKAGES = {"quantbench.quantize.llmcompressor": "llmcompressor", "quantbench.quantize.bnb": "bitsandbytes"}
+PACKAGES = {"quantbench.quantize.llmcompressor": "llmcompressor", "quantbench.quantize.bnb": "bitsandbytes",
+            "quantbench.quantize.distill": "transformers"}
 
 
 def get_backend(method: str):

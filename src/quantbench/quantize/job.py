@@ -1,4 +1,4 @@
-"""`quantbench quantize RECIPE`: load -> prepare -> quantize -> save -> reload check -> track.
+"""`quantbench quantize RECIPE`: load -> prepare -> quantize (or distill) -> save -> reload check -> track.
 
 Every check of the user's input (recipe, model source, group size, calibration text) runs before
 anything is written: bad input leaves no output directory and no MLflow run. Once the run
@@ -71,9 +71,11 @@ def prepare(recipe: str, overrides: tuple[str, ...] = ()) -> Prepared:
         raise UserError(problems)
     backend = get_backend(spec.quantize.method)(spec.quantize)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
+    text_shas = {}
+    if getattr(backend, "trains", False):  # distillation: student init and training text checked now
+        text_shas["training"] = backend.prepare_training(loaded, base, tokenizer)
 
     calibration = None
-    text_shas = {}
     if backend.needs_calibration:
         cal = spec.calibration
         try:
@@ -174,11 +176,12 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
         TAG + "kv_cache": getattr(q, "kv_cache", None) or "none",
         TAG + "license": p.base.license,
         **{TAG + k: v for k, v in environment.describe().items()},
+        **({TAG + "parent_run": p.base.parent_run} if p.base.parent_run else {}),
         **_sweep_tags(),
     }
     tracker = Tracker(experiment)
     tags["mlflow.note.content"] = (  # the run's description in the MLflow UI
-        f"{q.method} {q.scheme} of `{spec.model.source}` by recipe `{p.loaded.path}` (sha {p.loaded.sha[:12]}); "
+        f"{_what(p)} `{spec.model.source}` by recipe `{p.loaded.path}` (sha {p.loaded.sha[:12]}); "
         f"format {p.backend.format}. {spec.description}".strip()
     )
     with tracker.start_run(run_name=f"{p.loaded.name} · {models.short_name(spec.model.source)}", tags=tags) as run:
@@ -209,10 +212,16 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
 
                 log.info("[2/4] quantizing: %s %s", q.method, q.scheme)
                 started = time.perf_counter()
+                trained_ppl, trained = None, {}
                 if getattr(p.backend, "loads_quantized", False):
                     # bitsandbytes quantizes while loading: a fresh model, saved before any forward
                     del model
                     model = p.backend.load(p.base.path, dtype)
+                elif getattr(p.backend, "trains", False):
+                    # distillation: the loaded model is the teacher; checkpoints are kept outside the
+                    # staging dir (keyed by the recipe hash) so an interrupted job resumes from them
+                    model, trained = p.backend.train(model, p.tokenizer, run, training_dir(outputs, p))
+                    trained_ppl = _perplexity(model, p)
                 else:
                     p.backend.quantize(model, p.calibration)
                 wall_s = time.perf_counter() - started
@@ -224,7 +233,7 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
                 del model
 
                 log.info("[4/4] reloading the saved checkpoint from disk and checking it")
-                check = _reload_check(staging, p, base_ppl)
+                check = _reload_check(staging, p, base_ppl, trained_ppl)
                 _write_checkpoint_info(staging, p, run.run_id)
                 size_mb = models.weights_size_mb(staging)
                 metrics = {
@@ -234,10 +243,12 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
                     "model/base_size_mb": base_size_mb,
                     "model/compression_ratio": base_size_mb / size_mb,
                     **check["metrics"],
+                    **trained,
                 }
                 sample = check["sample"]
                 _write_model_card(staging, final, p, metrics, sample, run.run_id)
                 staging.rename(final)
+                shutil.rmtree(training_dir(outputs, p), ignore_errors=True)  # done: nothing to resume
                 run.log_metrics(metrics)
                 run.set_tags({TAG + "checkpoint": final.resolve()})
                 log.info("checkpoint: %s", final)
@@ -265,6 +276,16 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
     return {"run_id": run.run_id, "checkpoint": str(final), "log": str(log_path), "metrics": metrics}
 
 
+def training_dir(outputs: Path, p: Prepared) -> Path:
+    """Where a distillation job keeps its resumable checkpoints: one per recipe content hash."""
+    return outputs / p.loaded.name / f".distill-{p.loaded.sha[:16]}"
+
+
+def _what(p: Prepared) -> str:
+    q = p.loaded.recipe.quantize
+    return "distillation (student in bf16) of" if q.method == "distill" else f"{q.method} {q.scheme} of"
+
+
 def _sweep_tags() -> dict[str, str]:
     """Set by `quantbench sweep` for its children: group the run under the sweep's parent run, and
     record the pid so a resumed sweep can tell a run whose process died."""
@@ -286,8 +307,11 @@ def _perplexity(model, p: Prepared) -> float:
     return perplexity(model, p.eval_ids, p.loaded.recipe.check.window)
 
 
-def _reload_check(path: Path, p: Prepared, base_ppl: float) -> dict:
-    """Quality of the in-memory model says nothing about what was saved: load it back."""
+def _reload_check(path: Path, p: Prepared, base_ppl: float, trained_ppl: float | None = None) -> dict:
+    """Quality of the in-memory model says nothing about what was saved: load it back.
+
+    A quantized checkpoint is bounded against the base model; a distilled student (a different,
+    smaller model) against itself before saving, `trained_ppl`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantbench.evaluate.quality import greedy_text
@@ -299,15 +323,19 @@ def _reload_check(path: Path, p: Prepared, base_ppl: float) -> dict:
     sample, new_tokens = greedy_text(model, tokenizer, check.prompt, check.generate_tokens)
     ratio = reload_ppl / base_ppl
     log.info("base ppl %.3f, reloaded ppl %.3f (x%.3f); sample: %r", base_ppl, reload_ppl, ratio, sample)
-    if not math.isfinite(reload_ppl) or ratio > check.max_ppl_ratio:
+    reference, against = (base_ppl, "the base model's") if trained_ppl is None else (trained_ppl, "the trained student's (in memory)")
+    if not math.isfinite(reload_ppl) or reload_ppl / reference > check.max_ppl_ratio:
         raise CheckpointCheckFailed(
-            f"the saved checkpoint reloads with perplexity {reload_ppl:.4g} against the base model's "
-            f"{base_ppl:.4g} (x{ratio:.3g} > check.max_ppl_ratio {check.max_ppl_ratio})"
+            f"the saved checkpoint reloads with perplexity {reload_ppl:.4g} against {against} "
+            f"{reference:.4g} (x{reload_ppl / reference:.3g} > check.max_ppl_ratio {check.max_ppl_ratio})"
         )
     if new_tokens == 0:
         raise CheckpointCheckFailed("the saved checkpoint generated no tokens")
+    metrics = {"check/base_ppl": base_ppl, "check/reload_ppl": reload_ppl, "check/ppl_ratio": ratio}
+    if trained_ppl is not None:
+        metrics["check/trained_ppl"] = trained_ppl
     return {
-        "metrics": {"check/base_ppl": base_ppl, "check/reload_ppl": reload_ppl, "check/ppl_ratio": ratio},
+        "metrics": metrics,
         "sample": sample,
         "model": model,
         "tokenizer": tokenizer,
@@ -329,6 +357,7 @@ def _write_checkpoint_info(dest: Path, p: Prepared, run_id: str) -> None:
         "loaders": p.backend.loaders(),
         "kv_cache": getattr(q, "kv_cache", None),
         "base_model": {"source": p.base.source, "name": p.base.name, "fingerprint": p.base.fingerprint, "license": p.base.license},
+        "parent_run": p.base.parent_run,
     }
     (dest / "quantbench.json").write_text(json.dumps(info, indent=2))
 
@@ -351,20 +380,25 @@ def _write_model_card(dest: Path, final: Path, p: Prepared, metrics: dict, sampl
         "tags": ["quantbench", p.backend.format, q.method, q.scheme.lower()],
     }
     rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()))
+    distilled = q.method == "distill"
+    made = (p.backend.card(p.base) if distilled else
+            "- Calibration: " + ("none" if p.calibration is None else
+                                 f"{len(p.calibration)} × {spec.calibration.seq_len} tokens of `{spec.calibration.source}`"))
+    lineage = f"\n- Made from the output of MLflow run `{p.base.parent_run}`" if p.base.parent_run else ""
     card = f"""---
 {yaml.safe_dump(front, sort_keys=False).strip()}
 ---
-# {p.base.name} — {q.method} {q.scheme}
+# {p.base.name} — {"distilled student (bf16)" if distilled else f"{q.method} {q.scheme}"}
 
-Quantized by quantbench from `{spec.model.source}` with the recipe `{p.loaded.name}`
+{"Distilled" if distilled else "Quantized"} by quantbench from `{spec.model.source}` with the recipe `{p.loaded.name}`
 (sha256 `{p.loaded.sha[:16]}`), MLflow run `{run_id}`.
 
-- Base model: {p.base.name} (`{spec.model.source}`, fingerprint `{p.base.fingerprint[:16]}`)
+- {"Teacher" if distilled else "Base model"}: {p.base.name} (`{spec.model.source}`, fingerprint `{p.base.fingerprint[:16]}`){lineage}
 - Licence: {p.base.license} (inherited from the base model)
 - Method / scheme: {q.method} / {q.scheme}
 - Format: {p.backend.format}; loads with: {p.backend.loaders()}
 - KV cache: {"FP8, per-tensor scales calibrated on the calibration data (vLLM: `--kv-cache-dtype fp8`)" if getattr(q, "kv_cache", None) else "not quantized (16-bit)"}
-- Calibration: {"none" if p.calibration is None else f"{len(p.calibration)} × {spec.calibration.seq_len} tokens of `{spec.calibration.source}`"}
+{made}
 
 ## Metrics
 
