@@ -13,6 +13,7 @@ PROFILE ?= cpu-smoke
 BACKEND ?= hf
 POLICY ?= release
 SWEEP  ?=
+DRAFT  ?=
 HOST   ?= 127.0.0.1
 PORT   ?= 5000
 
@@ -22,6 +23,7 @@ help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
 	@echo "make evaluate RUN=<run id>      score a checkpoint against its base model (SUITE=default)"
 	@echo "make bench RUN=<run id>         speed against the base model (PROFILE=cpu-smoke BACKEND=hf|serve)"
+	@echo "make bench DRAFT=<run id>       speculative decoding: the draft's base model (e.g. its teacher) with it as draft"
 	@echo "make compare                    every candidate in one table + Pareto plot (outputs/compare/)"
 	@echo "make gate RUN=<run id>          pass/fail against policies/<POLICY>.yaml (default release); a pass moves the alias"
 	@echo "make sweep SWEEP=cpu-grid       run sweeps/<SWEEP>.yaml: many jobs, resumable (outputs/sweeps/<SWEEP>/)"
@@ -55,8 +57,12 @@ evaluate: $(STAMP)
 	$(BIN)/quantbench evaluate $(RUN) --suite $(SUITE) $(ARGS)
 
 bench: $(STAMP)
-	@test -n "$(RUN)" || { echo "usage: make bench RUN=<mlflow run id | checkpoint dir> [PROFILE=cpu-smoke]"; exit 2; }
+ifneq ($(DRAFT),)
+	$(BIN)/quantbench bench --draft $(DRAFT) $(RUN) --profile $(PROFILE) $(ARGS)
+else
+	@test -n "$(RUN)" || { echo "usage: make bench RUN=<mlflow run id | checkpoint dir> [PROFILE=cpu-smoke] | make bench DRAFT=<run id>"; exit 2; }
 	$(BIN)/quantbench bench $(RUN) --profile $(PROFILE) --backend $(BACKEND) $(ARGS)
+endif
 
 compare: $(STAMP)
 	$(BIN)/quantbench compare $(ARGS)
@@ -95,6 +101,7 @@ benchmarks: $(STAMP)
 	$(BIN)/python bench/eval_throughput.py $(ARGS)
 	$(BIN)/python bench/decode_speed.py $(ARGS)
 	$(BIN)/python bench/sweep_overhead.py
+	$(BIN)/python bench/distill.py
 
 clean:
 	rm -rf outputs

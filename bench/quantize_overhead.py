@@ -76,7 +76,8 @@ def child_quantbench(samples: int, seq_len: int, out: Path) -> dict:
 
 
 # one shipped recipe per backend / scheme family
-BACKEND_RECIPES = ["fp8-dynamic", "gptq-w4a16", "awq-int4", "w8a8-int8", "fp8-dynamic-kv8", "bnb-int8", "bnb-nf4"]
+BACKEND_RECIPES = ["fp8-dynamic", "gptq-w4a16", "awq-int4", "w8a8-int8", "fp8-dynamic-kv8", "bnb-int8", "bnb-nf4",
+                   "gptqmodel-gptq-int4", "gptqmodel-awq-int4"]
 
 
 def child_recipe(recipe: str, samples: int, seq_len: int, out: Path) -> dict:

@@ -70,9 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="measure speed against the base model (TTFT, tok/s, latency, throughput, memory)",
         description="Measure a checkpoint and its base model with a profile (profiles/NAME.yaml), interleaved, "
-        "and log speed/<metric> and speedup/<metric> (above 1 is faster). A run id logs into that run.",
+        "and log speed/<metric> and speedup/<metric> (above 1 is faster). A run id logs into that run.\n\n"
+        "Speculative decoding: `quantbench bench --draft <run id | checkpoint> [TARGET]` generates with TARGET "
+        "(default: the draft's base model, e.g. the teacher of a distilled student) and the draft proposing tokens "
+        "(transformers assisted generation), against TARGET alone; logs speed/spec_acceptance and "
+        "speedup/spec_decode_tok_s into the draft's run.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    b.add_argument("target", help="an MLflow run id (from quantize) or a checkpoint directory")
+    b.add_argument("target", nargs="?", help="an MLflow run id (from quantize) or a checkpoint directory; with --draft: "
+                   "the model to speed up (a run id, checkpoint dir or model source; default the draft's base model)")
+    b.add_argument("--draft", metavar="RUN_ID|DIR", help="measure speculative decoding with this draft model")
     b.add_argument("--profile", default=None, help="profiles/NAME.yaml (default: cpu-smoke)")
     b.add_argument("--backend", default="hf", choices=["hf", "openai", "serve"],
                    help="hf: in-process transformers generate; openai: streaming OpenAI-compatible endpoints "
@@ -212,6 +219,20 @@ def cmd_evaluate(args) -> int:
 def cmd_bench(args) -> int:
     from quantbench.evaluate.bench import run
 
+    if args.draft:
+        from quantbench.evaluate.speculative import run as run_spec
+
+        if args.backend != "hf":
+            raise UserError("--draft measures in-process (transformers assisted generation); drop --backend")
+        result = _run_stage("bench", run_spec, args.draft, args.target, profile=args.profile, experiment=args.experiment)
+        if result is None:
+            return 1
+        print(f"mlflow run: {result['run_id']}")
+        if args.json:
+            print(json.dumps(result))
+        return 0
+    if not args.target:
+        raise UserError("bench: give a run id or checkpoint directory (or --draft)")
     result = _run_stage("bench", run, args.target, profile=args.profile, backend=args.backend, base=args.base,
                         experiment=args.experiment, endpoint=args.endpoint, base_endpoint=args.base_endpoint,
                         server=args.server)
@@ -291,7 +312,7 @@ def _validate_against_model(loaded) -> None:
         config = models.read_config(loaded.recipe.model.source)
     except UserError as exc:
         raise UserError([f"{loaded.path}: {p}" for p in exc.problems]) from None
-    get_backend(loaded.recipe.quantize.method)
+    get_backend(loaded.recipe.quantize.method, getattr(loaded.recipe.quantize, "format", None))
     try:
         if loaded.recipe.evaluate is not None:
             from quantbench.evaluate.suite import load_suite

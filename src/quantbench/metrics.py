@@ -37,6 +37,10 @@ FIXED: dict[str, Direction | None] = {
     "distill/steps": None,
     "distill/tokens": None,
     "distill/student_params": "lower",
+    "distill/kld_before": None,
+    "distill/kld_after": "lower",
+    "distill/ppl_before": None,
+    "distill/ppl_after": "lower",
     "distill/teacher_params": None,
     "quality/ppl": "lower",
     "quality/kld_mean": "lower",
@@ -62,6 +66,7 @@ SPEED: dict[str, Direction] = {
     "peak_mem_mb": "lower",
     "spec_acceptance": "higher",  # speculative decoding with a draft model (bench --draft)
     "spec_decode_tok_s": "higher",
+    "spec_tokens_per_target_step": "higher",
 }
 CONCURRENT: dict[str, Direction] = {"throughput_tok_s": "higher", "requests_s": "higher"}
 # task/<task>/<metric>: lm-eval's metric names; these are lower-is-better, the rest higher.

@@ -71,26 +71,43 @@ class _LLMCompressorBase(_QuantizeBase):
     kv_cache: Literal["fp8"] | None = None
 
 
-class GPTQSpec(_LLMCompressorBase):
-    """GPTQ weight-only: INT4 (W4A16) or INT8 (W8A16), compressed-tensors output."""
+class _TwoEngines(_LLMCompressorBase):
+    """`format:` picks the engine where two can write the scheme: compressed-tensors
+    (llm-compressor) or the GPTQ / AWQ format of AutoGPTQ / AutoAWQ, written by GPTQModel, their
+    maintained successor."""
+
+    @model_validator(mode="after")
+    def _format_fits(self):
+        if self.format != "compressed-tensors" and self.kv_cache is not None:
+            raise ValueError(f"kv_cache: fp8 needs format compressed-tensors (the {self.format} format has no KV-cache scales)")
+        return self
+
+
+class GPTQSpec(_TwoEngines):
+    """GPTQ weight-only: INT4 (W4A16) or INT8 (W8A16); compressed-tensors output (llm-compressor)
+    or the GPTQ format (GPTQModel)."""
 
     method: Literal["gptq"]
+    format: Literal["compressed-tensors", "gptq"] = "compressed-tensors"
     scheme: Literal["W4A16", "W8A16"] = "W4A16"
     group_size: PositiveInt | None = 64  # None: one scale per output channel
     symmetric: bool = True
     dampening_frac: float = Field(0.01, gt=0, lt=1)
-    block_size: PositiveInt = 128
+    block_size: PositiveInt = 128  # llm-compressor only
+    desc_act: bool = False  # GPTQ format only: quantize columns in activation order (act-order)
 
 
-class AWQSpec(_LLMCompressorBase):
-    """AWQ activation-aware scaling, then INT4 weight-only quantization (W4A16)."""
+class AWQSpec(_TwoEngines):
+    """AWQ activation-aware scaling, then INT4 weight-only quantization (W4A16); compressed-tensors
+    output (llm-compressor) or the AWQ GEMM format (GPTQModel)."""
 
     method: Literal["awq"]
+    format: Literal["compressed-tensors", "awq"] = "compressed-tensors"
     scheme: Literal["W4A16"] = "W4A16"
     group_size: PositiveInt = 64
     symmetric: bool = False  # AWQ's usual grid: asymmetric with a zero point
-    n_grid: PositiveInt = 20  # grid points of the per-layer scale search; cost is linear in it
-    duo_scaling: bool | Literal["both"] = True
+    n_grid: PositiveInt = 20  # llm-compressor: grid points of the per-layer scale search; cost is linear in it
+    duo_scaling: bool | Literal["both"] = True  # llm-compressor only
 
 
 class FP8Spec(_LLMCompressorBase):

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from quantbench.cli import main
-
 from tests.helpers import runs, tiny_recipe, write_recipe
 
 
@@ -63,6 +62,7 @@ def test_distill_loss_falls_and_the_student_is_saved(workdir, teacher_dir, capsy
     assert m["distill/steps"] == 40 and m["distill/tokens"] == 40 * 2 * 64
     assert m["distill/student_params"] < m["distill/teacher_params"]
     assert m["distill/tokens_per_s"] > 0
+    assert m["distill/kld_after"] < 0.7 * m["distill/kld_before"]  # on held-out text, not the training text
     [run] = runs()
     tags = run.data.tags
     assert run.info.status == "FINISHED" and tags["quantbench.method"] == "distill"
@@ -128,8 +128,69 @@ def test_interrupted_distillation_resumes_from_its_last_checkpoint(workdir, teac
     resumed = next(r for r in runs() if r.info.run_id == result["run_id"])
     start = int(resumed.data.tags["quantbench.resumed_from_step"])
     assert start >= saved  # from the newest checkpoint, not from zero
-    assert f"resuming from" in second.stderr + second.stdout
+    assert "resuming from" in second.stderr + second.stdout
     assert result["metrics"]["distill/steps"] == 400
     # the curve before the interruption was replayed into the new run: one point every 10 steps
     steps = [s for s, _ in metric_history(result["run_id"], "distill/loss")]
     assert steps == list(range(10, 401, 10))
+
+
+def test_recipe_can_quantize_another_recipes_output_and_records_lineage(workdir, teacher_dir, capsys):
+    write_recipe(workdir, "student", distill_recipe(teacher_dir, student={"layers": [0]}, steps=4))
+    assert main(["quantize", "student", "--json"]) == 0
+    student = last_json(capsys.readouterr().out)
+    body = tiny_recipe(teacher_dir, "method: gptq\nscheme: W8A16\ngroup_size: null\n")
+    write_recipe(workdir, "q", body.replace(f"source: {teacher_dir}", "source: recipe:student"))
+    assert main(["quantize", "q", "--json"]) == 0
+    quantized = last_json(capsys.readouterr().out)
+    run = next(r for r in runs() if r.info.run_id == quantized["run_id"])
+    assert run.data.tags["quantbench.parent_run"] == student["run_id"]
+    assert run.data.tags["quantbench.base_model"] == "recipe:student"
+    info = json.loads((Path(quantized["checkpoint"]) / "quantbench.json").read_text())
+    assert info["parent_run"] == student["run_id"]
+    assert info["base_model"]["license"] == "mit"  # inherited through the student's card
+    config = json.loads((Path(quantized["checkpoint"]) / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1  # the student's shape, not the teacher's
+    # a recipe naming an output that does not exist yet: a clear error, nothing written
+    write_recipe(workdir, "q2", body.replace(f"source: {teacher_dir}", "source: recipe:nothing-yet"))
+    assert main(["quantize", "q2"]) == 2
+    assert "no FINISHED run of the recipe 'nothing-yet'" in capsys.readouterr().err
+
+
+def test_speculative_decoding_with_a_draft(workdir, teacher_dir, capsys):
+    """The teacher drafting for itself accepts every proposal; the 1-layer student, fewer."""
+    profile = workdir / "profiles"
+    profile.mkdir()
+    (profile / "spec.yaml").write_text("prompt_tokens: [16]\noutput_tokens: 12\nrepetitions: 2\nwarmup: 0\nbase_dtype: float32\n")
+    write_recipe(workdir, "student", distill_recipe(teacher_dir, student={"layers": [0]}, steps=4))
+    assert main(["quantize", "student", "--json"]) == 0
+    student = last_json(capsys.readouterr().out)
+
+    assert main(["bench", "--draft", str(teacher_dir), str(teacher_dir), "--profile", "spec", "--json"]) == 0
+    itself = last_json(capsys.readouterr().out)["metrics"]
+    assert itself["speed/spec_acceptance"] > 0.95
+    assert itself["speed/spec_tokens_per_target_step"] >= 1.9  # every step: the accepted tokens + one of its own
+
+    assert main(["bench", "--draft", student["run_id"], "--profile", "spec", "--json"]) == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["run_id"] == student["run_id"] and result["target"] == str(teacher_dir)
+    m = result["metrics"]
+    assert 0 <= m["speed/spec_acceptance"] < itself["speed/spec_acceptance"]
+    assert m["speedup/spec_decode_tok_s"] == pytest.approx(m["speed/spec_decode_tok_s"] / m["base_speed/spec_decode_tok_s"])
+    run = next(r for r in runs() if r.info.run_id == student["run_id"])
+    assert run.info.status == "FINISHED" and run.data.metrics["speed/spec_acceptance"] == m["speed/spec_acceptance"]
+    assert run.data.tags["quantbench.spec_target"] == str(teacher_dir)
+
+
+def test_draft_with_another_vocabulary_is_rejected(workdir, teacher_dir, tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    other = tmp_path / "other"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                                 vocab_size=640)).save_pretrained(other)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(other)
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "spec.yaml").write_text("prompt_tokens: [16]\n")
+    assert main(["bench", "--draft", str(other), str(teacher_dir), "--profile", "spec"]) == 2
+    assert "a draft must share the vocabulary" in capsys.readouterr().err
+    assert runs() == []

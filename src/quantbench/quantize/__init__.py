@@ -16,7 +16,8 @@ import importlib
 
 from quantbench.errors import UserError, did_you_mean
 
-# method -> "module:object"; `quantbench --help` and most tests import none of these.
+# method (or method/format, where a recipe's `format:` picks another engine) -> "module:object";
+# `quantbench --help` and most tests import none of these.
 BACKENDS = {
     "gptq": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
     "awq": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
@@ -24,19 +25,24 @@ BACKENDS = {
     "smoothquant": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
     "bnb": "quantbench.quantize.bnb:BnbBackend",
     "distill": "quantbench.quantize.distill:DistillBackend",
+    "gptq/gptq": "quantbench.quantize.gptqmodel:GPTQModelBackend",
+    "awq/awq": "quantbench.quantize.gptqmodel:GPTQModelBackend",
 }
 # the package a backend module needs, for a clear error when it is missing
 PACKAGES = {"quantbench.quantize.llmcompressor": "llmcompressor", "quantbench.quantize.bnb": "bitsandbytes",
-            "quantbench.quantize.distill": "transformers"}
+            "quantbench.quantize.distill": "transformers", "quantbench.quantize.gptqmodel": "gptqmodel"}
 
 
-def get_backend(method: str):
-    if method not in BACKENDS:
-        raise UserError(f"quantize.method: unknown method '{method}'." + did_you_mean(method, BACKENDS))
-    module_name, _, attr = BACKENDS[method].partition(":")
+def get_backend(method: str, format: str | None = None):
+    key = f"{method}/{format}" if f"{method}/{format}" in BACKENDS else method
+    if key not in BACKENDS:
+        methods = [m for m in BACKENDS if "/" not in m]
+        raise UserError(f"quantize.method: unknown method '{method}'." + did_you_mean(method, methods))
+    module_name, _, attr = BACKENDS[key].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         package = PACKAGES.get(module_name, exc.name)
-        raise UserError(f"quantize.method: '{method}' needs the package '{package}', which is not installed ({exc})") from None
+        what = f"'{method}' with format '{format}'" if "/" in key else f"'{method}'"
+        raise UserError(f"quantize.method: {what} needs the package '{package}', which is not installed ({exc})") from None
     return getattr(module, attr)

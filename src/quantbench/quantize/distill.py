@@ -117,19 +117,26 @@ class DistillBackend:
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return prune_layers(teacher, self.keep)
 
-    def train(self, teacher, tokenizer, run, workdir: Path) -> tuple[torch.nn.Module, dict[str, float]]:
+    def train(self, teacher, tokenizer, run, workdir: Path, held_out: tuple[list[int], int]) -> tuple[torch.nn.Module, dict[str, float]]:
         """Train a student against `teacher`; checkpoints in `workdir` (resumed if any are there).
-        Returns the student and the run's distill/* summary metrics."""
+        `held_out` (token ids, window) scores the student against the teacher before and after
+        training (`distill/kld_before`, `distill/kld_after`, `distill/ppl_*`). Returns the student
+        and the run's distill/* summary metrics."""
+        from quantbench.evaluate.quality import compare, reference
         from transformers import TrainingArguments
 
         spec = self.spec
-        teacher.eval().requires_grad_(False)
-        student = self.student(teacher)
+        teacher = teacher.float().eval().requires_grad_(False)  # bf16 autocast still runs its matmuls
+        student = self.student(teacher).eval()
         student.config.use_cache = False
         student.generation_config = teacher.generation_config
         counts = {"distill/student_params": _params(student), "distill/teacher_params": _params(teacher)}
         log.info("student: %s, %.1fM parameters (teacher %.1fM)", self.init, counts["distill/student_params"] / 1e6,
                  counts["distill/teacher_params"] / 1e6)
+        ref = reference(teacher, *held_out)
+        before = compare(student, *held_out[:2], ref).metrics()
+        counts.update({"distill/kld_before": before["quality/kld_mean"], "distill/ppl_before": before["quality/ppl"]})
+        log.info("untrained student: KLD to the teacher %.3f, perplexity %.1f", before["quality/kld_mean"], before["quality/ppl"])
         run.log_metrics(counts)
         windows = training_windows(self.train_ids, spec.steps * spec.batch_size, spec.seq_len, spec.seed)
         resume = last_checkpoint(workdir)
@@ -170,8 +177,11 @@ class DistillBackend:
         result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
         wall = time.perf_counter() - started
         trained_steps = trainer.state.global_step - start_step
+        after = compare(student.eval(), *held_out[:2], ref).metrics()
         summary = {
             **counts,
+            "distill/kld_after": after["quality/kld_mean"],
+            "distill/ppl_after": after["quality/ppl"],
             "distill/wall_s": wall,
             "distill/final_loss": trainer.last_loss if trainer.last_loss is not None else result.training_loss,
             "distill/steps": trainer.state.global_step,
@@ -179,8 +189,9 @@ class DistillBackend:
             "distill/tokens_per_s": trained_steps * spec.batch_size * spec.seq_len / wall,
         }
         run.log_metrics(summary)
-        log.info("trained %d steps in %.0f s (%.0f tokens/s), last logged loss %.4f", trainer.state.global_step,
-                 wall, summary["distill/tokens_per_s"], summary["distill/final_loss"])
+        log.info("trained %d steps in %.0f s (%.0f tokens/s), last logged loss %.4f; KLD to the teacher %.3f -> %.3f",
+                 trainer.state.global_step, wall, summary["distill/tokens_per_s"], summary["distill/final_loss"],
+                 summary["distill/kld_before"], summary["distill/kld_after"])
         student.config.use_cache = True
         return student.eval(), summary
 

@@ -69,7 +69,7 @@ def prepare(recipe: str, overrides: tuple[str, ...] = ()) -> Prepared:
     problems = check_shapes(loaded, AutoConfig.from_pretrained(base.path))
     if problems:
         raise UserError(problems)
-    backend = get_backend(spec.quantize.method)(spec.quantize)
+    backend = get_backend(spec.quantize.method, getattr(spec.quantize, "format", None))(spec.quantize)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
     text_shas = {}
     if getattr(backend, "trains", False):  # distillation: student init and training text checked now
@@ -118,6 +118,9 @@ BNB_4BIT_BLOCK = 64
 def check_shapes(loaded: LoadedRecipe, config) -> list[str]:
     """A group size must divide the input width of every layer it quantizes."""
     q = loaded.recipe.quantize
+    if q.method == "awq" and getattr(q, "format", None) == "awq" and loaded.recipe.model.dtype == "float32":
+        return [f"{loaded.path}: {loaded.where('model', 'dtype')}: GPTQModel's AWQ kernels run in bfloat16 or float16, "
+                "not float32; use one of those (or format compressed-tensors)"]
     group_size = getattr(q, "group_size", None)
     field, why = "group_size", ""
     if q.method == "bnb" and q.scheme != "INT8":
@@ -136,11 +139,24 @@ def check_shapes(loaded: LoadedRecipe, config) -> list[str]:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     widths: dict[int, list[str]] = {}
+    outs: dict[int, list[str]] = {}
     for name, module in match_named_modules(skeleton, ["Linear"], loaded.recipe.quantize.ignore):
         widths.setdefault(module.in_features, []).append(name)
+        outs.setdefault(module.out_features, []).append(name)
+    problems = []
+    if q.method == "awq" and getattr(q, "format", None) == "awq":
+        from quantbench.quantize.gptqmodel import AWQ_OUT_BLOCK
+
+        odd = {w: n for w, n in outs.items() if w % AWQ_OUT_BLOCK}
+        if odd:
+            detail = "; ".join(f"output width {w} ({len(n)} layers, e.g. {n[0]})" for w, n in sorted(odd.items()))
+            problems.append(f"{loaded.path}: {loaded.where('quantize', 'format')}: GPTQModel's AWQ needs every quantized "
+                            f"layer's output width to be a multiple of {AWQ_OUT_BLOCK}; these layers of "
+                            f"{loaded.recipe.model.source} are not: {detail}. Use format compressed-tensors "
+                            "(llm-compressor), or add them to quantize.ignore.")
     bad = {w: names for w, names in widths.items() if w % group_size}
     if not bad:
-        return []
+        return problems
     detail = "; ".join(f"width {w} ({len(n)} layers, e.g. {n[0]})" for w, n in sorted(bad.items()))
     if why:
         return [f"{loaded.path}: {loaded.where('quantize', field)}: {q.scheme} cannot quantize these layers of "
@@ -150,7 +166,7 @@ def check_shapes(loaded: LoadedRecipe, config) -> list[str]:
     return [
         f"{loaded.path}: {loaded.where('quantize', field)}: {group_size} does not "
         f"divide the input width of these layers of {loaded.recipe.model.source}: {detail}.{hint}"
-    ]
+    ] + problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,23 +230,33 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
                 started = time.perf_counter()
                 trained_ppl, trained = None, {}
                 if getattr(p.backend, "loads_quantized", False):
-                    # bitsandbytes quantizes while loading: a fresh model, saved before any forward
+                    # bitsandbytes quantizes while loading (a fresh model, saved before any forward);
+                    # GPTQModel loads the base model itself, then quantizes it
                     del model
-                    model = p.backend.load(p.base.path, dtype)
+                    model = p.backend.load(p.base.path, dtype, p.calibration)
+                elif getattr(p.backend, "writes_checkpoint", False):
+                    # GPTQModel: load, quantize and save in a child process, straight into staging
+                    del model
+                    model = None
+                    staging.mkdir(parents=True)
+                    p.backend.write(p.base.path, spec.model.dtype, p.calibration, staging, log_path)
                 elif getattr(p.backend, "trains", False):
                     # distillation: the loaded model is the teacher; checkpoints are kept outside the
                     # staging dir (keyed by the recipe hash) so an interrupted job resumes from them
-                    model, trained = p.backend.train(model, p.tokenizer, run, training_dir(outputs, p))
+                    model, trained = p.backend.train(model, p.tokenizer, run, training_dir(outputs, p),
+                                                     (p.eval_ids, spec.check.window))
                     trained_ppl = _perplexity(model, p)
                 else:
                     p.backend.quantize(model, p.calibration)
                 wall_s = time.perf_counter() - started
-                peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                peak_rss_mb = max(resource.getrusage(who).ru_maxrss for who in
+                                  (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
 
-                log.info("[3/4] saving to %s", staging)
-                staging.mkdir(parents=True)
-                p.backend.save(model, p.tokenizer, staging)
-                del model
+                if model is not None:
+                    log.info("[3/4] saving to %s", staging)
+                    staging.mkdir(parents=True)
+                    p.backend.save(model, p.tokenizer, staging)
+                    del model
 
                 log.info("[4/4] reloading the saved checkpoint from disk and checking it")
                 check = _reload_check(staging, p, base_ppl, trained_ppl)

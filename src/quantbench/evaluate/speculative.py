@@ -1,0 +1,143 @@
+"""`quantbench bench --draft <run id | checkpoint> [TARGET]`: speculative decoding.
+
+The target model (default: the draft's base model, e.g. the teacher a student was distilled
+from) generates greedily with the draft proposing tokens (transformers assisted generation), and
+alone, on the same prompts, interleaved. Greedy assisted generation yields exactly the target's
+own tokens; only the speed changes.
+
+Acceptance rate = draft tokens the target accepted / draft tokens proposed. Both are counted
+from forward passes: each draft forward proposes one token; each target forward verifies one
+round and yields the accepted tokens plus one of its own, so accepted = new tokens - target
+forwards. Logged into the draft's run (or the target's, for a draft checkpoint without one):
+`speed/spec_acceptance`, `speed/spec_decode_tok_s`, `base_speed/spec_decode_tok_s` (the target
+alone) and `speedup/spec_decode_tok_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import statistics
+import time
+from contextlib import contextmanager
+
+from quantbench import data, environment, models
+from quantbench.errors import UserError
+from quantbench.evaluate.job import check_loadable, resolve_target, target_run
+from quantbench.evaluate.speed import DEFAULT_PROFILE, load_profile, prompts
+from quantbench.tracking import TAG, Tracker
+
+log = logging.getLogger(__name__)
+
+
+def run(draft: str, target: str | None = None, *, profile: str | None = None, experiment: str | None = None) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from quantbench.quantize.distill import _vocab_mismatch
+
+    name = profile or DEFAULT_PROFILE
+    settings = load_profile(name)
+    tracker = Tracker(experiment)
+    drafted = resolve_target(draft, tracker, target)
+    check_loadable(drafted.checkpoint)
+    source = target or drafted.base_source
+    if re.fullmatch(r"[0-9a-f]{32}", source):
+        source = "run:" + source
+    tgt = models.resolve(source, field="target" if target else "the draft's base model")
+    check_loadable(tgt.path)
+    tokenizer = AutoTokenizer.from_pretrained(tgt.path)
+    mismatch = _vocab_mismatch(tokenizer, AutoTokenizer.from_pretrained(drafted.checkpoint),
+                               AutoConfig.from_pretrained(tgt.path), AutoConfig.from_pretrained(drafted.checkpoint))
+    if mismatch:
+        raise UserError(f"--draft {draft}: its tokenizer is not the target's ({mismatch}); a draft must share the vocabulary")
+    ids = tokenizer(data.python_docs("evaluation"))["input_ids"]
+    length = max(settings.prompt_tokens)
+    rows = prompts(ids, length, settings.warmup + settings.repetitions, settings.seed)
+
+    with target_run(tracker, drafted, tgt, "bench") as run_:
+        log.info("speculative decoding: target %s, draft %s, %d prompts of %d tokens, %d new tokens", tgt.name,
+                 drafted.checkpoint, settings.repetitions, length, settings.output_tokens)
+        run_.set_tags({TAG + "spec_target": tgt.source, TAG + "spec_draft": str(drafted.checkpoint.resolve())})
+        dtype = "auto" if settings.base_dtype == "auto" else getattr(torch, settings.base_dtype)
+        target_model = AutoModelForCausalLM.from_pretrained(tgt.path, dtype=dtype).eval()
+        draft_model = AutoModelForCausalLM.from_pretrained(drafted.checkpoint, dtype=target_model.dtype).eval()
+        samples = measure(target_model, draft_model, rows, settings.output_tokens, settings.warmup)
+        metrics = {
+            "speed/spec_acceptance": samples["accepted"] / samples["proposed"] if samples["proposed"] else 0.0,
+            "speed/spec_tokens_per_target_step": samples["new_tokens"] / samples["target_steps"],
+            "speed/spec_decode_tok_s": statistics.median(samples["assisted_tok_s"]),
+            "base_speed/spec_decode_tok_s": statistics.median(samples["alone_tok_s"]),
+        }
+        metrics["speedup/spec_decode_tok_s"] = metrics["speed/spec_decode_tok_s"] / metrics["base_speed/spec_decode_tok_s"]
+        run_.log_metrics(metrics)
+        run_.log_dict({"target": tgt.source, "draft": str(drafted.checkpoint), "profile": name,
+                       "profile_settings": settings.model_dump(mode="json"), "same_tokens": samples["same_tokens"],
+                       "samples": samples, "metrics": metrics, "hardware": environment.describe()}, "bench_spec.json")
+    if not samples["same_tokens"]:
+        log.warning("assisted generation produced different tokens from the target alone (numerics of batched "
+                    "verification); the speed figures stand, the outputs differ in places")
+    for key, value in metrics.items():
+        print(f"  {key:36s} {value:.4g}")
+    return {"run_id": run_.run_id, "target": tgt.source, "draft": str(drafted.checkpoint), "metrics": metrics}
+
+
+def measure(target, draft, rows: list[list[int]], new_tokens: int, warmup: int) -> dict:
+    """Greedy generation of `new_tokens` per prompt, alone and with the draft, interleaved."""
+    import torch
+    from tqdm import tqdm
+
+    out: dict = {"alone_tok_s": [], "assisted_tok_s": [], "accepted": 0, "proposed": 0, "new_tokens": 0,
+                 "target_steps": 0, "same_tokens": True}
+    for index, row in enumerate(tqdm(rows, desc="speculative", unit="prompt")):
+        batch = torch.tensor([row])
+        alone, alone_s = _generate(target, batch, new_tokens)
+        with _count_forwards(target) as target_steps, _count_forwards(draft) as proposed:
+            assisted, assisted_s = _generate(target, batch, new_tokens, assistant_model=draft)
+        if index < warmup:
+            continue
+        produced = assisted.shape[1] - batch.shape[1]
+        out["alone_tok_s"].append(new_tokens / alone_s)
+        out["assisted_tok_s"].append(produced / assisted_s)
+        out["new_tokens"] += produced
+        out["target_steps"] += target_steps[0]
+        out["accepted"] += produced - target_steps[0]
+        out["proposed"] += proposed[0]
+        out["same_tokens"] &= bool(torch.equal(alone, assisted))
+    return out
+
+
+class _SameProcessor(logging.Filter):
+    """transformers warns on every assisted call that min_new_tokens' processor is passed twice
+    (to the draft as well); it is the same processor, applied once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "MinNewTokensLengthLogitsProcessor" not in record.getMessage()
+
+
+def _generate(model, batch, new_tokens: int, **kwargs):
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger("transformers.generation.utils").addFilter(_SameProcessor())
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        tokens = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+    return tokens, time.perf_counter() - start
+
+
+@contextmanager
+def _count_forwards(model):
+    """[number of forward passes of `model`] while the block runs."""
+    count = [0]
+
+    def hook(*_):
+        count[0] += 1
+
+    handle = model.register_forward_hook(hook)
+    try:
+        yield count
+    finally:
+        handle.remove()

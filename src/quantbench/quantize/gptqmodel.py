@@ -1,0 +1,128 @@
+"""GPTQ and AWQ through GPTQModel, saved in the GPTQ / AWQ (GEMM) checkpoint formats.
+
+AutoGPTQ and AutoAWQ are archived; GPTQModel is their maintained successor and writes the
+formats their users load: `quantization_config.quant_method` "gptq" (transformers with optimum +
+gptqmodel, vLLM, SGLang) or "awq" (transformers with gptqmodel, vLLM, SGLang). A recipe picks this
+backend with `format: gptq` (method gptq) or `format: awq` (method awq); the same recipe with
+`format: compressed-tensors` goes through llm-compressor.
+
+GPTQModel runs in a child process (`python -m quantbench.quantize.gptqmodel`): an exception in
+one of its worker threads ends the whole interpreter with `os._exit(1)` (threadx.py,
+`_abort_process`), which would leave the MLflow run RUNNING and skip every cleanup. The child
+loads the base model, quantizes, and saves into the staging directory; its output is shown and
+kept in the run's log; a failed child fails the run with the end of that output.
+
+Facts measured here (GPTQModel 7.6.0, the last release for torch 2.13): with one CPU worker
+(its default on 2 cores) it stalls, so GPTQMODEL_CPU_WORKERS defaults to 2 here; it compiles a
+small CPU packing extension on first use (~30 s, cached); AWQ's clip search needs every
+quantized layer's output width to be a multiple of 64 (checked before anything runs);
+transformers reloads both formats on CPU with GPTQModel's torch kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from quantbench.recipe import AWQSpec, GPTQSpec
+
+if importlib.util.find_spec("gptqmodel") is None:  # named by the registry; the package is imported by the child only
+    raise ModuleNotFoundError("No module named 'gptqmodel'", name="gptqmodel")
+
+log = logging.getLogger(__name__)
+AWQ_OUT_BLOCK = 64  # GPTQModel's AWQ clip search works on blocks of 64 (or 256) output channels
+
+
+class GPTQModelBackend:
+    needs_calibration = True
+    writes_checkpoint = True  # quantizes and saves in one step, in a child process
+
+    def __init__(self, spec: GPTQSpec | AWQSpec):
+        self.spec = spec
+        self.format = spec.format  # "gptq" or "awq"
+
+    def loaders(self) -> str:
+        from importlib.metadata import version as dist_version
+
+        version = dist_version("gptqmodel")
+        if self.format == "gptq":
+            return f"GPTQ (gptqmodel {version}) — transformers (+optimum, gptqmodel), vLLM, SGLang"
+        return f"AWQ GEMM (gptqmodel {version}) — transformers (+gptqmodel), vLLM, SGLang"
+
+    def write(self, base_path: Path, dtype: str, calibration: list[list[int]], dest: Path, log_path: Path) -> None:
+        """Quantize the base model with GPTQModel and save it into `dest`, in a child process."""
+        from quantbench.processes import stop_group
+
+        job = {"base": str(base_path), "dtype": dtype, "spec": self.spec.model_dump(mode="json"),
+               "calibration": calibration, "dest": str(dest)}
+        env = dict(os.environ)
+        if (os.cpu_count() or 1) <= 2:
+            env.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+            json.dump(job, handle)
+        tail = b""
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "quantbench.quantize.gptqmodel", handle.name], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                with log_path.open("ab") as out:
+                    while chunk := os.read(proc.stdout.fileno(), 65536):
+                        sys.stderr.buffer.write(chunk)
+                        sys.stderr.flush()
+                        out.write(chunk)
+                        tail = (tail + chunk)[-4000:]
+                proc.wait()
+            finally:
+                stop_group(proc)  # on Ctrl-C / SIGTERM too: the child never outlives the job
+        finally:
+            os.unlink(handle.name)
+        if proc.returncode != 0:
+            last = tail.decode(errors="replace").replace("\r", "\n").strip().splitlines()[-12:]
+            raise RuntimeError(f"GPTQModel failed (exit {proc.returncode}); the end of its output:\n" + "\n".join(last))
+
+
+def config(spec: GPTQSpec | AWQSpec):
+    from gptqmodel import QuantizeConfig
+    from gptqmodel.quantization.config import FORMAT, METHOD
+
+    bits = 8 if spec.scheme == "W8A16" else 4
+    group = spec.group_size or -1  # -1: one scale per output channel
+    skip = {f"-:{_pattern(name)}": {} for name in spec.ignore if name != "lm_head"}  # lm_head stays unquantized
+    if isinstance(spec, AWQSpec):
+        return QuantizeConfig(bits=bits, group_size=group, sym=spec.symmetric, quant_method=METHOD.AWQ,
+                              format=FORMAT.GEMM, dynamic=skip or None)
+    return QuantizeConfig(bits=bits, group_size=group, sym=spec.symmetric, desc_act=spec.desc_act,
+                          damp_percent=spec.dampening_frac, format=FORMAT.GPTQ, dynamic=skip or None)
+
+
+def _pattern(name: str) -> str:
+    """llm-compressor's ignore entry (a module name or `re:REGEX`) as a GPTQModel dynamic regex."""
+    return name.removeprefix("re:") if name.startswith("re:") else re.escape(name) + "$"
+
+
+def _child(job_file: str) -> None:
+    """The child: load, quantize with the calibration windows, save."""
+    import torch
+    from gptqmodel import BACKEND, GPTQModel
+    from transformers import AutoTokenizer
+
+    job = json.loads(Path(job_file).read_text())
+    spec = (AWQSpec if job["spec"]["method"] == "awq" else GPTQSpec).model_validate(job["spec"])
+    model = GPTQModel.load(job["base"], config(spec), dtype=getattr(torch, job["dtype"]))
+    rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in job["calibration"]]
+    # the kernel for GPTQModel's own forward passes after each layer (torch: runs on a CPU)
+    kernel = BACKEND.AUTO if torch.cuda.is_available() else BACKEND.AWQ_TORCH if spec.format == "awq" else BACKEND.GPTQ_TORCH
+    model.quantize(rows, batch_size=1, backend=kernel)
+    model.save(job["dest"])
+    AutoTokenizer.from_pretrained(job["base"]).save_pretrained(job["dest"])
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
