@@ -59,11 +59,12 @@ def short_name(source: str) -> str:
     return Path(name).stem if name.endswith(".gguf") else Path(name).name
 
 
-def resolve(source: str, field: str = "model.source") -> ResolvedModel:
-    """Turn a model source into a local checkpoint dir; UserError naming `field` if it can't."""
+def resolve(source: str, field: str = "model.source", experiment: str | None = None) -> ResolvedModel:
+    """Turn a model source into a local checkpoint dir; UserError naming `field` if it can't.
+    `experiment`: where `recipe:NAME` looks for the recipe's runs (default: the default experiment)."""
     kind, target = _classify(source, field)
     if kind == "run":
-        run_id, path, name = _run_checkpoint(source, field)
+        run_id, path, name = _run_checkpoint(source, field, experiment)
         return ResolvedModel(source, path, name, _card_license(path), fingerprint(path), parent_run=run_id)
     if kind == "builtin":
         return _from_gguf(source, _builtin_gguf(target, field))
@@ -131,11 +132,11 @@ def _classify(source: str, field: str) -> tuple[str, object]:
     return "dir", path.resolve()
 
 
-def _run_checkpoint(source: str, field: str) -> tuple[str, Path, str]:
+def _run_checkpoint(source: str, field: str, experiment: str | None = None) -> tuple[str, Path, str]:
     """`run:ID` / `recipe:NAME` -> (run id, its checkpoint dir, a name for cards and run names)."""
     from quantbench.tracking import TAG, Tracker, tracking_uri
 
-    tracker = Tracker()
+    tracker = Tracker(experiment)
     kind, _, value = source.partition(":")
     if kind == "recipe":
         found = tracker.find_runs({TAG + "recipe": value, TAG + "role": "candidate"})

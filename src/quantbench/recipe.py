@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
@@ -76,10 +76,17 @@ class _TwoEngines(_LLMCompressorBase):
     (llm-compressor) or the GPTQ / AWQ format of AutoGPTQ / AutoAWQ, written by GPTQModel, their
     maintained successor."""
 
+    # options only one engine has: field -> (the format that has it, its default)
+    ENGINE_ONLY: ClassVar[dict[str, tuple[str, Any]]] = {}
+
     @model_validator(mode="after")
     def _format_fits(self):
         if self.format != "compressed-tensors" and self.kv_cache is not None:
             raise ValueError(f"kv_cache: fp8 needs format compressed-tensors (the {self.format} format has no KV-cache scales)")
+        for name, (fmt, default) in self.ENGINE_ONLY.items():
+            if self.format != fmt and getattr(self, name) != default:
+                engine = "llm-compressor" if fmt == "compressed-tensors" else "GPTQModel"
+                raise ValueError(f"{name} applies to format {fmt} ({engine}) only; this recipe's format is {self.format}")
         return self
 
 
@@ -95,6 +102,7 @@ class GPTQSpec(_TwoEngines):
     dampening_frac: float = Field(0.01, gt=0, lt=1)
     block_size: PositiveInt = 128  # llm-compressor only
     desc_act: bool = False  # GPTQ format only: quantize columns in activation order (act-order)
+    ENGINE_ONLY: ClassVar[dict[str, tuple[str, Any]]] = {"block_size": ("compressed-tensors", 128), "desc_act": ("gptq", False)}
 
 
 class AWQSpec(_TwoEngines):
@@ -108,6 +116,8 @@ class AWQSpec(_TwoEngines):
     symmetric: bool = False  # AWQ's usual grid: asymmetric with a zero point
     n_grid: PositiveInt = 20  # llm-compressor: grid points of the per-layer scale search; cost is linear in it
     duo_scaling: bool | Literal["both"] = True  # llm-compressor only
+    ENGINE_ONLY: ClassVar[dict[str, tuple[str, Any]]] = {"n_grid": ("compressed-tensors", 20),
+                                                         "duo_scaling": ("compressed-tensors", True)}
 
 
 class FP8Spec(_LLMCompressorBase):
@@ -423,6 +433,8 @@ def _message(err: dict, loc: tuple, data: dict) -> str:
     if kind == "literal_error" and isinstance(err.get("input"), str):
         choices = [c.strip().strip("'") for c in err["ctx"]["expected"].replace(" or ", ",").split(",")]
         return f"unknown value '{err['input']}'." + did_you_mean(err["input"], [c for c in choices if c])
+    if kind == "value_error":  # our own validators: the message says what is wrong, the section is the input
+        return err["msg"].removeprefix("Value error, ")
     return f"{err['msg']} (got {err['input']!r})" if "input" in err and kind != "missing" else err["msg"]
 
 

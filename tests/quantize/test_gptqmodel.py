@@ -65,6 +65,9 @@ def test_gptqmodel_formats_quantize_save_and_reload(workdir, tiny_model_dir, awq
         ("method: awq\nformat: gptq\n", "quantize.format (line 10): unknown value 'gptq'. Available: awq, compressed-tensors"),
         ("method: gptq\nformat: gptq\ngroup_size: 32\nkv_cache: fp8\n", "kv_cache: fp8 needs format compressed-tensors"),
         ("method: awq\nformat: awq\ngroup_size: 32\n", "model.dtype (line 3): GPTQModel's AWQ kernels run in bfloat16"),
+        ("method: gptq\ngroup_size: 32\ndesc_act: true\n", "desc_act applies to format gptq (GPTQModel) only; this "
+         "recipe's format is compressed-tensors"),
+        ("method: awq\nformat: awq\nn_grid: 10\n", "n_grid applies to format compressed-tensors (llm-compressor) only"),
     ],
 )
 def test_bad_gptqmodel_recipes_are_rejected(workdir, tiny_model_dir, capsys, quantize, expected):

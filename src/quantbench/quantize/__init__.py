@@ -5,8 +5,10 @@ A backend is a class built from the recipe's `quantize` section with:
 - `format`: the checkpoint format it writes;
 - `quantize(model, calibration)`: compress the loaded model in place; or, with
   `loads_quantized = True`, `load(base_path, dtype)`: a new model quantized as it loads; or, with
-  `trains = True`, `prepare_training(...)` at prepare time and `train(teacher, tokenizer, run,
-  workdir)`: a new model trained against the loaded one (distillation);
+  `writes_checkpoint = True`, `write(base_path, dtype, calibration, dest, log_path)`: quantize and
+  save in one step (GPTQModel, in a child process); or, with `trains = True`,
+  `prepare_training(...)` at prepare time and `train(teacher, tokenizer, run, workdir, held_out)`:
+  a new model trained against the loaded one (distillation);
 - `save(model, tokenizer, dest)`: write the checkpoint into `dest`.
 """
 

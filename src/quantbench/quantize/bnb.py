@@ -45,8 +45,8 @@ class BnbBackend:
             llm_int8_skip_modules=skip,
         )
 
-    def load(self, base_path: Path, dtype: torch.dtype, calibration=None):
-        """The base model, quantized while it loads (on this process's device: CPU here); no calibration."""
+    def load(self, base_path: Path, dtype: torch.dtype):
+        """The base model, quantized while it loads (on this process's device: CPU here)."""
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, quantization_config=self.config(),

@@ -46,7 +46,7 @@ class CheckpointCheckFailed(RuntimeError):
 
 
 def run(recipe: str, *, overrides: tuple[str, ...] = (), outputs: Path = Path("outputs"), experiment: str | None = None) -> dict:
-    prepared = prepare(recipe, overrides)
+    prepared = prepare(recipe, overrides, experiment)
     return execute(prepared, outputs=outputs, experiment=experiment)
 
 
@@ -54,7 +54,7 @@ def run(recipe: str, *, overrides: tuple[str, ...] = (), outputs: Path = Path("o
 # prepare: every input check, nothing written
 
 
-def prepare(recipe: str, overrides: tuple[str, ...] = ()) -> Prepared:
+def prepare(recipe: str, overrides: tuple[str, ...] = (), experiment: str | None = None) -> Prepared:
     from transformers import AutoConfig, AutoTokenizer
 
     from quantbench.quantize import get_backend
@@ -63,7 +63,7 @@ def prepare(recipe: str, overrides: tuple[str, ...] = ()) -> Prepared:
     spec = loaded.recipe
     where = str(loaded.path)
     try:
-        base = models.resolve(spec.model.source)
+        base = models.resolve(spec.model.source, experiment=experiment)
     except UserError as exc:
         raise UserError([f"{where}: {p}" for p in exc.problems]) from None
     problems = check_shapes(loaded, AutoConfig.from_pretrained(base.path))
@@ -230,10 +230,9 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
                 started = time.perf_counter()
                 trained_ppl, trained = None, {}
                 if getattr(p.backend, "loads_quantized", False):
-                    # bitsandbytes quantizes while loading (a fresh model, saved before any forward);
-                    # GPTQModel loads the base model itself, then quantizes it
+                    # bitsandbytes quantizes while loading: a fresh model, saved before any forward
                     del model
-                    model = p.backend.load(p.base.path, dtype, p.calibration)
+                    model = p.backend.load(p.base.path, dtype)
                 elif getattr(p.backend, "writes_checkpoint", False):
                     # GPTQModel: load, quantize and save in a child process, straight into staging
                     del model
