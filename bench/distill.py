@@ -29,7 +29,7 @@ QUANTBENCH = [sys.executable, "-m", "quantbench"]
 
 
 def quantbench(args: list[str], cwd: Path, env: dict) -> dict:
-    proc = subprocess.run([*QUANTBENCH, *args, "--json"], cwd=cwd, env=env, capture_output=True, text=True)
+    proc = subprocess.run([*QUANTBENCH, *args, "--json"], cwd=cwd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.exit(f"quantbench {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -54,7 +54,7 @@ def test_distill_loss_falls_and_the_student_is_saved(workdir, teacher_dir, capsy
     from safetensors import safe_open
 
     with safe_open(ckpt / "model.safetensors", "pt") as f:
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+        assert {f.get_slice(k).get_dtype() for k in f} == {"BF16"}
     curve = metric_history(result["run_id"], "distill/kd_loss")
     assert [step for step, _ in curve] == list(range(5, 41, 5))
     assert curve[-1][1] < 0.7 * curve[0][1], curve  # the student learns the teacher's distribution
@@ -122,7 +122,7 @@ def test_interrupted_distillation_resumes_from_its_last_checkpoint(workdir, teac
     saved = max(int(p.name.split("-")[1]) for p in workdirs.glob(".distill-*/checkpoint-*"))
     assert 10 <= saved < 400
 
-    second = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    second = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert second.returncode == 0, second.stderr[-3000:]
     result = last_json(second.stdout)
     resumed = next(r for r in runs() if r.info.run_id == result["run_id"])

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from quantbench.cli import main
-
 from tests.helpers import runs, tiny_recipe, write_recipe
 
 

@@ -122,8 +122,9 @@ class DistillBackend:
         `held_out` (token ids, window) scores the student against the teacher before and after
         training (`distill/kld_before`, `distill/kld_after`, `distill/ppl_*`). Returns the student
         and the run's distill/* summary metrics."""
-        from quantbench.evaluate.quality import compare, reference
         from transformers import TrainingArguments
+
+        from quantbench.evaluate.quality import compare, reference
 
         spec = self.spec
         teacher = teacher.float().eval().requires_grad_(False)  # bf16 autocast still runs its matmuls
