@@ -217,25 +217,20 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from quantbench.evaluate.bench import run
-
     if args.draft:
         from quantbench.evaluate.speculative import run as run_spec
 
         if args.backend != "hf":
             raise UserError("--draft measures in-process (transformers assisted generation); drop --backend")
         result = _run_stage("bench", run_spec, args.draft, args.target, profile=args.profile, experiment=args.experiment)
-        if result is None:
-            return 1
-        print(f"mlflow run: {result['run_id']}")
-        if args.json:
-            print(json.dumps(result))
-        return 0
-    if not args.target:
-        raise UserError("bench: give a run id or checkpoint directory (or --draft)")
-    result = _run_stage("bench", run, args.target, profile=args.profile, backend=args.backend, base=args.base,
-                        experiment=args.experiment, endpoint=args.endpoint, base_endpoint=args.base_endpoint,
-                        server=args.server)
+    else:
+        from quantbench.evaluate.bench import run
+
+        if not args.target:
+            raise UserError("bench: give a run id or checkpoint directory (or --draft)")
+        result = _run_stage("bench", run, args.target, profile=args.profile, backend=args.backend, base=args.base,
+                            experiment=args.experiment, endpoint=args.endpoint, base_endpoint=args.base_endpoint,
+                            server=args.server)
     if result is None:
         return 1
     print(f"mlflow run: {result['run_id']}")

@@ -34,7 +34,7 @@ def run(draft: str, target: str | None = None, *, profile: str | None = None, ex
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from quantbench.quantize.distill import _vocab_mismatch
+    from quantbench.quantize.distill import vocab_mismatch
 
     name = profile or DEFAULT_PROFILE
     settings = load_profile(name)
@@ -47,7 +47,7 @@ def run(draft: str, target: str | None = None, *, profile: str | None = None, ex
     tgt = models.resolve(source, field="target" if target else "the draft's base model")
     check_loadable(tgt.path)
     tokenizer = AutoTokenizer.from_pretrained(tgt.path)
-    mismatch = _vocab_mismatch(tokenizer, AutoTokenizer.from_pretrained(drafted.checkpoint),
+    mismatch = vocab_mismatch(tokenizer, AutoTokenizer.from_pretrained(drafted.checkpoint),
                                AutoConfig.from_pretrained(tgt.path), AutoConfig.from_pretrained(drafted.checkpoint))
     if mismatch:
         raise UserError(f"--draft {draft}: its tokenizer is not the target's ({mismatch}); a draft must share the vocabulary")

@@ -82,7 +82,7 @@ class DistillBackend:
             except UserError as exc:
                 raise UserError([f"{where}: {p}" for p in exc.problems]) from None
             other = AutoTokenizer.from_pretrained(self.student_base.path)
-            mismatch = _vocab_mismatch(tokenizer, other, config, AutoConfig.from_pretrained(self.student_base.path))
+            mismatch = vocab_mismatch(tokenizer, other, config, AutoConfig.from_pretrained(self.student_base.path))
             if mismatch:
                 raise UserError(f"{where}: {loaded.where('quantize', 'student', 'source')}: {student.source} does "
                                 f"not share the teacher's tokenizer ({mismatch}); distillation compares "
@@ -316,7 +316,8 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(map(str, indices))
 
 
-def _vocab_mismatch(teacher_tok, student_tok, teacher_cfg, student_cfg) -> str:
+def vocab_mismatch(teacher_tok, student_tok, teacher_cfg, student_cfg) -> str:
+    """"" when two models share a vocabulary (config size and every token id), else what differs."""
     if teacher_cfg.vocab_size != student_cfg.vocab_size:
         return f"vocab_size {student_cfg.vocab_size} vs the teacher's {teacher_cfg.vocab_size}"
     a, b = teacher_tok.get_vocab(), student_tok.get_vocab()
