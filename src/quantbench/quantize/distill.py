@@ -135,7 +135,7 @@ class DistillBackend:
         log.info("student: %s, %.1fM parameters (teacher %.1fM)", self.init, counts["distill/student_params"] / 1e6,
                  counts["distill/teacher_params"] / 1e6)
         ref = reference(teacher, *held_out)
-        before = compare(student, *held_out[:2], ref).metrics()
+        before = compare(student, *held_out, ref).metrics()
         counts.update({"distill/kld_before": before["quality/kld_mean"], "distill/ppl_before": before["quality/ppl"]})
         log.info("untrained student: KLD to the teacher %.3f, perplexity %.1f", before["quality/kld_mean"], before["quality/ppl"])
         run.log_metrics(counts)
@@ -178,7 +178,7 @@ class DistillBackend:
         result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
         wall = time.perf_counter() - started
         trained_steps = trainer.state.global_step - start_step
-        after = compare(student.eval(), *held_out[:2], ref).metrics()
+        after = compare(student.eval(), *held_out, ref).metrics()
         summary = {
             **counts,
             "distill/kld_after": after["quality/kld_mean"],
