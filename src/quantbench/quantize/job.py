@@ -244,7 +244,7 @@ def execute(p: Prepared, *, outputs: Path, experiment: str | None) -> dict:
                     # staging dir (keyed by the recipe hash) so an interrupted job resumes from them
                     model, trained = p.backend.train(model, p.tokenizer, run, training_dir(outputs, p),
                                                      (p.eval_ids, spec.check.window))
-                    trained_ppl = _perplexity(model, p)
+                    trained_ppl = trained["distill/ppl_after"]  # the same text and windows as the check's
                 else:
                     p.backend.quantize(model, p.calibration)
                 wall_s = time.perf_counter() - started
