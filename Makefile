@@ -16,8 +16,9 @@ SWEEP  ?=
 DRAFT  ?=
 HOST   ?= 127.0.0.1
 PORT   ?= 5000
+NOTEBOOK_OUT ?= outputs/notebooks
 
-.PHONY: setup quantize evaluate bench compare gate sweep notebook validate recipes test test-fast ui benchmarks clean help
+.PHONY: setup quantize evaluate bench compare gate sweep notebook validate recipes test test-fast gc ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
@@ -31,7 +32,8 @@ help:
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
 	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
-	@echo "make test-fast                  run the fast tier only (tiny models, seconds)"
+	@echo "make test-fast                  the fast tier only: no servers, browser, database or real model (< 3 min)"
+	@echo "make gc                         end runs left RUNNING by a killed process, remove their staging dirs"
 	@echo "make ui                         the MLflow UI on http://127.0.0.1:5000 (PORT=, HOST=; loopback unless told)"
 	@echo "make benchmarks                 run the benchmarks in bench/ (ratios against baselines)"
 	@echo "Pass extra CLI flags with ARGS='--json --set calibration.samples=8'"
@@ -76,10 +78,11 @@ sweep: $(STAMP)
 	$(BIN)/quantbench sweep $(SWEEP) $(ARGS)
 
 notebook: $(STAMP)
-	mkdir -p outputs/notebooks
-	cp notebooks/tradeoffs.ipynb outputs/notebooks/tradeoffs.ipynb
-	MLFLOW_TRACKING_URI=$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db} $(BIN)/jupyter-execute --inplace outputs/notebooks/tradeoffs.ipynb
-	@echo "executed: outputs/notebooks/tradeoffs.ipynb (plot: outputs/notebooks/tradeoffs.png)"
+	mkdir -p $(NOTEBOOK_OUT)
+	cp notebooks/tradeoffs.ipynb $(NOTEBOOK_OUT)/tradeoffs.ipynb
+	QUANTBENCH_ROOT=$(CURDIR) QUANTBENCH_NOTEBOOK_OUT=$(abspath $(NOTEBOOK_OUT)) \
+	MLFLOW_TRACKING_URI=$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db} $(BIN)/jupyter-execute --inplace $(NOTEBOOK_OUT)/tradeoffs.ipynb
+	@echo "executed: $(NOTEBOOK_OUT)/tradeoffs.ipynb (plot: $(NOTEBOOK_OUT)/tradeoffs.png)"
 
 validate: $(STAMP)
 	$(BIN)/quantbench validate recipes/*.yaml $(ARGS)
@@ -90,8 +93,13 @@ recipes: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
+# unit + tiny-model tests: no server, browser, database or real model; prints its time
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not real" $(ARGS)
+	@start=$$(date +%s); $(BIN)/python -m pytest -m "not slow and not real" $(ARGS); code=$$?; \
+	echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $$code
+
+gc: $(STAMP)
+	$(BIN)/quantbench gc $(ARGS)
 
 ui: $(STAMP)
 	$(BIN)/quantbench ui --host $(HOST) --port $(PORT) $(ARGS)

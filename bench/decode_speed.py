@@ -72,6 +72,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantbench import data, models
+    from quantbench.checkpoint import weights_size_mb
     from quantbench.evaluate.speed import Profile, measure
 
     base = models.resolve("builtin:smollm2-135m-instruct")
@@ -85,7 +86,7 @@ def main() -> None:
         (f"{c.parent.name} (hf)", c, "auto") for c in args.checkpoints
     ]:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-        stored = models.weights_size_mb(Path(source)) * 2**20 if dtype == "auto" else weight_bytes(model)
+        stored = weights_size_mb(Path(source)) * 2**20 if dtype == "auto" else weight_bytes(model)
         paths[name] = (lambda rep, m=model: measure(m, prompt_sets, profile, rep)["p64/decode_tok_s"], stored)
 
     gguf = models._builtin_gguf("smollm2-135m-instruct", "bench")

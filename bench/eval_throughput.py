@@ -35,16 +35,15 @@ def main() -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from quantbench import data, models
-        from quantbench.evaluate import job as evaluate_job
-        from quantbench.evaluate.quality import compare, reference
-        from quantbench.quantize.job import run as quantize
+        from quantbench import pipeline
+        from quantbench.quality import compare, reference
 
-        made = quantize("fp8-dynamic", overrides=("evaluate=null",), outputs=Path(tmp) / "outputs", experiment="bench")
+        made = pipeline.quantize("fp8-dynamic", overrides=("evaluate=null",), outputs=Path(tmp) / "outputs", experiment="bench")
         base = models.resolve("builtin:smollm2-135m-instruct")
         tokenizer = AutoTokenizer.from_pretrained(base.path)
         ids = tokenizer(data.python_docs("evaluation"))["input_ids"][: args.tokens]
         base_model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto")
-        candidate = AutoModelForCausalLM.from_pretrained(made["checkpoint"])
+        candidate = AutoModelForCausalLM.from_pretrained(made.checkpoint)
         ref = reference(base_model, ids, 512)
         windows = torch.tensor(ids[: len(ids) // 512 * 512]).view(-1, 1, 512)
         positions = windows.numel() - len(windows)
@@ -72,12 +71,12 @@ def main() -> None:
 
         del base_model
         t0 = time.perf_counter()
-        first = evaluate_job.run(made["run_id"], suite=args.suite, experiment="bench")
+        first = pipeline.evaluate(made.run_id, suite=args.suite, experiment="bench")
         scratch = time.perf_counter() - t0
         t0 = time.perf_counter()
-        second = evaluate_job.run(made["run_id"], suite=args.suite, experiment="bench")
+        second = pipeline.evaluate(made.run_id, suite=args.suite, experiment="bench")
         cached = time.perf_counter() - t0
-        assert not first["baseline_reused"] and second["baseline_reused"]
+        assert not first.evaluation.baseline_reused and second.evaluation.baseline_reused
         print(f"\n2. evaluate with suite {args.suite}")
         print(f"   baseline + candidate from scratch {scratch:7.1f} s")
         print(f"   candidate, baseline reused        {cached:7.1f} s   ratio {cached / scratch:.3f}")

@@ -64,15 +64,15 @@ def child_direct(samples: int, seq_len: int, out: Path) -> dict:
 
 def child_quantbench(samples: int, seq_len: int, out: Path) -> dict:
     started = time.perf_counter()
-    from quantbench.quantize.job import run
+    from quantbench.pipeline import quantize
 
-    result = run(
+    result = quantize(
         str(REPO / "recipes" / "gptq-w4a16.yaml"),
         overrides=(f"calibration.samples={samples}", f"calibration.seq_len={seq_len}"),
         outputs=out,
         experiment="bench-quantize-overhead",
     )
-    return {"oneshot_s": result["metrics"]["quantize/wall_s"], "wall_s": time.perf_counter() - started}
+    return {"oneshot_s": result.metrics["quantize/wall_s"], "wall_s": time.perf_counter() - started}
 
 
 # one shipped recipe per backend / scheme family
@@ -81,11 +81,11 @@ BACKEND_RECIPES = ["fp8-dynamic", "gptq-w4a16", "awq-int4", "w8a8-int8", "fp8-dy
 
 
 def child_recipe(recipe: str, samples: int, seq_len: int, out: Path) -> dict:
-    from quantbench.quantize.job import run
+    from quantbench.pipeline import quantize
 
-    result = run(str(REPO / "recipes" / f"{recipe}.yaml"), outputs=out, experiment="bench-backends",
-                 overrides=(f"calibration.samples={samples}", f"calibration.seq_len={seq_len}", "evaluate=null"))
-    m = result["metrics"]
+    result = quantize(str(REPO / "recipes" / f"{recipe}.yaml"), outputs=out, experiment="bench-backends",
+                      overrides=(f"calibration.samples={samples}", f"calibration.seq_len={seq_len}", "evaluate=null"))
+    m = result.metrics
     return {"quantize_s": m["quantize/wall_s"], "rss_mb": m["quantize/peak_rss_mb"], "ppl_ratio": m["check/ppl_ratio"],
             "size_mb": m["model/size_mb"]}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 from pathlib import Path
@@ -39,3 +40,8 @@ def runs(experiment: str | None = None):
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name(experiment or os.environ["MLFLOW_EXPERIMENT_NAME"])
     return [] if exp is None else client.search_runs([exp.experiment_id])
+
+
+def last_json(out: str) -> dict:
+    """The JSON summary a command prints as its last line (`--json`)."""
+    return json.loads(out.strip().splitlines()[-1])

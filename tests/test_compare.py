@@ -8,6 +8,8 @@ from pathlib import Path
 from quantbench.cli import main
 from quantbench.tracking import Tracker
 
+from tests.helpers import last_json
+
 # name: (quality/kld_mean, speedup/decode_tok_s, recovery/quality/ppl)
 HAND_MADE = {
     "a-best-quality": (0.05, 0.8, 0.99),
@@ -41,9 +43,6 @@ def make_runs(status_extra: bool = True) -> dict[str, str]:
             pass
     return ids
 
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_frontier_on_hand_made_runs(workdir, capsys):

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import nbformat
+import pytest
 import yaml
 from nbclient import NotebookClient
 
@@ -20,6 +21,7 @@ def test_committed_without_outputs():
             assert cell.outputs == [] and cell.execution_count is None
 
 
+@pytest.mark.slow
 def test_notebook_executes_against_the_store(workdir, scored_runs, monkeypatch, capsys):
     (workdir / "policies").mkdir()
     (workdir / "policies" / "nb.yaml").write_text(yaml.safe_dump(
@@ -44,3 +46,21 @@ def test_notebook_executes_against_the_store(workdir, scored_runs, monkeypatch, 
     assert "nb: pass" in text and "tiny-notebook@champion" in text
     assert "★" in text and "quality/kld_mean" in text
     (workdir / "executed.ipynb").write_text(json.dumps(nb))  # kept with the test's tmp dir for a look
+
+
+@pytest.mark.slow
+def test_make_notebook_puts_the_plot_where_it_says(workdir, scored_runs, tmp_path):
+    """`make notebook` runs the notebook from a copy in another folder: the plot must land where the
+    target prints it is, not relative to the copy's folder."""
+    import os
+    import subprocess
+
+    repo = NOTEBOOK.parents[1]
+    out = tmp_path / "nb-out"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": scored_runs["tracking_uri"], "MLFLOW_EXPERIMENT_NAME": scored_runs["experiment"]}
+    proc = subprocess.run(["make", "-C", str(repo), "-o", ".venv/.installed", "notebook", f"NOTEBOOK_OUT={out}"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"(plot: {out}/tradeoffs.png)" in proc.stdout
+    assert (out / "tradeoffs.png").stat().st_size > 10_000 and (out / "tradeoffs.ipynb").is_file()
+    assert not (out / "outputs").exists() and not (repo / "outputs" / "notebooks" / "outputs").exists()

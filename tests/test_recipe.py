@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,37 @@ def test_every_shipped_recipe_validates_and_shows_its_command(path):
 def test_shipped_recipes_cover_the_methods():
     names = {p.stem for p in (REPO / "recipes").glob("*.yaml")}
     assert {"awq-int4", "gptq-w4a16", "gptq-w8a16", "fp8-dynamic", "w8a8-int8"} <= names
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """Ten values, then each level ten aliases of the one before: 10**levels values once expanded."""
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_an_alias_bomb_is_refused_at_once_and_never_expanded(tmp_path):
+    import time
+
+    started = time.monotonic()
+    [found] = problems(tmp_path, alias_bomb() + "description: *a8\nquantize: {method: fp8}\n")
+    assert re.search(r"the YAML expands to [\d,]{13,} values, more than 50,000: its aliases", found), found
+    # the same through --set (a flow sequence on the command line)
+    flow = "[" + ", ".join(["&x [a, a, a, a, a, a, a, a, a, a]"] + ["*x"] * 9) + "]"
+    nested = flow
+    for _ in range(6):
+        nested = "[" + ", ".join([f"&y{_} {nested}"] + [f"*y{_}"] * 9) + "]"
+    [found] = problems(tmp_path, "quantize: {method: fp8}\n", [f"description={nested}"])
+    assert "--set description=" in found and "more than 50,000" in found
+    assert time.monotonic() - started < 10
+
+
+def test_error_messages_quote_only_a_prefix_of_a_long_value(tmp_path):
+    [found] = problems(tmp_path, f"calibration: {{samples: '{'9x' * 5000}'}}\nquantize: {{method: fp8}}\n")
+    assert "calibration.samples (line 1)" in found and "(10,002 characters)" in found and len(found) < 400
+
+
+def test_a_recipe_file_too_large_is_refused(tmp_path):
+    [found] = problems(tmp_path, "quantize: {method: fp8}\ndescription: '" + "x" * 1_000_001 + "'\n")
+    assert "a settings file is small" in found

@@ -17,7 +17,7 @@ import yaml
 
 from quantbench.cli import main
 
-from tests.helpers import runs, tiny_recipe, write_recipe
+from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 
 def write_sweep(workdir: Path, name: str, body: dict) -> str:
@@ -29,9 +29,6 @@ def write_sweep(workdir: Path, name: str, body: dict) -> str:
 def state(workdir: Path, name: str) -> dict:
     return json.loads((workdir / "outputs" / "sweeps" / name / "state.json").read_text())
 
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def sweep_children() -> list[psutil.Process]:
@@ -149,7 +146,7 @@ def test_sweep_killed_mid_job_resumes_and_reaps_the_stale_run(workdir, recipes, 
                 victim = run
     assert victim is not None, "the second job never started"
     os.kill(sweep.pid, signal.SIGKILL)
-    os.killpg(int(victim.data.tags["quantbench.pid"]), signal.SIGKILL)
+    os.killpg(int(victim.data.tags["quantbench.owner"].split()[1]), signal.SIGKILL)
     sweep.wait()
     for proc in sweep_children():
         proc.wait(30)
@@ -161,7 +158,7 @@ def test_sweep_killed_mid_job_resumes_and_reaps_the_stale_run(workdir, recipes, 
     candidates = [r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]
     assert all(r.info.status != "RUNNING" for r in runs())
     stale = next(r for r in candidates if r.info.run_id == victim.info.run_id)
-    assert stale.info.status == "FAILED" and "left RUNNING by a sweep that died" in stale.data.tags["quantbench.error"]
+    assert stale.info.status == "FAILED" and "died without ending it" in stale.data.tags["quantbench.error"]
     finished = [r.data.tags["quantbench.recipe_sha"] for r in candidates if r.info.status == "FINISHED"]
     assert len(finished) == len(set(finished)) == 2  # one FINISHED run per recipe sha, none twice
 

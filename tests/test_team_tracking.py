@@ -22,7 +22,7 @@ from quantbench.cli import main
 from quantbench.processes import free_port, stop_group
 
 from tests.conftest import TINY_PROFILE, TINY_SUITE
-from tests.helpers import tiny_recipe, write_recipe
+from tests.helpers import last_json, tiny_recipe, write_recipe
 
 POSTGRES = os.environ.get("QUANTBENCH_TEST_POSTGRES")
 if not POSTGRES:
@@ -82,9 +82,6 @@ def team_server(tmp_path_factory):
         with psycopg.connect(POSTGRES, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_every_command_against_postgres_and_s3(team_server, workdir, tiny_model_dir, monkeypatch, capsys):

@@ -41,3 +41,81 @@ def test_default_store_is_sqlite_in_the_working_dir(workdir, monkeypatch):
 
 def test_flatten():
     assert flatten({"a": {"b": 1, "c": {"d": [1]}}, "e": None}) == {"a.b": 1, "a.c.d": [1], "e": None}
+
+
+def test_search_values_with_quotes_are_quoted_not_injected(workdir):
+    from quantbench.errors import UserError
+    from quantbench.tracking import quote
+
+    with Tracker().start_run("r", {"quantbench.recipe": "x' or 1=1", "quantbench.role": "candidate"}):
+        pass
+    with Tracker().start_run("s", {"quantbench.recipe": "plain", "quantbench.role": "candidate"}):
+        pass
+    tracker = Tracker()
+    assert len(tracker.find_runs({"quantbench.recipe": "x' or 1=1"})) == 1
+    assert tracker.find_runs({"quantbench.recipe": "x' or '1'='1"}) == []
+    assert quote("a'b") == '"a\'b"' and quote('a"b') == "'a\"b'"
+    with pytest.raises(UserError, match="both quote characters"):
+        quote("a'b\"c")
+
+
+def test_two_commands_on_a_fresh_store_at_once(tmp_path):
+    """MLflow creates its SQLite schema on first use; four processes doing that at once must all
+    succeed (without the lock, one fails with "table experiments already exists")."""
+    import subprocess
+    import sys
+
+    code = ("from quantbench.tracking import Tracker\n"
+            "with Tracker().start_run('r', {'quantbench.role': 'candidate'}) as run:\n"
+            "    run.log_metrics({'x': 1})\n")
+    env = {**__import__("os").environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'fresh.db'}",
+           "MLFLOW_EXPERIMENT_NAME": "race"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    errors = [p.communicate()[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], errors
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    assert len(client.search_runs([client.get_experiment_by_name("race").experiment_id])) == 4
+
+
+def test_a_run_whose_process_was_killed_is_reaped_by_the_next_command(workdir, capsys):
+    """SIGKILL leaves no chance to end a run: the next command that opens the store marks it
+    FAILED with the reason and removes its staging directory; `quantbench gc` does it on demand."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from quantbench.cli import main
+
+    code = ("import os, signal\nfrom pathlib import Path\nfrom quantbench.tracking import STAGING, Tracker\n"
+            "run = Tracker(reap=False).start_run('doomed', {'quantbench.role': 'candidate'})\n"
+            "staging = Path('outputs/r') / f'.{run.run_id}.partial'\nstaging.mkdir(parents=True)\n"
+            "(staging / 'model.safetensors').write_bytes(b'half')\nrun.set_tags({STAGING: staging.resolve()})\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    for _ in range(2):
+        assert subprocess.run([sys.executable, "-c", code], cwd=workdir, env=dict(os.environ)).returncode == -9
+    assert sorted(r.info.status for r in runs()) == ["RUNNING", "RUNNING"]
+    assert len(list((workdir / "outputs" / "r").iterdir())) == 2
+    assert main(["gc", "--json"]) == 0
+    reaped = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["reaped"]
+    assert len(reaped) == 2 and all(r["removed"] for r in reaped)
+    assert [r.info.status for r in runs()] == ["FAILED", "FAILED"]
+    assert all("died without ending it" in r.data.tags["quantbench.error"] for r in runs())
+    assert list((workdir / "outputs" / "r").iterdir()) == []
+    # a third killed run is reaped by any later command that opens the store, not only gc
+    assert subprocess.run([sys.executable, "-c", code], cwd=workdir, env=dict(os.environ)).returncode == -9
+    Tracker()
+    assert sorted(r.info.status for r in runs()) == ["FAILED", "FAILED", "FAILED"]
+    assert main(["gc"]) == 0 and "nothing to collect" in capsys.readouterr().out
+
+
+def test_a_live_run_of_this_or_another_host_is_left_alone(workdir):
+    with Tracker().start_run("alive", {}) as run:
+        Tracker().reap()
+        assert runs()[0].info.status == "RUNNING"
+        run.set_tags({"quantbench.owner": "some-other-host 1 1.00"})
+        Tracker().reap()
+        assert runs()[0].info.status == "RUNNING"

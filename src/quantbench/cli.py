@@ -23,11 +23,27 @@ examples:
   quantbench sweep cpu-grid                         many jobs (sweeps/cpu-grid.yaml): resumable, timeouts, retries
   quantbench validate recipes/*.yaml                check recipes (every error at once)
   quantbench recipes                                list the shipped recipes
+  quantbench gc                                     end runs left RUNNING by a killed process, remove their leftovers
   quantbench ui                                     MLflow UI on http://127.0.0.1:5000
 
-exit codes: 0 ok, 1 the job failed (see its log) or the gate failed, 2 bad input (nothing was written)
+exit codes: 0 ok, 1 the job failed (see its log) or the gate failed, 2 bad input (nothing was written),
+  130 interrupted (Ctrl-C, SIGTERM: the run is marked KILLED, a quantize job leaves no checkpoint)
 tracking: MLFLOW_TRACKING_URI (default sqlite:///mlflow.db here, artifacts in ./mlruns)
 """
+
+
+def _common(*names: str) -> argparse.ArgumentParser:
+    """Options several commands share, defined once."""
+    parent = argparse.ArgumentParser(add_help=False)
+    if "experiment" in names:
+        parent.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
+    if "outputs" in names:
+        parent.add_argument("--outputs", type=Path, default=Path("outputs"), help="output root (default: outputs)")
+    if "base" in names:
+        parent.add_argument("--base", default=None, help="the base model source, for a checkpoint quantbench did not write")
+    if "json" in names:
+        parent.add_argument("--json", action="store_true", help="print a JSON summary as the last line of output")
+    return parent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,35 +55,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    exp_json = _common("experiment", "json")
 
     q = sub.add_parser(
-        "quantize",
-        help="run a recipe: quantize, save, reload-check, track",
+        "quantize", parents=[_common("experiment", "outputs", "json")],
+        help="run a recipe: quantize, save, reload-check, evaluate, bench, track",
         description="Quantize the recipe's model, save a checkpoint under OUTPUTS/<recipe>/<run id>/, "
-        "reload it from disk to check it, and record everything in one MLflow run.",
+        "reload it from disk to check it, run the recipe's evaluate: and bench: sections, and record everything "
+        "in one MLflow run. The checkpoint is moved into place only when every stage finished. "
+        'With --json the last line is {"run_id", "checkpoint", "log", "metrics"}.',
     )
     q.add_argument("recipe", help="a recipe name (recipes/NAME.yaml) or a path to a .yaml file")
     q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set calibration.samples=8 (repeatable; VALUE is YAML)")
-    q.add_argument("--outputs", type=Path, default=Path("outputs"), help="output root (default: outputs)")
-    q.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
-    q.add_argument("--json", action="store_true", help='print {"run_id", "checkpoint", "metrics"} as the last line')
 
     e = sub.add_parser(
-        "evaluate",
+        "evaluate", parents=[_common("experiment", "base", "json")],
         help="score a checkpoint against its base model (ppl, KLD, agreement, tasks, flips)",
         description="Score a checkpoint against its base model with a suite (suites/NAME.yaml): perplexity, "
         "KL divergence and top-1 agreement on held-out text, lm-eval tasks, answer flips, recovery. The base "
-        "model is scored once per (model, suite) in a baseline run and reused. A run id logs into that run.",
+        "model is scored once per (model, suite) in a baseline run and reused. A run id logs into that run. "
+        'With --json the last line is {"run_id", "checkpoint", "baseline_run", "baseline_reused", "metrics"}.',
     )
     e.add_argument("target", help="an MLflow run id (from quantize) or a checkpoint directory")
     e.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
-    e.add_argument("--base", default=None, help="the base model source, for a checkpoint quantbench did not write")
-    e.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
-    e.add_argument("--json", action="store_true", help='print {"run_id", "baseline_run", "metrics", ...} as the last line')
 
     b = sub.add_parser(
-        "bench",
+        "bench", parents=[_common("experiment", "base", "json")],
         help="measure speed against the base model (TTFT, tok/s, latency, throughput, memory)",
         description="Measure a checkpoint and its base model with a profile (profiles/NAME.yaml), interleaved, "
         "and log speed/<metric> and speedup/<metric> (above 1 is faster). A run id logs into that run.\n\n"
@@ -89,27 +103,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "else transformers serve")
     b.add_argument("--endpoint", help="with --backend openai: the checkpoint's endpoint, e.g. http://127.0.0.1:8000/v1")
     b.add_argument("--base-endpoint", help="with --backend openai: the base model's endpoint")
-    b.add_argument("--base", default=None, help="the base model source, for a checkpoint quantbench did not write")
-    b.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
-    b.add_argument("--json", action="store_true", help='print {"run_id", "checkpoint", "metrics"} as the last line')
 
     c = sub.add_parser(
-        "compare",
+        "compare", parents=[_common("experiment", "outputs", "json")],
         help="one table of candidates with the quality-vs-speed Pareto frontier; Markdown, HTML, PNG",
         description="Compare the FINISHED candidate runs of an experiment (or --runs): size, recovery, KLD, "
         "flips, task scores, speedups, memory, gate verdicts; mark the Pareto frontier on --quality vs --speed. "
         "Writes outputs/compare/<summary run>/compare.{md,html,png,json} and logs them to a summary run.",
     )
-    c.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
     c.add_argument("--runs", nargs="+", metavar="RUN_ID", help="compare exactly these candidate runs")
     c.add_argument("--quality", default=None, help="quality axis (default quality/kld_mean; e.g. recovery/quality/ppl)")
     c.add_argument("--speed", default=None, help="speed axis (default speedup/decode_tok_s, or model/compression_ratio "
                    "when no candidate has been benched)")
-    c.add_argument("--outputs", type=Path, default=Path("outputs"), help="output root (default: outputs)")
-    c.add_argument("--json", action="store_true", help="print the comparison as JSON on the last line")
 
     g = sub.add_parser(
-        "gate",
+        "gate", parents=[exp_json],
         help="pass/fail a candidate run against a policy; on pass register it and move an alias",
         description="Check a candidate run against a policy (policies/NAME.yaml): required stages, recovery "
         "against the baseline, absolute limits, licence. Prints every check. On pass the checkpoint becomes a "
@@ -118,11 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("run_id", help="the candidate's MLflow run id")
     g.add_argument("--policy", default="release", help="policies/NAME.yaml or a path (default: release)")
-    g.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
-    g.add_argument("--json", action="store_true", help="print the gate report as JSON on the last line")
 
     s = sub.add_parser(
-        "sweep",
+        "sweep", parents=[_common("experiment", "outputs", "json")],
         help="run many recipes (a list and/or a matrix of overrides); resumable, with timeouts and retries",
         description="Run the jobs of sweeps/NAME.yaml, each `quantbench quantize` in its own process with a log "
         "file, a timeout and retries. State in outputs/sweeps/NAME/state.json: re-running resumes, skipping jobs "
@@ -131,19 +137,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a path to a .yaml file")
     s.add_argument("--force", action="store_true", help="run every job again, even those already FINISHED")
-    s.add_argument("--outputs", type=Path, default=Path("outputs"), help="output root (default: outputs)")
-    s.add_argument("--experiment", help="MLflow experiment (default: the sweep's, $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
-    s.add_argument("--json", action="store_true", help="print the sweep summary as JSON on the last line")
 
-    v = sub.add_parser("validate", help="validate recipe files, reporting every error at once",
+    v = sub.add_parser("validate", parents=[exp_json], help="validate recipe files, reporting every error at once",
                        description="Check recipe files against the schema and against their model's layer "
                        "widths (group sizes). Reports every problem in every file; exit 2 if any.")
     v.add_argument("files", nargs="*", type=Path, help="recipe files (default: recipes/*.yaml)")
     v.add_argument("--no-model", action="store_true", help="skip the checks that read the model's config")
-    v.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
 
-    r = sub.add_parser("recipes", help="list the shipped recipes")
-    r.add_argument("--json", action="store_true", help="print a JSON list")
+    sub.add_parser("recipes", parents=[_common("json")], help="list the shipped recipes")
+
+    gc = sub.add_parser("gc", parents=[_common("experiment", "json")],
+                        help="end runs whose process died (SIGKILL, OOM) and remove what they left",
+                        description="Mark RUNNING runs whose owner process on this host is gone as FAILED, with the "
+                        "reason, and remove the staging directories they left. Every command does this for its "
+                        "experiment when it opens the store; gc does it on demand (--all: every experiment).")
+    gc.add_argument("--all", action="store_true", help="every experiment in the store, not only one")
 
     u = sub.add_parser("ui", help="start the MLflow UI on the tracking store")
     u.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; expose only behind auth)")
@@ -188,77 +196,78 @@ def _run_stage(name: str, fn, *args, **kwargs) -> dict | None:
 
 
 def cmd_quantize(args) -> int:
-    from quantbench.quantize.job import run
+    from quantbench import pipeline, report
 
-    result = _run_stage("quantize", run, args.recipe, overrides=tuple(args.overrides), outputs=args.outputs,
+    result = _run_stage("quantize", pipeline.quantize, args.recipe, overrides=tuple(args.overrides), outputs=args.outputs,
                         experiment=args.experiment)
     if result is None:
         return 1
-    print(f"checkpoint: {result['checkpoint']}")
-    print(f"mlflow run: {result['run_id']}   log: {result['log']}")
-    for key, value in sorted(result["metrics"].items()):
-        print(f"  {key:44s} {value:.4g}")
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    if result.evaluation is not None:
+        print(report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics))
+    if result.bench is not None:
+        print(report.bench_table(result.bench.metrics))
+    print(f"checkpoint: {result.checkpoint}")
+    print(f"mlflow run: {result.run_id}   log: {result.log}")
+    print(report.metric_lines(result.metrics))
+    return _json(args, result.summary())
 
 
 def cmd_evaluate(args) -> int:
-    from quantbench.evaluate.job import run
+    from quantbench import pipeline, report
 
-    result = _run_stage("evaluate", run, args.target, suite=args.suite, base=args.base, experiment=args.experiment)
+    result = _run_stage("evaluate", pipeline.evaluate, args.target, suite=args.suite, base=args.base, experiment=args.experiment)
     if result is None:
         return 1
-    reused = " (reused)" if result["baseline_reused"] else " (scored now)"
-    print(f"mlflow run: {result['run_id']}   baseline run: {result['baseline_run']}{reused}")
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    print(report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics))
+    reused = " (reused)" if result.evaluation.baseline_reused else " (scored now)"
+    print(f"mlflow run: {result.run_id}   baseline run: {result.evaluation.baseline_run}{reused}")
+    return _json(args, result.summary())
 
 
 def cmd_bench(args) -> int:
-    if args.draft:
-        from quantbench.evaluate.speculative import run as run_spec
+    from quantbench import pipeline, report
 
+    if args.draft:
         if args.backend != "hf":
             raise UserError("--draft measures in-process (transformers assisted generation); drop --backend")
-        result = _run_stage("bench", run_spec, args.draft, args.target, profile=args.profile, experiment=args.experiment)
+        result = _run_stage("bench", pipeline.speculative, args.draft, args.target, profile=args.profile,
+                            experiment=args.experiment)
+        if result is None:
+            return 1
+        print(report.metric_lines(result.metrics, 36))
     else:
-        from quantbench.evaluate.bench import run
-
         if not args.target:
             raise UserError("bench: give a run id or checkpoint directory (or --draft)")
-        result = _run_stage("bench", run, args.target, profile=args.profile, backend=args.backend, base=args.base,
-                            experiment=args.experiment, endpoint=args.endpoint, base_endpoint=args.base_endpoint,
-                            server=args.server)
-    if result is None:
-        return 1
-    print(f"mlflow run: {result['run_id']}")
-    if args.json:
-        print(json.dumps(result))
-    return 0
+        endpoints = (args.endpoint, args.base_endpoint) if args.backend == "openai" else None
+        result = _run_stage("bench", pipeline.bench, args.target, profile=args.profile, backend=args.backend,
+                            server=args.server, base=args.base, experiment=args.experiment, endpoints=endpoints)
+        if result is None:
+            return 1
+        print(report.bench_table(result.metrics))
+    print(f"mlflow run: {result.run_id}")
+    return _json(args, result.summary())
 
 
 def cmd_compare(args) -> int:
-    from quantbench.compare import run
+    from quantbench import compare
 
-    result = _run_stage("compare", run, experiment=args.experiment, run_ids=args.runs, quality=args.quality,
+    result = _run_stage("compare", compare.run, experiment=args.experiment, run_ids=args.runs, quality=args.quality,
                         speed=args.speed, outputs=args.outputs)
     if result is None:
         return 1
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    print(compare.terminal(result.comparison))
+    print(f"written: {result.outputs}/compare.{{md,html,png,json}}   summary run: {result.run_id}")
+    return _json(args, result.summary())
 
 
 def cmd_gate(args) -> int:
-    from quantbench.gate import run
+    from quantbench import gate
 
-    result = _run_stage("gate", run, args.run_id, args.policy, experiment=args.experiment)
+    result = _run_stage("gate", gate.run, args.run_id, args.policy, experiment=args.experiment)
     if result is None:
         return 1
-    if args.json:
-        print(json.dumps(result))
+    print(gate.text(result))
+    _json(args, result)
     return 0 if result["passed"] else 1
 
 
@@ -268,9 +277,31 @@ def cmd_sweep(args) -> int:
     result = _run_stage("sweep", run, args.sweep, force=args.force, outputs=args.outputs, experiment=args.experiment)
     if result is None:
         return 1
-    if args.json:
-        print(json.dumps(result))
+    print(result["table"])
+    _json(args, result)
     return 0 if result["counts"]["failed"] == 0 else 1
+
+
+def cmd_gc(args) -> int:
+    from quantbench.tracking import Tracker, all_experiments
+
+    names = all_experiments() if args.all else [None]
+    done = []
+    for name in names:
+        tracker = Tracker(name, reap=False)
+        done += [{**d, "experiment": tracker.experiment} for d in tracker.reap()]
+    for d in done:
+        print(f"marked FAILED: run {d['run_id']} ({d['name']}) in {d['experiment']}, owner {d['owner']} gone"
+              + (f"; removed {d['removed']}" if d["removed"] else ""))
+    if not done:
+        print("nothing to collect: no RUNNING run of a dead process on this host")
+    return _json(args, {"reaped": done})
+
+
+def _json(args, summary: dict) -> int:
+    if getattr(args, "json", False):
+        print(json.dumps(summary, default=str))
+    return 0
 
 
 def cmd_validate(args) -> int:
@@ -284,7 +315,7 @@ def cmd_validate(args) -> int:
         try:
             loaded = load_recipe(path)
             if not args.no_model:
-                _validate_against_model(loaded)
+                _validate_against_model(loaded, args.experiment)
         except UserError as exc:
             problems[str(path)] = exc.problems
     for path in files:
@@ -293,21 +324,19 @@ def cmd_validate(args) -> int:
                 print(f"error: {line}", file=sys.stderr)
         else:
             print(f"ok: {path}")
-    if args.json:
-        print(json.dumps({"ok": not problems, "files": [str(f) for f in files], "problems": problems}))
+    _json(args, {"ok": not problems, "files": [str(f) for f in files], "problems": problems})
     return 2 if problems else 0
 
 
-def _validate_against_model(loaded) -> None:
+def _validate_against_model(loaded, experiment: str | None) -> None:
     from quantbench import models
-    from quantbench.quantize import get_backend
-    from quantbench.quantize.job import check_shapes
+    from quantbench.quantize import make_backend
 
     try:
-        config = models.read_config(loaded.recipe.model.source)
+        config = models.read_config(loaded.recipe.model.source, experiment=experiment)
     except UserError as exc:
         raise UserError([f"{loaded.path}: {p}" for p in exc.problems]) from None
-    get_backend(loaded.recipe.quantize.method, getattr(loaded.recipe.quantize, "format", None))
+    backend = make_backend(loaded.recipe.quantize)
     try:
         if loaded.recipe.evaluate is not None:
             from quantbench.evaluate.suite import load_suite
@@ -320,7 +349,7 @@ def _validate_against_model(loaded) -> None:
     except UserError as exc:
         raise UserError([f"{loaded.path}: {p}" for p in exc.problems]) from None
     if config is not None:
-        problems = check_shapes(loaded, config)
+        problems = backend.check(loaded, config)
         if problems:
             raise UserError(problems)
 
@@ -344,21 +373,33 @@ def cmd_recipes(args) -> int:
 
 
 def cmd_ui(args) -> int:
+    """The MLflow UI as a child process group, stopped with this process: on Ctrl-C, and on
+    SIGTERM / SIGHUP (a supervisor, a closed terminal), not left listening."""
+    import signal
     import subprocess
 
-    from quantbench.tracking import Tracker, experiment_name, tracking_uri
+    from quantbench.processes import stop_group
+    from quantbench.tracking import Tracker, tracking_uri
 
     uri = tracking_uri()
     print(f"MLflow UI for {uri} on http://{args.host}:{args.port}")
-    found = Tracker().client.get_experiment_by_name(experiment_name())
-    if found is not None:  # MLflow 3 opens its GenAI view by default; this link opens the runs table
-        print(f"runs: http://{args.host}:{args.port}/#/experiments/{found.experiment_id}/runs?workflowType=machine_learning")
+    experiment_id = Tracker().experiment_id(create=False)
+    if experiment_id is not None:  # MLflow 3 opens its GenAI view by default; this link opens the runs table
+        print(f"runs: http://{args.host}:{args.port}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: {args.host} is not loopback; the MLflow UI has no login of its own. Put authentication "
-              "in front of it first (README: 'Exposing the UI').", file=sys.stderr)
+              "in front of it first (docs/gate.md: 'Exposing the UI').", file=sys.stderr)
+    sys.stdout.flush()
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host, "--port", str(args.port)]
-    return subprocess.call(cmd)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _terminate_as_interrupt)
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait()
+    finally:
+        stop_group(proc)  # the server and its workers, whatever ended this process
 
 
-COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "compare": cmd_compare, "gate": cmd_gate, "sweep": cmd_sweep,
-            "validate": cmd_validate, "recipes": cmd_recipes, "ui": cmd_ui}
+COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "compare": cmd_compare,
+            "gate": cmd_gate, "sweep": cmd_sweep, "validate": cmd_validate, "recipes": cmd_recipes, "gc": cmd_gc,
+            "ui": cmd_ui}

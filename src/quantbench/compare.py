@@ -68,12 +68,7 @@ class Comparison:
 
 def collect(tracker: Tracker, run_ids: list[str] | None = None) -> list[Candidate]:
     """The candidates: the given runs, or every FINISHED candidate run of the experiment."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        runs = tracker.runs({TAG + "role": "candidate"}, run_ids)
-    except MlflowException as exc:
-        raise UserError(f"--runs: {exc.message}") from None
+    runs = tracker.runs({TAG + "role": "candidate"}, run_ids)
     out = []
     for r in runs:
         if r.data.tags.get(TAG + "role") != "candidate":
@@ -230,7 +225,7 @@ def as_json(cmp: Comparison) -> dict:
 
 
 def run(*, experiment: str | None = None, run_ids: list[str] | None = None, quality: str | None = None,
-        speed: str | None = None, outputs: Path = Path("outputs")) -> dict:
+        speed: str | None = None, outputs: Path = Path("outputs")) -> CompareResult:
     tracker = Tracker(experiment)
     candidates = collect(tracker, run_ids)
     if not candidates:
@@ -250,6 +245,14 @@ def run(*, experiment: str | None = None, run_ids: list[str] | None = None, qual
         plot(cmp, out / "compare.png", title)
         run_.log_artifacts(out, "compare")
         run_.log_metrics({"compare/candidates": len(candidates), "compare/frontier": sum(c.frontier for c in candidates)})
-    print(terminal(cmp))
-    print(f"written: {out}/compare.{{md,html,png,json}}   summary run: {run_.run_id}")
-    return {"run_id": run_.run_id, "outputs": str(out), **as_json(cmp)}
+    return CompareResult(run_.run_id, out, cmp)
+
+
+@dataclass
+class CompareResult:
+    run_id: str  # the summary run
+    outputs: Path
+    comparison: Comparison
+
+    def summary(self) -> dict:
+        return {"run_id": self.run_id, "outputs": str(self.outputs), **as_json(self.comparison)}

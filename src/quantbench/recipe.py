@@ -28,6 +28,11 @@ from quantbench.errors import UserError, did_you_mean
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_TEXT = "builtin:python-docs"
+# A settings file is small. These bound what one may become once parsed: YAML aliases let a few
+# lines stand for gigabytes (an "alias bomb"), which validation or an error message would expand.
+MAX_YAML_BYTES = 1_000_000
+MAX_YAML_VALUES = 50_000  # scalars, lists and mappings, counted with every alias expanded
+QUOTE_CHARS = 80  # an error message quotes at most this much of a value
 
 
 class Strict(BaseModel):
@@ -263,7 +268,7 @@ class LoadedRecipe:
 
     def where(self, *loc: str) -> str:
         """`quantize.group_size (line 5)`: a field and its line in the recipe file, for messages."""
-        line = _yaml_line(yaml.compose(self.path.read_text()), loc)
+        line = _yaml_line(parse_yaml(self.path.read_text(), str(self.path))[1], loc)
         return ".".join(loc) + (f" (line {line})" if line else "")
 
     @property
@@ -279,12 +284,62 @@ def load_named(directory: Path, name: str, schema: type[BaseModel], field: str, 
     if not path.is_file():
         available = sorted(p.stem for p in directory.glob("*.yaml"))
         raise UserError(f"{field}: unknown {kind} '{name}' (no {path})." + did_you_mean(name, available))
+    return validate_file(path, schema)
+
+
+def validate_file(path: Path, schema: type[BaseModel]) -> BaseModel:
+    """A settings file validated by `schema`; every problem as `file: field: message`."""
     try:
-        return schema.model_validate(yaml.safe_load(path.read_text()) or {})
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: {_yaml_error(exc)}") from None
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read: {exc.strerror}") from None
+    data, _ = parse_yaml(text, str(path))
+    try:
+        return schema.model_validate(data or {})
     except ValidationError as exc:
-        raise UserError([f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]) from None
+        raise UserError([f"{path}: {'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg']}" for e in exc.errors()]) from None
+
+
+def parse_yaml(text: str, where: str) -> tuple[Any, yaml.Node | None]:
+    """Parse YAML text (and its node tree, for line numbers), refusing text that is too large or
+    that becomes too large once its aliases are expanded. UserError naming `where`."""
+    if len(text) > MAX_YAML_BYTES:
+        raise UserError(f"{where}: {len(text):,} characters; a settings file is small (at most {MAX_YAML_BYTES:,})")
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        size = _expanded_size(node, {})
+        if size > MAX_YAML_VALUES:
+            raise UserError(f"{where}: the YAML expands to {size:,} values, more than {MAX_YAML_VALUES:,}: its aliases "
+                            "(*name) repeat anchored (&name) values many times over; write the values out")
+        return yaml.safe_load(text), node
+    except yaml.YAMLError as exc:
+        raise UserError(f"{where}: {_yaml_error(exc)}") from None
+    except RecursionError:
+        raise UserError(f"{where}: the YAML is nested too deeply") from None
+
+
+def _expanded_size(node: yaml.Node | None, memo: dict[int, int]) -> int:
+    """How many values `node` stands for with every alias expanded (shared nodes counted each time
+    they are referred to; computed once per node)."""
+    if node is None:
+        return 0
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1  # a node that refers to itself (a cycle) stops here
+    if isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(v, memo) for v in node.value)
+    else:
+        size = 1
+    memo[id(node)] = size
+    return size
+
+
+def short(value: Any) -> str:
+    """A value as an error message may quote it: its repr, cut to a short prefix."""
+    text = repr(value)
+    return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + f"… ({len(text):,} characters)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,11 +383,7 @@ def load_recipe(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -
         text = path.read_text()
     except OSError as exc:
         raise UserError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: {_yaml_error(exc)}") from None
+    data, node = parse_yaml(text, str(path))
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -365,9 +416,9 @@ def _apply_override(data: dict, item: str) -> None:
     if not sep or not key:
         raise ValueError("expected KEY.PATH=VALUE")
     try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise ValueError(_yaml_error(exc)) from None
+        value, _ = parse_yaml(raw, "VALUE")
+    except UserError as exc:
+        raise ValueError(exc.problems[0].removeprefix("VALUE: ")) from None
     *parents, leaf = key.split(".")
     target = data
     for part in parents:
@@ -432,10 +483,10 @@ def _message(err: dict, loc: tuple, data: dict) -> str:
         return "missing 'method'. Available: " + ", ".join(sorted(METHODS))
     if kind == "literal_error" and isinstance(err.get("input"), str):
         choices = [c.strip().strip("'") for c in err["ctx"]["expected"].replace(" or ", ",").split(",")]
-        return f"unknown value '{err['input']}'." + did_you_mean(err["input"], [c for c in choices if c])
+        return f"unknown value {short(err['input'])}." + did_you_mean(err["input"][:QUOTE_CHARS], [c for c in choices if c])
     if kind == "value_error":  # our own validators: the message says what is wrong, the section is the input
         return err["msg"].removeprefix("Value error, ")
-    return f"{err['msg']} (got {err['input']!r})" if "input" in err and kind != "missing" else err["msg"]
+    return f"{err['msg']} (got {short(err['input'])})" if "input" in err and kind != "missing" else err["msg"]
 
 
 def _allowed_keys(loc: tuple, data: dict) -> list[str]:

@@ -29,18 +29,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
-from pydantic import Field, PositiveInt, ValidationError
+from pydantic import Field, PositiveInt
 
 from quantbench.errors import UserError, did_you_mean
 from quantbench.processes import stop_group
-from quantbench.recipe import Strict, load_recipe, resolve_recipe_path
-from quantbench.tracking import TAG, Tracker
+from quantbench.recipe import Strict, load_recipe, resolve_recipe_path, validate_file
+from quantbench.tracking import ENV_PARENT, ENV_TAGS, OWNER, TAG, Tracker, owner_alive
 
 log = logging.getLogger(__name__)
 
-# Environment a sweep gives each child, so its run carries the sweep's tags.
-ENV_SWEEP, ENV_JOB, ENV_PARENT = "QUANTBENCH_SWEEP", "QUANTBENCH_SWEEP_JOB", "QUANTBENCH_PARENT_RUN"
 KILL_GRACE_S = 20.0
 
 
@@ -90,12 +87,7 @@ def load_sweep(name_or_path: str) -> tuple[Path, Sweep, list[Job]]:
     if not path.is_file():
         available = sorted(p.stem for p in sweeps_dir().glob("*.yaml"))
         raise UserError(f"unknown sweep '{name_or_path}' (no {path})." + did_you_mean(path.stem, available))
-    try:
-        sweep = Sweep.model_validate(yaml.safe_load(path.read_text()) or {})
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: YAML syntax error: {exc}") from None
-    except ValidationError as exc:
-        raise UserError([f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]) from None
+    sweep = validate_file(path, Sweep)
     specs: list[tuple[str, str, list[str]]] = []  # (job id, recipe name or path, overrides)
     for name in sweep.recipes:
         specs.append((Path(name).stem, name, list(sweep.set)))
@@ -195,7 +187,8 @@ def _start(job: Job, n: int, sweep_name: str, directory: Path, experiment: str, 
            "--outputs", str(outputs)]
     for item in job.overrides:
         cmd += ["--set", item]
-    env = {**os.environ, ENV_SWEEP: sweep_name, ENV_JOB: job.id, **({ENV_PARENT: parent} if parent else {})}
+    tags = {TAG + "sweep": sweep_name, TAG + "sweep_job": job.id}
+    env = {**os.environ, ENV_TAGS: json.dumps(tags), **({ENV_PARENT: parent} if parent else {})}
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
     return Attempt(job, proc, log_path, time.monotonic())
@@ -355,17 +348,17 @@ def tqdm_write(line: str) -> None:
 
 
 def _reap_stale_runs(tracker: Tracker, name: str) -> None:
-    """RUNNING runs of this sweep whose process is gone: the sweep (or node) died. Mark them FAILED."""
-    import psutil
-
+    """RUNNING runs of this sweep left by a sweep that died: FAILED. Opening the store already
+    marked those whose process is gone; a job process still alive is a leftover of the dead sweep
+    (the lock says no sweep owns it): it is killed first."""
     for run in tracker.runs_with_status({TAG + "sweep": name, TAG + "role": "candidate"}, "RUNNING"):
-        pid = int(run.data.tags.get(TAG + "pid", "0") or 0)
-        if pid and psutil.pid_exists(pid):
+        owner = run.data.tags.get(OWNER, "")
+        if owner_alive(owner):
             try:
-                os.killpg(pid, signal.SIGKILL)  # a leftover of a dead sweep (the lock says no sweep owns it)
+                os.killpg(int(owner.split()[1]), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        tracker.fail_run(run.info.run_id, f"left RUNNING by a sweep that died (pid {pid or '?'} gone); marked FAILED on resume")
+        tracker.fail_run(run.info.run_id, f"left RUNNING by a sweep that died (job process {owner or '?'}); marked FAILED on resume")
         log.warning("sweep %s: run %s was left RUNNING by a dead sweep; marked FAILED", name, run.info.run_id)
 
 
@@ -390,14 +383,13 @@ def _finish(tracker: Tracker, state: State, jobs: list[Job], parent: str, direct
                     f"{cell('check/ppl_ratio', '7.3f'):>7s} {cell('quality/kld_mean', '7.4f'):>7s} "
                     f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {j.run_id or j.reason}")
     table = "\n".join(rows)
-    print(table)
     counts = {s: sum(j.status == s for j in jobs) for s in ("finished", "skipped", "failed")}
     summary = {"sweep": name, "parent_run": parent, "counts": counts, "state": str(state.path),
-               "jobs": [asdict(j) for j in jobs]}
+               "jobs": [asdict(j) for j in jobs], "table": table}
     run = tracker.resume_run(parent)
     with run:
         run.log_dict(summary, "sweep.json")
-        run.client.log_text(parent, table + "\n", "sweep.txt")
+        run.log_text(table + "\n", "sweep.txt")
         run.log_metrics({f"sweep/{k}": v for k, v in counts.items()})
         run.set_tags({TAG + "sweep_runs": ",".join(j.run_id for j in jobs if j.run_id)})
     finished = [j.run_id for j in jobs if j.run_id and j.status in ("finished", "skipped")]
@@ -405,8 +397,8 @@ def _finish(tracker: Tracker, state: State, jobs: list[Job], parent: str, direct
         from quantbench import compare
 
         try:
-            summary["compare"] = compare.run(experiment=tracker.experiment, run_ids=finished,
-                                             outputs=directory.parent.parent)["outputs"]
+            summary["compare"] = str(compare.run(experiment=tracker.experiment, run_ids=finished,
+                                                 outputs=directory.parent.parent).outputs)
         except UserError as exc:
             log.warning("sweep %s: no comparison: %s", name, "; ".join(exc.problems))
     return summary

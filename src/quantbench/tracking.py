@@ -1,22 +1,42 @@
-"""The only module that talks to MLflow: runs, names, artifacts and failures.
+"""The only module that talks to MLflow: runs, names, artifacts, searches, the model registry, and
+what a process that died left behind.
 
 Default store: MLflow's own default, `sqlite:///mlflow.db` in the working directory (the repo
 root under `make`), artifacts under `./mlruns`. `MLFLOW_TRACKING_URI` switches to a team server.
+
+Every run records who owns it (`quantbench.owner`: host, pid and the process's start time). A run
+still RUNNING whose owner process is gone was killed without a chance to say so (SIGKILL, the OOM
+killer, a lost node): every command that opens the store marks such runs of this host FAILED with
+the reason and removes the staging directory they left (`reap`); `quantbench gc` does it on demand.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import shutil
+import socket
+import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from quantbench.errors import UserError
+
+log = logging.getLogger(__name__)
+
 DEFAULT_EXPERIMENT = "quantbench"
-TAG = "quantbench."  # prefix of every tag of ours (DESIGN.md, MLflow contract)
+TAG = "quantbench."  # prefix of every tag of ours (docs/metrics.md lists them all)
 # MLflow 3's UI opens an experiment in its GenAI (traces) view unless told it holds model runs.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+OWNER = TAG + "owner"  # "host pid start-time": the process that holds the run open
+STAGING = TAG + "staging"  # a directory the run writes and removes unless it finishes
+# Environment a parent process (a sweep, a tune) gives its children, so their runs carry its tags.
+ENV_TAGS = "QUANTBENCH_RUN_TAGS"  # JSON object of extra tags for every run the child starts
+ENV_PARENT = "QUANTBENCH_PARENT_RUN"  # the parent run id (mlflow.parentRunId)
 
 
 def tracking_uri() -> str:
@@ -27,12 +47,94 @@ def experiment_name(name: str | None = None) -> str:
     return name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
 
 
+def is_local_store(uri: str | None = None) -> bool:
+    """A store on this machine's disk (SQLite or a file path), not a tracking server."""
+    return not (uri or tracking_uri()).startswith(("http://", "https://", "databricks", "postgresql", "mysql"))
+
+
+@contextmanager
+def _creation_lock(uri: str):
+    """Two commands opening a fresh SQLite store at once race in MLflow's schema creation ("table
+    experiments already exists"): serialise the first access with a lock file beside the database."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_ready: set[str] = set()
+
+
 def _client():
     for noisy in ("alembic", "mlflow.store.db.utils"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri())
+    uri = tracking_uri()
+    if uri in _ready:
+        return MlflowClient(uri)
+    with _creation_lock(uri):  # the client creates (or upgrades) the schema: one process at a time
+        client = MlflowClient(uri)
+        client.search_experiments(max_results=1)
+    _ready.add(uri)
+    return client
+
+
+def quote(value: str) -> str:
+    """A string value for an MLflow search filter. MLflow takes it between quotes with no escapes,
+    so the quote character must not occur in it: a value holding both kinds is refused."""
+    value = str(value)
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise UserError(f"cannot search MLflow for a value holding both quote characters: {value[:80]!r}")
+
+
+def _filter(tags: dict[str, str], status: str | None = "FINISHED") -> str:
+    clauses = [f"tags.`{k}` = {quote(v)}" for k, v in tags.items()]
+    if status:
+        clauses.append(f"attributes.status = '{status}'")
+    return " and ".join(clauses)
+
+
+def owner_tag() -> str:
+    """This process, as a run's owner: host, pid and the process's start time (pids are reused)."""
+    import psutil
+
+    return f"{socket.gethostname()} {os.getpid()} {psutil.Process().create_time():.2f}"
+
+
+def owner_alive(owner: str) -> bool | None:
+    """Whether a run's owner process still runs; None when it is another host's (can't tell here)."""
+    import psutil
+
+    try:
+        host, pid, started = owner.rsplit(" ", 2)
+        pid_n, started_f = int(pid), float(started)
+    except ValueError:
+        return None
+    if host != socket.gethostname():
+        return None
+    try:
+        return abs(psutil.Process(pid_n).create_time() - started_f) < 0.05
+    except psutil.Error:
+        return False
+
+
+def inherited_tags() -> dict[str, str]:
+    """Tags a parent process (sweep, tune) asks the candidate runs of its children to carry."""
+    tags = json.loads(os.environ.get(ENV_TAGS) or "{}")
+    if os.environ.get(ENV_PARENT):
+        tags["mlflow.parentRunId"] = os.environ[ENV_PARENT]
+    return {str(k): str(v) for k, v in tags.items()}
 
 
 class Run:
@@ -59,8 +161,11 @@ class Run:
             self.client.set_terminated(self.run_id, status)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, str(value))
+        from mlflow.entities import RunTag
+
+        items = [RunTag(key, str(value)[:8000]) for key, value in tags.items()]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, tags=items[start : start + 100])
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -70,22 +175,34 @@ class Run:
             self.client.log_batch(self.run_id, params=items[start : start + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         items = [Metric(key, float(value), now, step or 0) for key, value in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=items)
+        for start in range(0, len(items), 1000):
+            self.client.log_batch(self.run_id, metrics=items[start : start + 1000])
 
     def log_dict(self, data: dict, name: str) -> None:
         self.client.log_text(self.run_id, json.dumps(data, indent=2, sort_keys=True, default=str), name)
+
+    def log_text(self, text: str, name: str) -> None:
+        self.client.log_text(self.run_id, text, name)
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def log_artifacts(self, directory: Path, artifact_path: str) -> None:
         self.client.log_artifacts(self.run_id, str(directory), artifact_path)
+
+    def record(self, metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None,
+               artifacts: dict[str, dict] | None = None) -> None:
+        """A stage's result: its metrics, tags and JSON artifacts (name -> content)."""
+        if tags:
+            self.set_tags(tags)
+        if metrics:
+            self.log_metrics(metrics)
+        for name, content in (artifacts or {}).items():
+            self.log_dict(content, name)
 
     def has_artifact(self, path: str) -> bool:
         return bool(self.client.list_artifacts(self.run_id, path))
@@ -104,32 +221,52 @@ class Run:
 
 
 class Tracker:
-    def __init__(self, experiment: str | None = None):
+    """The store and one experiment in it. Opening it reaps what dead processes left RUNNING."""
+
+    def __init__(self, experiment: str | None = None, reap: bool = True):
         self.client = _client()
         self.experiment = experiment_name(experiment)
+        if reap:
+            self.reap()
 
-    def experiment_id(self) -> str:
-        found = self.client.get_experiment_by_name(self.experiment)
+    def _experiment(self):
+        return self.client.get_experiment_by_name(self.experiment)
+
+    def experiment_id(self, create: bool = True) -> str | None:
+        found = self._experiment()
         if found is not None:
             if EXPERIMENT_KIND[0] not in found.tags:
                 self.client.set_experiment_tag(found.experiment_id, *EXPERIMENT_KIND)
             return found.experiment_id
+        if not create:
+            return None
         location = None
         if "MLFLOW_TRACKING_URI" not in os.environ:  # the local default: artifacts in ./mlruns
             location = (Path.cwd() / "mlruns").as_uri()
-        return self.client.create_experiment(self.experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.create_experiment(self.experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
+        except MlflowException:  # another process created it first
+            found = self._experiment()
+            if found is None:
+                raise
+            return found.experiment_id
+
+    def search(self, tags: dict[str, str], status: str | None = "FINISHED", order_newest: bool = True) -> list:
+        """Runs of this experiment carrying all `tags` (values compared exactly), in `status`."""
+        found = self._experiment()
+        if found is None:
+            return []
+        order = ["attributes.start_time DESC"] if order_newest else None
+        return self.client.search_runs([found.experiment_id], _filter(tags, status), order_by=order)
 
     def find_runs(self, tags: dict[str, str]) -> list[str]:
         """FINISHED runs of this experiment carrying all `tags`, newest first."""
-        found = self.client.get_experiment_by_name(self.experiment)
-        if found is None:
-            return []
-        clauses = [f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"]
-        runs = self.client.search_runs([found.experiment_id], " and ".join(clauses), order_by=["attributes.start_time DESC"])
-        return [r.info.run_id for r in runs]
+        return [r.info.run_id for r in self.search(tags)]
 
     def existing(self, run_id: str) -> Run | None:
-        """A handle on a finished run (e.g. to read it), or None if the store has no such run."""
+        """A handle on a run (e.g. to read it), or None if the store has no such run."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -138,27 +275,29 @@ class Tracker:
             return None
         return Run(self.client, run_id)
 
+    def get(self, run_id: str, field: str = "run"):
+        """A run's entity (info, data); UserError naming `field` when the store has none."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_run(run_id)
+        except MlflowException as exc:
+            raise UserError(f"{field}: {exc.message}") from None
+
     def resume_run(self, run_id: str) -> Run:
         """Reopen a run to log a later stage into it; it ends FINISHED or FAILED like a new one."""
         self.client.update_run(run_id, status="RUNNING")
+        self.client.set_tag(run_id, OWNER, owner_tag())
         return Run(self.client, run_id)
 
     def runs(self, tags: dict[str, str], run_ids: list[str] | None = None) -> list:
         """Runs of this experiment (or exactly `run_ids`, any experiment) with these tags, newest first."""
         if run_ids:
-            return [self.client.get_run(run_id) for run_id in run_ids]
-        found = self.client.get_experiment_by_name(self.experiment)
-        if found is None:
-            return []
-        clauses = [f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"]
-        return self.client.search_runs([found.experiment_id], " and ".join(clauses), order_by=["attributes.start_time DESC"])
+            return [self.get(run_id, "--runs") for run_id in run_ids]
+        return self.search(tags)
 
     def runs_with_status(self, tags: dict[str, str], status: str) -> list:
-        found = self.client.get_experiment_by_name(self.experiment)
-        if found is None:
-            return []
-        clauses = [f"tags.`{k}` = '{v}'" for k, v in tags.items()] + [f"attributes.status = '{status}'"]
-        return self.client.search_runs([found.experiment_id], " and ".join(clauses))
+        return self.search(tags, status, order_newest=False)
 
     def fail_run(self, run_id: str, reason: str, status: str = "FAILED") -> None:
         """End a run that nobody will finish (FAILED, or KILLED), with the reason as its error tag."""
@@ -166,10 +305,40 @@ class Tracker:
         self.client.set_terminated(run_id, status)
 
     def start_run(self, run_name: str, tags: dict[str, Any]) -> Run:
-        run = self.client.create_run(
-            self.experiment_id(), run_name=run_name, tags={k: str(v) for k, v in tags.items()}
-        )
+        tags = {OWNER: owner_tag(), **tags}
+        run = self.client.create_run(self.experiment_id(), run_name=run_name, tags={k: str(v) for k, v in tags.items()})
         return Run(self.client, run.info.run_id)
+
+    def reap(self) -> list[dict]:
+        """Runs of this experiment left RUNNING by a process of this host that is gone: FAILED with
+        the reason, their staging directory removed. Returns what was done."""
+        done = []
+        try:
+            running = self.search({}, "RUNNING", order_newest=False)
+        except Exception as exc:  # a store that cannot be searched now must not stop the command
+            log.debug("reap: %s", exc)
+            return done
+        for run in running:
+            owner = run.data.tags.get(OWNER)
+            if not owner or owner_alive(owner) is not False:
+                continue
+            staging = run.data.tags.get(STAGING)
+            removed = None
+            if staging and Path(staging).name == f".{run.info.run_id}.partial" and Path(staging).is_dir():
+                shutil.rmtree(staging, ignore_errors=True)
+                removed = staging
+            reason = (f"its process ({owner}) died without ending it (killed: SIGKILL, out of memory, or a lost "
+                      "node); marked FAILED by a later command" + (f", staging dir {removed} removed" if removed else ""))
+            self.fail_run(run.info.run_id, reason)
+            log.warning("run %s (%s) was left RUNNING by a dead process; marked FAILED%s", run.info.run_id,
+                        run.info.run_name, f", removed {removed}" if removed else "")
+            done.append({"run_id": run.info.run_id, "name": run.info.run_name, "owner": owner, "removed": removed})
+        return done
+
+
+def all_experiments() -> list[str]:
+    """Names of every experiment in the store (for `quantbench gc --all`)."""
+    return [e.name for e in _client().search_experiments()]
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -197,7 +366,7 @@ class Registry:
 
     def version_for_run(self, name: str, run_id: str):
         """The version already registered from this run, if any (re-gating does not duplicate it)."""
-        found = self.client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+        found = self.client.search_model_versions(f"name = {quote(name)} and run_id = {quote(run_id)}")
         return found[0] if found else None
 
     def register(self, name: str, run: Run, artifact_path: str, description: str, tags: dict[str, str]):

@@ -9,7 +9,7 @@ import pytest
 from quantbench.cli import main
 from quantbench.evaluate.speed import Profile, load_profile, summarize
 
-from tests.helpers import runs, tiny_recipe, write_recipe
+from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_PROFILE = "prompt_tokens: [16, 32]\noutput_tokens: 6\nconcurrency: [1, 2]\nrepetitions: 2\nwarmup: 1\nbase_dtype: float32\n"
@@ -21,9 +21,6 @@ def profile(workdir):
     (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE)
     return "tiny"
 
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_bench_measures_candidate_and_base_into_the_run(workdir, tiny_model_dir, profile, capsys):

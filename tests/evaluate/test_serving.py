@@ -17,7 +17,7 @@ from quantbench.cli import main
 from quantbench.evaluate.serving import VLLM_PYTHON, model_server, server_command, vllm_python
 from quantbench.processes import free_port
 
-from tests.helpers import runs
+from tests.helpers import last_json, runs
 
 PROFILE = "prompt_tokens: [16]\noutput_tokens: 6\nconcurrency: [1, 2]\nrepetitions: 2\nwarmup: 1\n"
 LONG = "prompt_tokens: [16]\noutput_tokens: 24\nconcurrency: [1, 3]\nrepetitions: 200\nwarmup: 0\n"
@@ -41,9 +41,6 @@ def profiles(workdir):
     yield
     assert servers() == [], "a transformers serve process was left behind"
 
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_serve_backend_starts_measures_and_stops_both_servers(workdir, tiny_model_dir, profiles, capsys):

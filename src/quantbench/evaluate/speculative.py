@@ -1,4 +1,4 @@
-"""`quantbench bench --draft <run id | checkpoint> [TARGET]`: speculative decoding.
+"""Speculative decoding (`quantbench bench --draft <run id | checkpoint> [TARGET]`).
 
 The target model (default: the draft's base model, e.g. the teacher a student was distilled
 from) generates greedily with the draft proposing tokens (transformers assisted generation), and
@@ -16,70 +16,80 @@ alone) and `speedup/spec_decode_tok_s`.
 from __future__ import annotations
 
 import logging
-import re
 import statistics
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 from quantbench import data, environment, models
+from quantbench.checkpoint import vocab_mismatch
 from quantbench.errors import UserError
-from quantbench.evaluate.job import check_loadable, resolve_target, target_run
-from quantbench.evaluate.speed import DEFAULT_PROFILE, load_profile, prompts
-from quantbench.tracking import TAG, Tracker
+from quantbench.evaluate.speed import Profile, load_profile, prompts
+from quantbench.tracking import TAG
 
 log = logging.getLogger(__name__)
 
 
-def run(draft: str, target: str | None = None, *, profile: str | None = None, experiment: str | None = None) -> dict:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class Plan:
+    draft: Path  # the draft checkpoint
+    target: models.ResolvedModel
+    profile_name: str
+    profile: Profile
+    rows: list[list[int]]  # prompts (token ids), the warm-up ones first
 
-    from quantbench.quantize.distill import vocab_mismatch
 
-    name = profile or DEFAULT_PROFILE
-    settings = load_profile(name)
-    tracker = Tracker(experiment)
-    drafted = resolve_target(draft, tracker, target)
-    check_loadable(drafted.checkpoint)
-    source = target or drafted.base_source
-    if re.fullmatch(r"[0-9a-f]{32}", source):
-        source = "run:" + source
-    tgt = models.resolve(source, field="target" if target else "the draft's base model")
-    check_loadable(tgt.path)
-    tokenizer = AutoTokenizer.from_pretrained(tgt.path)
-    mismatch = vocab_mismatch(tokenizer, AutoTokenizer.from_pretrained(drafted.checkpoint),
-                               AutoConfig.from_pretrained(tgt.path), AutoConfig.from_pretrained(drafted.checkpoint))
+@dataclass
+class SpecResult:
+    metrics: dict[str, float]
+    tags: dict[str, str]
+    report: dict  # bench_spec.json
+    same_tokens: bool
+
+
+def prepare(draft: Path, target: models.ResolvedModel, profile_name: str, draft_field: str) -> Plan:
+    """The profile's prompts; a draft whose vocabulary is not the target's is refused."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    settings = load_profile(profile_name)
+    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    mismatch = vocab_mismatch(tokenizer, AutoTokenizer.from_pretrained(draft),
+                              AutoConfig.from_pretrained(target.path), AutoConfig.from_pretrained(draft))
     if mismatch:
-        raise UserError(f"--draft {draft}: its tokenizer is not the target's ({mismatch}); a draft must share the vocabulary")
+        raise UserError(f"{draft_field}: its tokenizer is not the target's ({mismatch}); a draft must share the vocabulary")
     ids = tokenizer(data.python_docs("evaluation"))["input_ids"]
-    length = max(settings.prompt_tokens)
-    rows = prompts(ids, length, settings.warmup + settings.repetitions, settings.seed)
+    rows = prompts(ids, max(settings.prompt_tokens), settings.warmup + settings.repetitions, settings.seed)
+    return Plan(draft, target, profile_name, settings, rows)
 
-    with target_run(tracker, drafted, tgt, "bench") as run_:
-        log.info("speculative decoding: target %s, draft %s, %d prompts of %d tokens, %d new tokens", tgt.name,
-                 drafted.checkpoint, settings.repetitions, length, settings.output_tokens)
-        run_.set_tags({TAG + "spec_target": tgt.source, TAG + "spec_draft": str(drafted.checkpoint.resolve())})
-        dtype = "auto" if settings.base_dtype == "auto" else getattr(torch, settings.base_dtype)
-        target_model = AutoModelForCausalLM.from_pretrained(tgt.path, dtype=dtype).eval()
-        draft_model = AutoModelForCausalLM.from_pretrained(drafted.checkpoint, dtype=target_model.dtype).eval()
-        samples = measure(target_model, draft_model, rows, settings.output_tokens, settings.warmup)
-        metrics = {
-            "speed/spec_acceptance": samples["accepted"] / samples["proposed"] if samples["proposed"] else 0.0,
-            "speed/spec_tokens_per_target_step": samples["new_tokens"] / samples["target_steps"],
-            "speed/spec_decode_tok_s": statistics.median(samples["assisted_tok_s"]),
-            "base_speed/spec_decode_tok_s": statistics.median(samples["alone_tok_s"]),
-        }
-        metrics["speedup/spec_decode_tok_s"] = metrics["speed/spec_decode_tok_s"] / metrics["base_speed/spec_decode_tok_s"]
-        run_.log_metrics(metrics)
-        run_.log_dict({"target": tgt.source, "draft": str(drafted.checkpoint), "profile": name,
-                       "profile_settings": settings.model_dump(mode="json"), "same_tokens": samples["same_tokens"],
-                       "samples": samples, "metrics": metrics, "hardware": environment.describe()}, "bench_spec.json")
+
+def run(plan: Plan) -> SpecResult:
+    """The target alone and with the draft, interleaved, on the plan's prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    settings = plan.profile
+    log.info("speculative decoding: target %s, draft %s, %d prompts of %d tokens, %d new tokens", plan.target.name,
+             plan.draft, settings.repetitions, len(plan.rows[0]), settings.output_tokens)
+    dtype = "auto" if settings.base_dtype == "auto" else getattr(torch, settings.base_dtype)
+    target_model = AutoModelForCausalLM.from_pretrained(plan.target.path, dtype=dtype).eval()
+    draft_model = AutoModelForCausalLM.from_pretrained(plan.draft, dtype=target_model.dtype).eval()
+    samples = measure(target_model, draft_model, plan.rows, settings.output_tokens, settings.warmup)
+    metrics = {
+        "speed/spec_acceptance": samples["accepted"] / samples["proposed"] if samples["proposed"] else 0.0,
+        "speed/spec_tokens_per_target_step": samples["new_tokens"] / samples["target_steps"],
+        "speed/spec_decode_tok_s": statistics.median(samples["assisted_tok_s"]),
+        "base_speed/spec_decode_tok_s": statistics.median(samples["alone_tok_s"]),
+    }
+    metrics["speedup/spec_decode_tok_s"] = metrics["speed/spec_decode_tok_s"] / metrics["base_speed/spec_decode_tok_s"]
     if not samples["same_tokens"]:
         log.warning("assisted generation produced different tokens from the target alone (numerics of batched "
                     "verification); the speed figures stand, the outputs differ in places")
-    for key, value in metrics.items():
-        print(f"  {key:36s} {value:.4g}")
-    return {"run_id": run_.run_id, "target": tgt.source, "draft": str(drafted.checkpoint), "metrics": metrics}
+    tags = {TAG + "spec_target": plan.target.source, TAG + "spec_draft": str(plan.draft.resolve())}
+    report = {"target": plan.target.source, "draft": str(plan.draft), "profile": plan.profile_name,
+              "profile_settings": settings.model_dump(mode="json"), "same_tokens": samples["same_tokens"],
+              "samples": samples, "metrics": metrics, "hardware": environment.describe()}
+    return SpecResult(metrics, tags, report, samples["same_tokens"])
 
 
 def measure(target, draft, rows: list[list[int]], new_tokens: int, warmup: int) -> dict:

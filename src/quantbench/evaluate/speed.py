@@ -6,7 +6,7 @@ model loaded at a time) so machine drift hits both alike. Each repetition after 
 yields one sample per prompt length and per concurrency level; medians are the metrics, min and
 max go to the JSON artifact.
 
-Metric names (DESIGN.md): `speed/ttft_ms_p50`, `speed/ttft_ms_p95`, `speed/decode_tok_s`,
+Metric names (docs/metrics.md): `speed/ttft_ms_p50`, `speed/ttft_ms_p95`, `speed/decode_tok_s`,
 `speed/itl_ms_p50`, `speed/prefill_tok_s`, `speed/e2e_ms_p50`, `speed/e2e_ms_p95`,
 `speed/c<N>/throughput_tok_s`, `speed/c<N>/requests_s`, `speed/peak_mem_mb`.
 `speedup/<metric>` is oriented so that above 1 is faster: candidate / base for rates,
@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import random
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Literal
 from pydantic import Field, PositiveInt
 
 from quantbench.errors import UserError
+from quantbench.processes import PeakRSS
 from quantbench.recipe import Strict, load_named
 
 DEFAULT_PROFILE = "cpu-smoke"
@@ -77,37 +77,6 @@ class _Clock:
 
     def end(self) -> None:
         pass
-
-
-class _PeakRSS:
-    """Peak resident memory of a process (this one by default) while the block runs, sampled
-    every 10 ms."""
-
-    def __init__(self, pid: int | None = None):
-        self.pid = pid
-
-    def __enter__(self):
-        import psutil
-
-        self._proc = psutil.Process(self.pid)
-        self.peak = self._proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        import psutil
-
-        while not self._stop.wait(0.01):
-            try:
-                self.peak = max(self.peak, self._proc.memory_info().rss)
-            except psutil.Error:  # the process ended; the caller sees why
-                return
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _generate(model, batch, output_tokens: int, streamer=None):
@@ -178,7 +147,7 @@ def hf_measurer(load, profile: Profile):
     import gc
 
     def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
-        with _PeakRSS() as mem:
+        with PeakRSS() as mem:
             before = mem.peak
             model = load()
             values = measure(model, prompt_sets, profile, rep)
@@ -221,7 +190,7 @@ def bench_pair(measurers: dict, token_ids: list[int], profile: Profile) -> Speed
 
 
 def summarize(samples: dict[str, list[float]], profile: Profile) -> dict[str, float]:
-    """Per-repetition samples -> the DESIGN.md metric names (medians; p95 over all samples)."""
+    """Per-repetition samples -> the speed/ metric names (medians; p95 over all samples)."""
 
     def pooled(suffix: str) -> list[float]:
         return [v for k, values in samples.items() if k.endswith(suffix) and k.startswith("p") for v in values]

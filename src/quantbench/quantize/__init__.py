@@ -1,25 +1,20 @@
-"""Quantization backends, one module each, imported only when a recipe names their method.
+"""Engines that make a checkpoint from a base model, one module each, imported only when a recipe
+names their method: `quantbench --help`, validation of other methods and most tests import none.
 
-A backend is a class built from the recipe's `quantize` section with:
-- `needs_calibration`: whether `quantize` wants calibration windows;
-- `format`: the checkpoint format it writes;
-- `quantize(model, calibration)`: compress the loaded model in place; or, with
-  `loads_quantized = True`, `load(base_path, dtype)`: a new model quantized as it loads; or, with
-  `writes_checkpoint = True`, `write(base_path, dtype, calibration, dest, log_path)`: quantize and
-  save in one step (GPTQModel, in a child process); or, with `trains = True`,
-  `prepare_training(...)` at prepare time and `train(teacher, tokenizer, run, workdir, held_out)`:
-  a new model trained against the loaded one (distillation);
-- `save(model, tokenizer, dest)`: write the checkpoint into `dest`.
+Every engine module implements `Backend` (below). The pipeline never asks an engine how it works:
+it gives it `Inputs` and gets back `Produced` with the checkpoint written into `Inputs.staging`.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 from quantbench.errors import UserError, did_you_mean
 
-# method (or method/format, where a recipe's `format:` picks another engine) -> "module:object";
-# `quantbench --help` and most tests import none of these.
+# method (or method/format, where a recipe's `format:` picks another engine) -> "module:object"
 BACKENDS = {
     "gptq": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
     "awq": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
@@ -35,8 +30,79 @@ PACKAGES = {"quantbench.quantize.llmcompressor": "llmcompressor", "quantbench.qu
             "quantbench.quantize.distill": "transformers", "quantbench.quantize.gptqmodel": "gptqmodel"}
 
 
-def get_backend(method: str, format: str | None = None):
-    key = f"{method}/{format}" if f"{method}/{format}" in BACKENDS else method
+@dataclass
+class Inputs:
+    """What an engine gets to make a checkpoint; everything here was checked before the run began."""
+
+    loaded: Any  # recipe.LoadedRecipe
+    base: Any  # models.ResolvedModel
+    tokenizer: Any
+    calibration: list[list[int]] | None  # token windows, when the backend calibrates
+    staging: Path  # write the checkpoint here (the directory exists and is empty)
+    log_path: Path  # the run's log file (a child process appends its output to it)
+    workdir: Path  # state that must survive an interrupted job (training checkpoints), keyed by the recipe
+    held_out: tuple[list[int], int]  # (token ids, window) of the reload check's text
+    run: Any  # tracking.Run, for curves logged while the engine works (training loss)
+    model: Any = None  # the base model, loaded in the recipe's dtype; take it with take_model()
+
+    def take_model(self):
+        """The loaded base model, handed over: the pipeline keeps no reference, so an engine that
+        does not use it (one that loads its own copy) frees it by not taking it."""
+        model, self.model = self.model, None
+        return model
+
+    def drop_model(self) -> None:
+        self.model = None
+
+
+@dataclass
+class Produced:
+    """What an engine reports once the checkpoint is in `Inputs.staging`."""
+
+    metrics: dict[str, float] = field(default_factory=dict)  # its own metrics (e.g. distill/*)
+    reference_ppl: float | None = None  # the reload check bounds against this instead of the base's (a trained model)
+    card: str = ""  # how it was made, for the model card (markdown list items)
+
+
+class Backend(Protocol):
+    """The interface every engine implements.
+
+    - `engine`, `format`: who writes the checkpoint, and in which format;
+    - `calibrates`: it needs calibration windows (`Inputs.calibration`);
+    - `trains`: it makes a new model by training (the reload check bounds that model against itself);
+    - `on_load`: it quantizes while the model loads (no pass over data);
+    - `loaders()`: which runtimes load what it writes (tags and model card);
+    - `check(loaded, config)`: problems of this recipe on this model's shapes, from its config alone
+      (also what `quantbench validate` runs);
+    - `prepare(loaded, base, tokenizer)`: further input checks before the run starts (e.g. training
+      text); returns the sha of any text it will read, by role;
+    - `produce(inputs)`: write the checkpoint into `inputs.staging`.
+    """
+
+    engine: ClassVar[str]
+    format: str
+    calibrates: bool
+    trains: ClassVar[bool]
+    on_load: ClassVar[bool]
+
+    def __init__(self, spec: Any) -> None: ...
+
+    def loaders(self) -> str: ...
+
+    def check(self, loaded, config) -> list[str]: ...
+
+    def prepare(self, loaded, base, tokenizer) -> dict[str, str]: ...
+
+    def produce(self, inputs: Inputs) -> Produced: ...
+
+
+def backend_key(method: str, format: str | None = None) -> str:
+    return f"{method}/{format}" if f"{method}/{format}" in BACKENDS else method
+
+
+def get_backend(method: str, format: str | None = None) -> type[Backend]:
+    """The backend class for a recipe's method (and format); its module is imported now."""
+    key = backend_key(method, format)
     if key not in BACKENDS:
         methods = [m for m in BACKENDS if "/" not in m]
         raise UserError(f"quantize.method: unknown method '{method}'." + did_you_mean(method, methods))
@@ -48,3 +114,47 @@ def get_backend(method: str, format: str | None = None):
         what = f"'{method}' with format '{format}'" if "/" in key else f"'{method}'"
         raise UserError(f"quantize.method: {what} needs the package '{package}', which is not installed ({exc})") from None
     return getattr(module, attr)
+
+
+def make_backend(spec) -> Backend:
+    """The backend for a recipe's `quantize:` section."""
+    return get_backend(spec.method, getattr(spec, "format", None))(spec)
+
+
+def calibration_card(inputs: Inputs) -> str:
+    """The model card's line on calibration data."""
+    cal = inputs.loaded.recipe.calibration
+    if inputs.calibration is None:
+        return "- Calibration: none"
+    return f"- Calibration: {len(inputs.calibration)} × {cal.seq_len} tokens of `{cal.source}`"
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes: engines that group weights need widths their group size divides
+
+
+def linear_layers(config, ignore: list[str]) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of every Linear layer a recipe would quantize, read from
+    a model built on the meta device (no weights), matched as llm-compressor matches targets."""
+    import torch
+    from compressed_tensors.utils import match_named_modules
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return [(name, m.in_features, m.out_features) for name, m in match_named_modules(skeleton, ["Linear"], ignore)]
+
+
+def group_size_problem(loaded, config, group_size: int, field: str = "group_size") -> list[str]:
+    """A group size must divide the input width of every layer it quantizes."""
+    widths: dict[int, list[str]] = {}
+    for name, width, _ in linear_layers(config, loaded.recipe.quantize.ignore):
+        widths.setdefault(width, []).append(name)
+    bad = {w: names for w, names in widths.items() if w % group_size}
+    if not bad:
+        return []
+    detail = "; ".join(f"width {w} ({len(n)} layers, e.g. {n[0]})" for w, n in sorted(bad.items()))
+    divisors = [g for g in (256, 128, 64, 32, 16) if all(w % g == 0 for w in widths)]
+    hint = f" Group sizes that fit every layer: {', '.join(map(str, divisors))}." if divisors else ""
+    return [f"{loaded.path}: {loaded.where('quantize', field)}: {group_size} does not divide the input width of "
+            f"these layers of {loaded.recipe.model.source}: {detail}.{hint}"]

@@ -15,13 +15,22 @@ from pathlib import Path
 import bitsandbytes  # noqa: F401  (a missing package fails here, named by the registry)
 import torch
 
+from quantbench.quantize import Inputs, Produced, linear_layers
 from quantbench.recipe import BnbSpec
+
+# bitsandbytes 0.50's 4-bit CPU kernels repack weights in blocks of 64 input features (the
+# quantization block size) on the first forward; other widths crash there, so check first.
+BNB_4BIT_BLOCK = 64
 
 
 class BnbBackend:
+    """The base model quantized while it loads, saved before anything runs it."""
+
+    engine = "bitsandbytes"
     format = "bitsandbytes"
-    needs_calibration = False
-    loads_quantized = True  # the job loads the model through `load`, not an in-place `quantize`
+    calibrates = False
+    trains = False
+    on_load = True
 
     @staticmethod
     def loaders() -> str:
@@ -29,6 +38,30 @@ class BnbBackend:
 
     def __init__(self, spec: BnbSpec):
         self.spec = spec
+
+    def check(self, loaded, config) -> list[str]:
+        """4-bit on a CPU: every quantized layer's input width a multiple of the kernel's block."""
+        if self.spec.scheme == "INT8" or torch.cuda.is_available():
+            return []
+        bad: dict[int, list[str]] = {}
+        for name, width, _ in linear_layers(config, self.spec.ignore):
+            if width % BNB_4BIT_BLOCK:
+                bad.setdefault(width, []).append(name)
+        if not bad:
+            return []
+        detail = "; ".join(f"width {w} ({len(n)} layers, e.g. {n[0]})" for w, n in sorted(bad.items()))
+        return [f"{loaded.path}: {loaded.where('quantize', 'scheme')}: {self.spec.scheme} cannot quantize these layers of "
+                f"{loaded.recipe.model.source} (bitsandbytes 4-bit on CPU packs weights in blocks of {BNB_4BIT_BLOCK} "
+                f"input features): {detail}. Use scheme INT8, or add them to quantize.ignore."]
+
+    def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
+        return {}
+
+    def produce(self, inputs: Inputs) -> Produced:
+        inputs.drop_model()  # a fresh copy is quantized while it loads
+        model = self.load(inputs.base.path, getattr(torch, inputs.loaded.recipe.model.dtype))
+        self.save(model, inputs.tokenizer, inputs.staging)  # before any forward pass: see the trap above
+        return Produced(card="- Calibration: none (quantized while loading)")
 
     def config(self):
         from transformers import BitsAndBytesConfig

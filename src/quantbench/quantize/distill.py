@@ -23,8 +23,10 @@ import torch
 import transformers
 
 from quantbench import data, models
+from quantbench.checkpoint import vocab_mismatch
 from quantbench.errors import UserError
-from quantbench.recipe import DistillSpec
+from quantbench.quantize import Inputs, Produced
+from quantbench.recipe import DistillSpec, short
 from quantbench.tracking import TAG
 
 log = logging.getLogger(__name__)
@@ -33,9 +35,13 @@ PREFIX = "distill/"  # MLflow metric prefix of the training curves
 
 
 class DistillBackend:
+    """A student trained against the loaded base model (the teacher), saved in bf16."""
+
+    engine = "transformers Trainer"
     format = "safetensors-bf16"
-    needs_calibration = False
-    trains = True  # the job calls `prepare_training` then `train`, not `quantize`
+    calibrates = False
+    trains = True
+    on_load = False
 
     @staticmethod
     def loaders() -> str:
@@ -51,8 +57,11 @@ class DistillBackend:
     # -----------------------------------------------------------------------------------------
     # prepare: every check before the run starts
 
-    def prepare_training(self, loaded, teacher: models.ResolvedModel, tokenizer) -> str:
-        """Check the student initialisation and read the training text; returns the text's sha."""
+    def check(self, loaded, config) -> list[str]:
+        return []
+
+    def prepare(self, loaded, teacher: models.ResolvedModel, tokenizer) -> dict[str, str]:
+        """Check the student initialisation and read the training text; returns its sha."""
         from transformers import AutoConfig, AutoTokenizer
 
         spec, where = self.spec, str(loaded.path)
@@ -75,7 +84,7 @@ class DistillBackend:
             if student.config.get("vocab_size", config.vocab_size) != config.vocab_size:
                 raise UserError(f"{where}: {loaded.where('quantize', 'student', 'config')}: vocab_size must stay "
                                 f"{config.vocab_size}: the student learns the teacher's distribution over its vocabulary")
-            self.init = "the teacher's config with " + ", ".join(f"{k}={v}" for k, v in student.config.items()) + " (random init)"
+            self.init = "the teacher's config with " + ", ".join(f"{k}={short(v)}" for k, v in student.config.items()) + " (random init)"
         else:
             try:
                 self.student_base = models.resolve(student.source, field="quantize.student.source")
@@ -97,7 +106,7 @@ class DistillBackend:
         if len(self.train_ids) <= spec.seq_len:
             raise UserError(f"{where}: {loaded.where('quantize', 'seq_len')}: {spec.seq_len} is longer than the "
                             f"training text ({len(self.train_ids)} tokens)")
-        return data.text_sha(text)
+        return {"training": data.text_sha(text)}
 
     # -----------------------------------------------------------------------------------------
     # train
@@ -117,14 +126,21 @@ class DistillBackend:
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return prune_layers(teacher, self.keep)
 
-    def train(self, teacher, tokenizer, run, workdir: Path, held_out: tuple[list[int], int]) -> tuple[torch.nn.Module, dict[str, float]]:
+    def produce(self, inputs: Inputs) -> Produced:
+        """Train the student, save it into the staging dir; the reload check bounds the saved
+        student against the trained one in memory (`distill/ppl_after`, same text and windows)."""
+        student, summary = self.train(inputs.take_model(), inputs.run, inputs.workdir, inputs.held_out)
+        self.save(student, inputs.tokenizer, inputs.staging)
+        return Produced(metrics=summary, reference_ppl=summary["distill/ppl_after"], card=self.card(inputs.base))
+
+    def train(self, teacher, run, workdir: Path, held_out: tuple[list[int], int]) -> tuple[torch.nn.Module, dict[str, float]]:
         """Train a student against `teacher`; checkpoints in `workdir` (resumed if any are there).
         `held_out` (token ids, window) scores the student against the teacher before and after
         training (`distill/kld_before`, `distill/kld_after`, `distill/ppl_*`). Returns the student
         and the run's distill/* summary metrics."""
         from transformers import TrainingArguments
 
-        from quantbench.evaluate.quality import compare, reference
+        from quantbench.quality import compare, reference
 
         spec = self.spec
         teacher = teacher.float().eval().requires_grad_(False)  # bf16 autocast still runs its matmuls
@@ -189,7 +205,6 @@ class DistillBackend:
             "distill/tokens": trainer.state.global_step * spec.batch_size * spec.seq_len,
             "distill/tokens_per_s": trained_steps * spec.batch_size * spec.seq_len / wall,
         }
-        run.log_metrics(summary)
         log.info("trained %d steps in %.0f s (%.0f tokens/s), last logged loss %.4f; KLD to the teacher %.3f -> %.3f",
                  trainer.state.global_step, wall, summary["distill/tokens_per_s"], summary["distill/final_loss"],
                  summary["distill/kld_before"], summary["distill/kld_after"])
@@ -314,14 +329,3 @@ def _ranges(indices: list[int]) -> str:
     if len(indices) > 2 and all(b - a == step for a, b in zip(indices, indices[1:])):
         return f"{indices[0]}..{indices[-1]} step {step}"
     return ", ".join(map(str, indices))
-
-
-def vocab_mismatch(teacher_tok, student_tok, teacher_cfg, student_cfg) -> str:
-    """"" when two models share a vocabulary (config size and every token id), else what differs."""
-    if teacher_cfg.vocab_size != student_cfg.vocab_size:
-        return f"vocab_size {student_cfg.vocab_size} vs the teacher's {teacher_cfg.vocab_size}"
-    a, b = teacher_tok.get_vocab(), student_tok.get_vocab()
-    if a != b:
-        differ = sorted(set(a.items()) ^ set(b.items()))[:3]
-        return f"{len(set(a.items()) ^ set(b.items()))} token ids differ, e.g. {differ}"
-    return ""

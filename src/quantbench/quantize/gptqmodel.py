@@ -31,6 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from quantbench.quantize import Inputs, Produced, calibration_card, group_size_problem, linear_layers
 from quantbench.recipe import AWQSpec, GPTQSpec
 
 if importlib.util.find_spec("gptqmodel") is None:  # named by the registry; the package is imported by the child only
@@ -41,12 +42,42 @@ AWQ_OUT_BLOCK = 64  # GPTQModel's AWQ clip search works on blocks of 64 (or 256)
 
 
 class GPTQModelBackend:
-    needs_calibration = True
-    writes_checkpoint = True  # quantizes and saves in one step, in a child process
+    """GPTQModel loads, quantizes and saves in a child process, straight into the staging dir."""
+
+    engine = "GPTQModel"
+    calibrates = True
+    trains = False
+    on_load = False
 
     def __init__(self, spec: GPTQSpec | AWQSpec):
         self.spec = spec
         self.format = spec.format  # "gptq" or "awq"
+
+    def check(self, loaded, config) -> list[str]:
+        if self.format == "awq" and loaded.recipe.model.dtype == "float32":
+            return [f"{loaded.path}: {loaded.where('model', 'dtype')}: GPTQModel's AWQ kernels run in bfloat16 or "
+                    "float16, not float32; use one of those (or format compressed-tensors)"]
+        problems = group_size_problem(loaded, config, self.spec.group_size) if self.spec.group_size else []
+        if self.format == "awq":
+            odd: dict[int, list[str]] = {}
+            for name, _, width in linear_layers(config, self.spec.ignore):
+                if width % AWQ_OUT_BLOCK:
+                    odd.setdefault(width, []).append(name)
+            if odd:
+                detail = "; ".join(f"output width {w} ({len(n)} layers, e.g. {n[0]})" for w, n in sorted(odd.items()))
+                problems.append(f"{loaded.path}: {loaded.where('quantize', 'format')}: GPTQModel's AWQ needs every quantized "
+                                f"layer's output width to be a multiple of {AWQ_OUT_BLOCK}; these layers of "
+                                f"{loaded.recipe.model.source} are not: {detail}. Use format compressed-tensors "
+                                "(llm-compressor), or add them to quantize.ignore.")
+        return problems
+
+    def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
+        return {}
+
+    def produce(self, inputs: Inputs) -> Produced:
+        inputs.drop_model()  # the child loads its own copy
+        self.write(inputs.base.path, inputs.loaded.recipe.model.dtype, inputs.calibration, inputs.staging, inputs.log_path)
+        return Produced(card=calibration_card(inputs))
 
     def loaders(self) -> str:
         from importlib.metadata import version as dist_version

@@ -10,6 +10,7 @@ import llmcompressor  # noqa: F401  (configures its loguru sinks now, before a r
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+from quantbench.quantize import Inputs, Produced, calibration_card, group_size_problem
 from quantbench.recipe import AWQSpec, FP8Spec, GPTQSpec, SmoothQuantSpec
 
 
@@ -18,7 +19,12 @@ KV_CACHE_SCHEMES = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor"
 
 
 class LLMCompressorBackend:
+    """llm-compressor's oneshot on the loaded base model, in place; saved compressed."""
+
+    engine = "llm-compressor"
     format = "compressed-tensors"
+    trains = False
+    on_load = False
 
     @staticmethod
     def loaders() -> str:
@@ -28,7 +34,20 @@ class LLMCompressorBackend:
 
     def __init__(self, spec: GPTQSpec | AWQSpec | FP8Spec | SmoothQuantSpec):
         self.spec = spec
-        self.needs_calibration = not isinstance(spec, FP8Spec) or spec.kv_cache is not None
+        self.calibrates = not isinstance(spec, FP8Spec) or spec.kv_cache is not None
+
+    def check(self, loaded, config) -> list[str]:
+        group_size = getattr(self.spec, "group_size", None)
+        return group_size_problem(loaded, config, group_size) if group_size else []
+
+    def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
+        return {}
+
+    def produce(self, inputs: Inputs) -> Produced:
+        model = inputs.take_model()
+        self.quantize(model, inputs.calibration)
+        self.save(model, inputs.tokenizer, inputs.staging)
+        return Produced(card=calibration_card(inputs))
 
     def modifiers(self) -> list:
         """The llm-compressor recipe for this spec, as modifier objects."""
@@ -71,7 +90,7 @@ class LLMCompressorBackend:
         from llmcompressor import oneshot
 
         kwargs = {}
-        if self.needs_calibration:
+        if self.calibrates:
             from datasets import Dataset
 
             kwargs = {

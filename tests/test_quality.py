@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from quantbench.evaluate.quality import Reference, compare, kl_divergence, perplexity, reference
+from quantbench.quality import Reference, compare, kl_divergence, perplexity, reference
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Quality measurements on held-out text."""
+"""Quality measures shared by every stage: perplexity, a greedy sample, and the base model's
+next-token distributions cached exactly so a candidate is scored against them (KLD, top-1)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""`quantbench evaluate <run id | checkpoint dir>`: quality against the base model.
+"""The evaluate stage: a loaded checkpoint's quality against its base model.
 
 One quality pass over held-out text (perplexity, KL divergence to the base model, top-1
 agreement), task evals through lm-eval, answer flips against the base model's per-item results,
-and recovery (the share of the base model's score kept; above 1 is better). The base model is scored once per (model fingerprint,
-suite fingerprint) in its own MLflow run tagged `quantbench.role=baseline`, with its top-k
-next-token distributions stored as an artifact; every later candidate reuses that run.
+and recovery (the share of the base model's score kept; above 1 is better). The base model is
+scored once per (model fingerprint, suite fingerprint) in its own MLflow run tagged
+`quantbench.role=baseline`, with what its next-token distributions are computed from stored as an
+artifact; every later candidate reuses that run.
 """
 
 from __future__ import annotations
@@ -12,29 +13,27 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from quantbench import data, models
 from quantbench.errors import UserError
-from quantbench.evaluate.suite import DEFAULT_SUITE, LoadedSuite, load_suite
+from quantbench.evaluate.suite import LoadedSuite, suites_dir
 from quantbench.evaluate.tasks import check_tasks, flips, run_tasks, write_offline_suite
 from quantbench.metrics import RECOVERABLE, direction
-from quantbench.tracking import TAG, Tracker, tracking_uri
+from quantbench.tracking import TAG, Tracker
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_INFO = "quantbench.json"  # written by the quantize stage into every checkpoint
 REFERENCE = "baseline/reference.safetensors"
 SAMPLES = "baseline/task_samples.json"
-# Package each checkpoint format needs to load (quantization_config.quant_method -> package)
-FORMAT_PACKAGES = {"compressed-tensors": "compressed_tensors", "bitsandbytes": "bitsandbytes", "gptq": "gptqmodel", "awq": "gptqmodel"}
 
 
 @dataclass
-class Prepared:
+class Plan:
+    """The suite and its data, checked and tokenized before any run starts."""
+
     suite: LoadedSuite
     token_ids: list[int]
     text_sha: str
@@ -56,20 +55,24 @@ class Baseline:
 
 
 @dataclass
-class Target:
-    checkpoint: Path
-    run_id: str | None
-    base_source: str
-    info: dict = field(default_factory=dict)
+class Evaluation:
+    """The evaluate stage's result: what the pipeline logs into the candidate's run."""
+
+    metrics: dict[str, float]
+    baseline_metrics: dict[str, float]
+    baseline_run: str
+    baseline_reused: bool
+    tags: dict[str, str]
+    report: dict  # evaluation.json
 
 
 # ---------------------------------------------------------------------------------------------
 # prepare: every input check before anything runs
 
 
-def prepare(suite: LoadedSuite, tokenizer) -> Prepared:
+def prepare(suite: LoadedSuite, tokenizer) -> Plan:
     spec = suite.suite
-    where = f"suites/{suite.name}.yaml"
+    where = str(suites_dir() / f"{suite.name}.yaml")
     try:
         text = data.load_text(spec.text, field="text", split="evaluation")
     except UserError as exc:
@@ -84,81 +87,13 @@ def prepare(suite: LoadedSuite, tokenizer) -> Prepared:
     tasks_dir = models.cache_dir() / "tasks" / data.text_sha(docs)[:16]
     counts = write_offline_suite(docs, tasks_dir)
     check_tasks(spec.tasks, tasks_dir)
-    return Prepared(suite, ids, data.text_sha(text), tasks_dir, counts)
+    return Plan(suite, ids, data.text_sha(text), tasks_dir, counts)
 
 
-def resolve_target(target: str, tracker: Tracker, base: str | None) -> Target:
-    path = Path(target)
-    if path.exists():
-        if not (path.is_dir() and (path / "config.json").is_file()):
-            raise UserError(f"'{target}' is not a model directory (no config.json)")
-        info_file = path / CHECKPOINT_INFO
-        info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-        run_id = info.get("run_id")
-        if run_id and tracker.existing(run_id) is None:
-            run_id = None  # made against another tracking store: evaluate into a new run
-        source = base or info.get("base_model", {}).get("source")
-        if not source:
-            raise UserError(f"'{target}' was not written by quantbench: name its base model with --base SOURCE")
-        return Target(path, run_id, source, info)
-    if not re.fullmatch(r"[0-9a-f]{32}", target):
-        raise UserError(f"'{target}' is neither a checkpoint directory nor an MLflow run id")
-    run = tracker.existing(target)
-    if run is None:
-        raise UserError(f"MLflow run '{target}' does not exist at the tracking store ({tracking_uri()})")
-    tags = run.data.tags
-    checkpoint = tags.get(TAG + "checkpoint")
-    if not checkpoint or not (Path(checkpoint) / "config.json").is_file():
-        raise UserError(f"MLflow run '{target}' has no checkpoint on this machine (tag {TAG}checkpoint: {checkpoint or 'none'})")
-    return Target(Path(checkpoint), target, base or tags[TAG + "base_model"])
-
-
-def target_run(tracker: Tracker, tgt: Target, base: models.ResolvedModel, stage: str):
-    """The checkpoint's own MLflow run, reopened; or a new candidate run for a foreign checkpoint."""
-    if tgt.run_id:
-        return tracker.resume_run(tgt.run_id)
-    return tracker.start_run(
-        f"{stage} {tgt.checkpoint.name} · {models.short_name(tgt.base_source)}",
-        {TAG + "role": "candidate", TAG + "checkpoint": tgt.checkpoint.resolve(), TAG + "base_model": tgt.base_source,
-         TAG + "base_fingerprint": base.fingerprint},
-    )
-
-
-def check_loadable(checkpoint: Path) -> None:
-    """A checkpoint whose format needs a package that is missing: say which."""
-    import importlib.util
-
-    config = json.loads((checkpoint / "config.json").read_text())
-    method = (config.get("quantization_config") or {}).get("quant_method")
-    package = FORMAT_PACKAGES.get(method)
-    if package and importlib.util.find_spec(package) is None:
-        raise UserError(f"'{checkpoint}' is a {method} checkpoint; loading it needs the package '{package}', which is not installed")
-
-
-# ---------------------------------------------------------------------------------------------
-# The verb
-
-
-def run(target: str, *, suite: str | None = None, base: str | None = None, experiment: str | None = None) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    loaded_suite = load_suite(suite or DEFAULT_SUITE)
-    tracker = Tracker(experiment)
-    tgt = resolve_target(target, tracker, base)
-    check_loadable(tgt.checkpoint)
-    base_model = models.resolve(tgt.base_source, field="--base")
-    tokenizer = AutoTokenizer.from_pretrained(tgt.checkpoint)
-    prepared = prepare(loaded_suite, tokenizer)
-
-    with target_run(tracker, tgt, base_model, "evaluate") as run:
-        model = AutoModelForCausalLM.from_pretrained(tgt.checkpoint)
-        result = evaluate_loaded(model, tokenizer, base_model, prepared, run, tracker)
-    return {"run_id": run.run_id, "checkpoint": str(tgt.checkpoint), **result}
-
-
-def evaluate_loaded(model, tokenizer, base: models.ResolvedModel, p: Prepared, run, tracker: Tracker) -> dict:
-    """Score an already-loaded candidate into `run` (the quantize stage calls this too)."""
-    from quantbench.evaluate.quality import compare
+def evaluate(model, tokenizer, base: models.ResolvedModel, p: Plan, tracker: Tracker) -> Evaluation:
+    """Score an already-loaded candidate against its base model (the baseline run is found in, or
+    added to, `tracker`'s experiment)."""
+    from quantbench.quality import compare
 
     spec = p.suite.suite
     baseline = get_baseline(tracker, base, p)
@@ -170,8 +105,7 @@ def evaluate_loaded(model, tokenizer, base: models.ResolvedModel, p: Prepared, r
     metrics.update(tasks.metrics)
     metrics.update(flips(baseline.correct, tasks.correct))
     metrics.update(recovery(metrics, baseline.metrics))
-    run.log_metrics(metrics)
-    run.set_tags({TAG + "baseline_run": baseline.run_id, TAG + "suite": p.suite.name, TAG + "suite_sha": p.fingerprint})
+    tags = {TAG + "baseline_run": baseline.run_id, TAG + "suite": p.suite.name, TAG + "suite_sha": p.fingerprint}
     report = {
         "suite": p.suite.name,
         "suite_sha": p.fingerprint,
@@ -186,14 +120,12 @@ def evaluate_loaded(model, tokenizer, base: models.ResolvedModel, p: Prepared, r
         "samples": {task: {str(k): v for k, v in items.items()} for task, items in tasks.correct.items()},
         "kld_per_position": [round(x, 6) for x in comparison.kld.tolist()],
     }
-    run.log_dict(report, "evaluation.json")
-    print(table(metrics, baseline.metrics))
-    return {"baseline_run": baseline.run_id, "baseline_reused": baseline.reused, "metrics": metrics}
+    return Evaluation(metrics, baseline.metrics, baseline.run_id, baseline.reused, tags, report)
 
 
-def get_baseline(tracker: Tracker, base: models.ResolvedModel, p: Prepared) -> Baseline:
+def get_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan) -> Baseline:
     """The base model's scores for this suite: reused when a baseline run exists, else made."""
-    from quantbench.evaluate.quality import Reference
+    from quantbench.quality import Reference
 
     keys = {TAG + "role": "baseline", TAG + "base_fingerprint": base.fingerprint, TAG + "suite_sha": p.fingerprint}
     found = tracker.find_runs(keys)
@@ -208,11 +140,11 @@ def get_baseline(tracker: Tracker, base: models.ResolvedModel, p: Prepared) -> B
     return _score_baseline(tracker, base, p, keys)
 
 
-def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Prepared, keys: dict) -> Baseline:
+def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys: dict) -> Baseline:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantbench import environment
-    from quantbench.evaluate.quality import reference
+    from quantbench.quality import reference
 
     spec = p.suite.suite
     tags = {**keys, TAG + "base_model": base.source, TAG + "license": base.license, TAG + "suite": p.suite.name,
@@ -246,17 +178,3 @@ def recovery(metrics: dict[str, float], baseline: dict[str, float]) -> dict[str,
         if base and value and RECOVERABLE.fullmatch(key):
             out[f"recovery/{key}"] = base / value if direction(key) == "lower" else value / base
     return out
-
-
-def table(metrics: dict[str, float], baseline: dict[str, float]) -> str:
-    rows = [f"{'metric':42s} {'baseline':>10s} {'candidate':>10s} {'recovery':>9s}  better"]
-    for key in sorted(k for k in metrics if not k.startswith("recovery/")):
-        base = baseline.get(key)
-        rec = metrics.get(f"recovery/{key}")
-        better = direction(key) or ""
-        rows.append(f"{key:42s} {_fmt(base):>10s} {_fmt(metrics[key]):>10s} {_fmt(rec):>9s}  {better}")
-    return "\n".join(rows)
-
-
-def _fmt(value: float | None) -> str:
-    return "" if value is None else f"{value:.4g}"

@@ -9,7 +9,7 @@ import pytest
 
 from quantbench.cli import main
 
-from tests.helpers import runs, tiny_recipe, write_recipe
+from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 TINY_SUITE = """\
 tokens: 640
@@ -27,9 +27,6 @@ def suite(workdir):
     (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
     return "tiny"
 
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def by_role(role):
@@ -66,7 +63,7 @@ def test_quantize_evaluates_the_reloaded_checkpoint_and_reuses_the_baseline(work
     assert m["recovery/quality/ppl"] == pytest.approx(baseline.data.metrics["quality/ppl"] / m["quality/ppl"])
     assert m["recovery/task/qb_pydoc_lastword/perplexity"] == pytest.approx(
         baseline.data.metrics["task/qb_pydoc_lastword/perplexity"] / m["task/qb_pydoc_lastword/perplexity"])
-    from quantbench.evaluate.job import recovery  # higher-is-better metrics: candidate / base; a zero base has none
+    from quantbench.evaluate.stage import recovery  # higher-is-better metrics: candidate / base; a zero base has none
     assert recovery({"task/t/acc": 0.3, "quality/kld_mean": 0.1}, {"task/t/acc": 0.6, "quality/kld_mean": 0.0}) == {
         "recovery/task/t/acc": 0.5}
     assert recovery({"task/t/acc": 0.3}, {"task/t/acc": 0.0}) == {}

@@ -1,0 +1,78 @@
+"""The model card (`README.md` in the checkpoint): what the model is, how it was made, what it
+scored, how to load it. Written atomically; rewritten when later stages add metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class CardInfo:
+    loaded: object  # recipe.LoadedRecipe
+    base: object  # models.ResolvedModel
+    format: str
+    loaders: str
+    made: str  # how it was made: markdown list items from the engine
+    check_tokens: int  # held-out tokens the reload check scored
+    run_id: str
+
+
+def write(dest: Path, final: Path, info: CardInfo, metrics: dict[str, float], sample: str) -> None:
+    """Write the card into `dest`; `final` is where the checkpoint will live (for the load snippet)."""
+    spec = info.loaded.recipe
+    q = spec.quantize
+    front = {
+        "license": info.base.license,
+        "base_model": info.base.name,
+        "library_name": "transformers",
+        "tags": ["quantbench", info.format, q.method, q.scheme.lower()],
+    }
+    rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()))
+    distilled = q.method == "distill"
+    kv = getattr(q, "kv_cache", None)
+    lineage = f"\n- Made from the output of MLflow run `{info.base.parent_run}`" if info.base.parent_run else ""
+    card = f"""---
+{yaml.safe_dump(front, sort_keys=False).strip()}
+---
+# {info.base.name} — {"distilled student (bf16)" if distilled else f"{q.method} {q.scheme}"}
+
+{"Distilled" if distilled else "Quantized"} by quantbench from `{spec.model.source}` with the recipe `{info.loaded.name}`
+(sha256 `{info.loaded.sha[:16]}`), MLflow run `{info.run_id}`.
+
+- {"Teacher" if distilled else "Base model"}: {info.base.name} (`{spec.model.source}`, fingerprint `{info.base.fingerprint[:16]}`){lineage}
+- Licence: {info.base.license} (inherited from the base model)
+- Method / scheme: {q.method} / {q.scheme}
+- Format: {info.format}; loads with: {info.loaders}
+- KV cache: {"FP8, per-tensor scales calibrated on the calibration data (vLLM: `--kv-cache-dtype fp8`)" if kv else "not quantized (16-bit)"}
+{info.made}
+
+## Metrics
+
+| metric | value |
+|---|---|
+{rows}
+
+`check/*` come from reloading this directory from disk: perplexity on {info.check_tokens} held-out
+tokens of the Python documentation, against the base model in {spec.model.dtype}.
+Greedy sample after "{spec.check.prompt}": {sample!r}
+
+## Load
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{final}")
+```
+or serve it: `vllm serve {final}`{" --kv-cache-dtype fp8" if kv else ""}.
+
+## Resolved recipe
+
+```yaml
+{yaml.safe_dump(info.loaded.resolved, sort_keys=False).strip()}
+```
+"""
+    tmp = dest / ".README.md.tmp"
+    tmp.write_text(card)
+    tmp.rename(dest / "README.md")

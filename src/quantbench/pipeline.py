@@ -1,0 +1,394 @@
+"""A job, stage by stage. `quantbench quantize RECIPE` runs
+
+    prepare -> produce the checkpoint -> reload check -> evaluate -> bench -> model card
+
+and `quantbench evaluate | bench <run id | checkpoint>` run one later stage on a checkpoint that
+exists. `prepare` checks every input (recipe, model source, shapes, texts, suite, profile) and
+writes nothing: bad input leaves no output directory and no MLflow run. The stages know nothing of
+each other; each gets what it needs and returns a typed result, which the pipeline logs into the
+run (through tracking.py) and the CLI prints.
+
+The checkpoint is written into a hidden staging directory and renamed into place only when every
+stage of the job has finished: a job that fails or is interrupted at any stage (its run ends
+FAILED or KILLED) leaves no checkpoint behind. Tuning and sweeps run this same pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantbench import card, data, environment, models
+from quantbench.checkpoint import Target, check_loadable, param_bytes, resolve_target, weights_size_mb, write_info
+from quantbench.errors import UserError
+from quantbench.evaluate import bench as bench_stage
+from quantbench.evaluate import stage as evaluate_stage
+from quantbench.quantize import Backend, Inputs
+from quantbench.recipe import LoadedRecipe, load_recipe, resolve_recipe_path
+from quantbench.tracking import STAGING, TAG, Tracker, inherited_tags
+
+log = logging.getLogger(__name__)
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+@dataclass
+class Job:
+    """Everything a quantize job needs, all checked before the first byte is written."""
+
+    loaded: LoadedRecipe
+    base: models.ResolvedModel
+    tokenizer: object
+    backend: Backend
+    calibration: list[list[int]] | None
+    check_ids: list[int]  # held-out tokens of the reload check (and the base perplexity)
+    text_shas: dict[str, str]
+    evaluation: evaluate_stage.Plan | None  # the recipe's evaluate: section, prepared
+    bench: bench_stage.Plan | None  # the recipe's bench: section, prepared
+
+
+@dataclass
+class JobResult:
+    run_id: str
+    checkpoint: Path
+    log: Path
+    metrics: dict[str, float]
+    sample: str
+    evaluation: evaluate_stage.Evaluation | None = None
+    bench: bench_stage.BenchResult | None = None
+
+    def summary(self) -> dict:
+        """The JSON summary `quantbench quantize --json` prints."""
+        return {"run_id": self.run_id, "checkpoint": str(self.checkpoint), "log": str(self.log), "metrics": self.metrics}
+
+
+def quantize(recipe: str, *, overrides: tuple[str, ...] = (), outputs: Path = Path("outputs"),
+             experiment: str | None = None) -> JobResult:
+    job = prepare(recipe, overrides, experiment=experiment, outputs=outputs)
+    return execute(job, outputs=outputs, experiment=experiment)
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare: every input check, nothing written
+
+
+def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | None = None,
+            outputs: Path = Path("outputs")) -> Job:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from quantbench.evaluate.suite import load_suite
+    from quantbench.quantize import make_backend
+
+    loaded = load_recipe(resolve_recipe_path(recipe), overrides)
+    spec = loaded.recipe
+    where = str(loaded.path)
+    check_outputs(loaded, outputs)
+    with _prefixed(where):
+        base = models.resolve(spec.model.source, experiment=experiment)
+    backend = make_backend(spec.quantize)
+    problems = backend.check(loaded, AutoConfig.from_pretrained(base.path))
+    if problems:
+        raise UserError(problems)
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    text_shas = backend.prepare(loaded, base, tokenizer)
+    calibration = None
+    if backend.calibrates:
+        cal = spec.calibration
+        with _prefixed(where):
+            text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
+            calibration = data.calibration_windows(tokenizer(text)["input_ids"], cal.samples, cal.seq_len, cal.seed,
+                                                   field="calibration.samples")
+        text_shas["calibration"] = data.text_sha(text)
+    eval_text = data.python_docs("evaluation")
+    text_shas["evaluation"] = data.text_sha(eval_text)
+    check_ids = tokenizer(eval_text)["input_ids"][: spec.check.ppl_tokens]
+    evaluation = bench = None
+    with _prefixed(where):
+        if spec.evaluate is not None:
+            evaluation = evaluate_stage.prepare(load_suite(spec.evaluate.suite, "evaluate.suite"), tokenizer)
+        if spec.bench is not None:
+            bench = bench_stage.prepare(spec.bench.profile, tokenizer, backend="serve" if spec.bench.backend == "serve" else "hf",
+                                        field="bench.profile")
+    return Job(loaded, base, tokenizer, backend, calibration, check_ids, text_shas, evaluation, bench)
+
+
+@contextmanager
+def _prefixed(where: str):
+    """Re-raise a UserError with every problem prefixed by the recipe file it came from."""
+    try:
+        yield
+    except UserError as exc:
+        raise UserError([f"{where}: {p}" for p in exc.problems]) from None
+
+
+def check_outputs(loaded: LoadedRecipe, outputs: Path) -> None:
+    """The recipe's name becomes a directory under `outputs`: it must be a plain name, and the
+    directories must be directories (or not exist yet)."""
+    if not SAFE_NAME.fullmatch(loaded.name):
+        raise UserError(f"{loaded.path}: the file name '{loaded.name}' cannot name an output directory; rename the "
+                        "recipe file (letters, digits, '.', '_', '+', '-'; not starting with '.')")
+    for path in (outputs, outputs / loaded.name):
+        if path.exists() and not path.is_dir():
+            raise UserError(f"{path}: exists and is not a directory; outputs go to {outputs / loaded.name}/ "
+                            "(move the file away, or pass --outputs DIR)")
+
+
+# ---------------------------------------------------------------------------------------------
+# execute: one MLflow run, the stages in order, the checkpoint renamed into place at the end
+
+
+def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantbench.check import reload_check
+    from quantbench.logs import log_file
+    from quantbench.quality import perplexity
+    from quantbench.quantize.stage import produce
+
+    spec, loaded, backend = job.loaded.recipe, job.loaded, job.backend
+    q = spec.quantize
+    tracker = Tracker(experiment)
+    with tracker.start_run(f"{loaded.name} · {models.short_name(spec.model.source)}", _candidate_tags(job)) as run:
+        recipe_dir = outputs / loaded.name
+        final = recipe_dir / run.run_id
+        staging = recipe_dir / f".{run.run_id}.partial"
+        log_path = recipe_dir / f"{run.run_id}.log"
+        workdir = recipe_dir / f".{q.method}-{loaded.sha[:16]}"
+        stages = ["produce", "reload check"] + ["evaluate"] * bool(job.evaluation) + ["bench"] * bool(job.bench)
+        step = _Steps(stages)
+        try:
+            with log_file(log_path):
+                run.set_tags({STAGING: staging.resolve()})
+                run.log_dict(_resolved_record(job), "resolved_recipe.json")  # the first artifact
+                run.log_params(loaded.resolved)
+                log.info("run %s: recipe %s (%s %s), base %s", run.run_id, loaded.name, q.method, q.scheme, job.base.path)
+
+                model = AutoModelForCausalLM.from_pretrained(job.base.path, dtype=getattr(torch, spec.model.dtype))
+                base_size_mb = param_bytes(model) / 2**20
+                log.info("base model perplexity on %d held-out tokens", len(job.check_ids))
+                base_ppl = perplexity(model, job.check_ids, spec.check.window)
+
+                step("produce")
+                staging.mkdir(parents=True)
+                inputs = Inputs(loaded, job.base, job.tokenizer, job.calibration, staging, log_path, workdir,
+                                (job.check_ids, spec.check.window), run, model=model)
+                del model  # the engine takes it (or lets it go)
+                produced = produce(backend, inputs)
+                del inputs
+
+                step("reload check")
+                log.info("reloading the saved checkpoint from disk and checking it")
+                check = reload_check(staging, spec.check, job.check_ids, base_ppl, produced.reference_ppl)
+                write_info(staging, _checkpoint_info(job, run.run_id))
+                size_mb = weights_size_mb(staging)
+                metrics = {**produced.metrics, "model/size_mb": size_mb, "model/base_size_mb": base_size_mb,
+                           "model/compression_ratio": base_size_mb / size_mb, **check.metrics}
+                run.log_metrics(metrics)
+                info = card.CardInfo(loaded, job.base, backend.format, backend.loaders(), produced.card,
+                                     len(job.check_ids), run.run_id)
+                card.write(staging, final, info, metrics, check.sample)
+
+                evaluation = bench = None
+                if job.evaluation is not None:
+                    step("evaluate")
+                    evaluation = evaluate_stage.evaluate(check.model, check.tokenizer, job.base, job.evaluation, tracker)
+                    run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
+                    metrics.update(evaluation.metrics)
+                sample = check.sample
+                del check  # the bench loads one model at a time
+                if job.bench is not None:
+                    step("bench")
+                    bench = _bench(run, staging, job.base, job.bench)
+                    metrics.update(bench.metrics)
+                if evaluation is not None or bench is not None:
+                    card.write(staging, final, info, metrics, sample)  # now with quality and speed
+
+                staging.rename(final)
+                run.set_tags({TAG + "checkpoint": final.resolve()})
+                shutil.rmtree(workdir, ignore_errors=True)  # done: nothing to resume
+                run.log_artifact(final / "README.md")
+                log.info("checkpoint: %s", final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finally:
+            if log_path.exists():
+                run.log_artifact(log_path)
+    return JobResult(run.run_id, final, log_path, metrics, sample, evaluation, bench)
+
+
+class _Steps:
+    """`[2/4] reload check` progress lines."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+
+    def __call__(self, name: str) -> None:
+        log.info("[%d/%d] %s", self.names.index(name) + 1, len(self.names), name)
+
+
+def _candidate_tags(job: Job) -> dict[str, str]:
+    spec, q = job.loaded.recipe, job.loaded.recipe.quantize
+    tags = {
+        TAG + "role": "candidate",
+        TAG + "recipe": job.loaded.name,
+        TAG + "recipe_sha": job.loaded.sha,
+        TAG + "method": q.method,
+        TAG + "scheme": q.scheme,
+        TAG + "engine": job.backend.engine,
+        TAG + "base_model": spec.model.source,
+        TAG + "base_fingerprint": job.base.fingerprint,
+        TAG + "format": job.backend.format,
+        TAG + "loaders": job.backend.loaders(),
+        TAG + "kv_cache": getattr(q, "kv_cache", None) or "none",
+        TAG + "license": job.base.license,
+        **{TAG + k: v for k, v in environment.describe().items()},
+        **({TAG + "parent_run": job.base.parent_run} if job.base.parent_run else {}),
+        **inherited_tags(),
+    }
+    what = "distillation (student in bf16) of" if q.method == "distill" else f"{q.method} {q.scheme} of"
+    tags["mlflow.note.content"] = (  # the run's description in the MLflow UI
+        f"{what} `{spec.model.source}` by recipe `{job.loaded.path}` (sha {job.loaded.sha[:12]}); "
+        f"format {job.backend.format}. {spec.description}".strip()
+    )
+    return tags
+
+
+def _resolved_record(job: Job) -> dict:
+    """resolved_recipe.json: the recipe as run, with versions, hardware and git sha."""
+    return {"recipe": job.loaded.resolved, "recipe_file": str(job.loaded.path), "overrides": list(job.loaded.overrides),
+            "recipe_sha": job.loaded.sha, "base_model": {"source": job.base.source, "path": str(job.base.path),
+            "license": job.base.license, "fingerprint": job.base.fingerprint}, "text_sha256": job.text_shas,
+            "environment": environment.describe()}
+
+
+def _checkpoint_info(job: Job, run_id: str) -> dict:
+    """quantbench.json: how this checkpoint was made, for `quantbench evaluate <dir>` and later stages."""
+    q = job.loaded.recipe.quantize
+    return {
+        "run_id": run_id,
+        "recipe": job.loaded.name,
+        "recipe_sha": job.loaded.sha,
+        "method": q.method,
+        "scheme": q.scheme,
+        "format": job.backend.format,
+        "loaders": job.backend.loaders(),
+        "kv_cache": getattr(q, "kv_cache", None),
+        "base_model": {"source": job.base.source, "name": job.base.name, "fingerprint": job.base.fingerprint,
+                       "license": job.base.license},
+        "parent_run": job.base.parent_run,
+    }
+
+
+def _bench(run, checkpoint: Path, base: models.ResolvedModel, plan: bench_stage.Plan) -> bench_stage.BenchResult:
+    """The bench stage, its result (or what a failed bench measured) logged into `run`."""
+    try:
+        result = bench_stage.bench(checkpoint, base, plan)
+    except bench_stage.BenchFailed as exc:
+        _log_bench(run, exc.partial)
+        raise
+    _log_bench(run, result)
+    return result
+
+
+def _log_bench(run, result: bench_stage.BenchResult) -> None:
+    run.record(result.metrics, result.tags, {"bench.json": result.report})
+    for path in result.logs:
+        run.log_artifact(path, "servers")
+    if result.logs:
+        shutil.rmtree(result.logs[0].parent, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Later stages on a checkpoint that exists: `quantbench evaluate`, `quantbench bench`
+
+
+@dataclass
+class StageOutcome:
+    run_id: str
+    checkpoint: Path
+    metrics: dict[str, float]
+    evaluation: evaluate_stage.Evaluation | None = None
+    bench: bench_stage.BenchResult | None = None
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        out = {"run_id": self.run_id, "checkpoint": str(self.checkpoint), **self.extra, "metrics": self.metrics}
+        if self.evaluation is not None:
+            out.update(baseline_run=self.evaluation.baseline_run, baseline_reused=self.evaluation.baseline_reused)
+        return out
+
+
+def target_run(tracker: Tracker, tgt: Target, base: models.ResolvedModel, stage: str):
+    """The checkpoint's own MLflow run, reopened; or a new candidate run for a foreign checkpoint."""
+    if tgt.run_id:
+        return tracker.resume_run(tgt.run_id)
+    return tracker.start_run(
+        f"{stage} {tgt.checkpoint.name} · {models.short_name(tgt.base_source)}",
+        {TAG + "role": "candidate", TAG + "checkpoint": tgt.checkpoint.resolve(), TAG + "base_model": tgt.base_source,
+         TAG + "base_fingerprint": base.fingerprint},
+    )
+
+
+def _open_target(target: str, base: str | None, experiment: str | None) -> tuple[Tracker, Target, models.ResolvedModel]:
+    tracker = Tracker(experiment)
+    tgt = resolve_target(target, tracker, base)
+    check_loadable(tgt.checkpoint)
+    return tracker, tgt, models.resolve(tgt.base_source, field="--base", experiment=experiment)
+
+
+def evaluate(target: str, *, suite: str | None = None, base: str | None = None, experiment: str | None = None) -> StageOutcome:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantbench.evaluate.suite import DEFAULT_SUITE, load_suite
+
+    loaded_suite = load_suite(suite or DEFAULT_SUITE)
+    tracker, tgt, base_model = _open_target(target, base, experiment)
+    tokenizer = AutoTokenizer.from_pretrained(tgt.checkpoint)
+    plan = evaluate_stage.prepare(loaded_suite, tokenizer)
+    with target_run(tracker, tgt, base_model, "evaluate") as run:
+        model = AutoModelForCausalLM.from_pretrained(tgt.checkpoint)
+        evaluation = evaluate_stage.evaluate(model, tokenizer, base_model, plan, tracker)
+        run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
+    return StageOutcome(run.run_id, tgt.checkpoint, evaluation.metrics, evaluation=evaluation)
+
+
+def bench(target: str, *, profile: str | None = None, backend: str = "hf", server: str = "auto", base: str | None = None,
+          experiment: str | None = None, endpoints: tuple[str, str] | None = None) -> StageOutcome:
+    from transformers import AutoTokenizer
+
+    from quantbench.evaluate.speed import DEFAULT_PROFILE
+
+    tracker, tgt, base_model = _open_target(target, base, experiment)
+    plan = bench_stage.prepare(profile or DEFAULT_PROFILE, AutoTokenizer.from_pretrained(tgt.checkpoint),
+                               backend=backend, server=server, endpoints=endpoints)
+    with target_run(tracker, tgt, base_model, "bench") as run:
+        result = _bench(run, tgt.checkpoint, base_model, plan)
+    return StageOutcome(run.run_id, tgt.checkpoint, result.metrics, bench=result)
+
+
+def speculative(draft: str, target: str | None = None, *, profile: str | None = None,
+                experiment: str | None = None) -> StageOutcome:
+    """`bench --draft`: the target model (default the draft's base) with and without the draft."""
+    from quantbench.evaluate import speculative as spec_stage
+    from quantbench.evaluate.speed import DEFAULT_PROFILE
+
+    tracker = Tracker(experiment)
+    drafted = resolve_target(draft, tracker, target)
+    check_loadable(drafted.checkpoint)
+    source = target or drafted.base_source
+    if re.fullmatch(r"[0-9a-f]{32}", source):
+        source = "run:" + source
+    tgt = models.resolve(source, field="target" if target else "the draft's base model", experiment=experiment)
+    check_loadable(tgt.path)
+    plan = spec_stage.prepare(drafted.checkpoint, tgt, profile or DEFAULT_PROFILE, f"--draft {draft}")
+    with target_run(tracker, drafted, tgt, "bench") as run:
+        result = spec_stage.run(plan)
+        run.record(result.metrics, result.tags, {"bench_spec.json": result.report})
+    return StageOutcome(run.run_id, drafted.checkpoint, result.metrics,
+                        extra={"target": tgt.source, "draft": str(drafted.checkpoint)})

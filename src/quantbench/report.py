@@ -1,0 +1,36 @@
+"""Stage results as the text the CLI prints: tables of metrics against the base model.
+
+Stages return typed results and print nothing; these functions format them (lm-eval's make_table
+pattern)."""
+
+from __future__ import annotations
+
+from quantbench.metrics import direction
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.4g}"
+
+
+def evaluation_table(metrics: dict[str, float], baseline: dict[str, float]) -> str:
+    """metric, baseline, candidate, recovery, which way is better."""
+    rows = [f"{'metric':42s} {'baseline':>10s} {'candidate':>10s} {'recovery':>9s}  better"]
+    for key in sorted(k for k in metrics if not k.startswith("recovery/") and ".ci_" not in k):
+        rows.append(f"{key:42s} {_fmt(baseline.get(key)):>10s} {_fmt(metrics[key]):>10s} "
+                    f"{_fmt(metrics.get(f'recovery/{key}')):>9s}  {direction(key) or ''}")
+    return "\n".join(rows)
+
+
+def bench_table(metrics: dict[str, float]) -> str:
+    """Every speed metric measured for both models: base, candidate, speedup (above 1 is faster)."""
+    rows = [f"{'metric':28s} {'base':>10s} {'candidate':>10s} {'speedup':>8s}"]
+    for key in sorted(k for k in metrics if k.startswith("speed/") and "base_" + k in metrics):
+        short = key.removeprefix("speed/")
+        speedup = metrics.get("speedup/" + short)
+        rows.append(f"{short:28s} {metrics['base_' + key]:10.4g} {metrics[key]:10.4g} "
+                    f"{'' if speedup is None else format(speedup, '8.3f'):>8s}")
+    return "\n".join(rows)
+
+
+def metric_lines(metrics: dict[str, float], width: int = 44) -> str:
+    return "\n".join(f"  {key:{width}s} {value:.4g}" for key, value in sorted(metrics.items()))
