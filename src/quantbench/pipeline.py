@@ -106,6 +106,9 @@ def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | N
     eval_text = data.python_docs("evaluation")
     text_shas["evaluation"] = data.text_sha(eval_text)
     check_ids = tokenizer(eval_text)["input_ids"][: spec.check.ppl_tokens]
+    if spec.check.base_ppl_bound:
+        with _prefixed(where):
+            check_base(base, tokenizer, check_ids, spec.check.window, "model.source")
     evaluation = bench = None
     with _prefixed(where):
         if spec.evaluate is not None:
@@ -135,6 +138,34 @@ def check_outputs(loaded: LoadedRecipe, outputs: Path) -> None:
         if path.exists() and not path.is_dir():
             raise UserError(f"{path}: exists and is not a directory; outputs go to {outputs / loaded.name}/ "
                             "(move the file away, or pass --outputs DIR)")
+
+
+def check_base(base: models.ResolvedModel, tokenizer, token_ids: list[int], window: int, field: str) -> None:
+    """Refuse a base model that predicts held-out text worse than a unigram model of its own tokens
+    (verify.check_perplexity); computed once per (model, tokenizer, text) and cached."""
+    from quantbench import verify
+
+    def compute():
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        log.info("checking the base model %s once: perplexity on held-out text against a unigram model", base.name)
+        calibration_ids = tokenizer(data.python_docs("calibration"))["input_ids"]
+        model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto").eval()
+        vocab_size = AutoConfig.from_pretrained(base.path).vocab_size
+        return verify.check_perplexity(model, token_ids, calibration_ids, window, vocab_size)
+
+    key = {"model": base.fingerprint, "tokenizer": verify.tokenizer_sha(base.path), "ids": data.text_sha(str(token_ids)),
+           "window": window, "calibration": data.text_sha(data.python_docs("calibration")), "version": 1}
+    result = verify.cached_check(key, compute)
+    if result.verdict == "near-uniform":
+        log.warning("the base model %s predicts nearly uniformly (%s): an untrained or random model; the perplexity "
+                    "bound does not apply", base.name, result.describe())
+    elif result.verdict == "refused":
+        raise UserError(f"{field}: the base model {base.source} predicts held-out text worse than a unigram model of its "
+                        f"own tokens ({result.describe()}): it is broken before anything is quantized. Likely causes: "
+                        "its tokenizer does not match its weights (a converted tokenizer that splits text differently, "
+                        "another model's vocabulary), a BOS token it expects and does not get, or a dtype it cannot run "
+                        "in. Check the source; `check.base_ppl_bound: false` skips this for a model known to be random.")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -223,6 +223,10 @@ class CheckSpec(Strict):
     max_ppl_ratio: float = Field(2.0, gt=1)
     prompt: str = "The Python interpreter"
     generate_tokens: PositiveInt = 16
+    # Before anything runs, refuse a base model that predicts the held-out text worse than a unigram
+    # model of its own tokens (a tokenizer, BOS or dtype that does not match its weights). Turn off
+    # only for a model you know is random (tests' teachers).
+    base_ppl_bound: bool = True
 
 
 class EvaluateSpec(Strict):

@@ -42,7 +42,9 @@ class Plan:
 
     @property
     def fingerprint(self) -> str:
-        return self.suite.fingerprint(self.text_sha)
+        """The text and the very token ids scored: a tokenizer that splits the same text otherwise
+        (another conversion of the same weights) must not reuse a baseline scored on other ids."""
+        return self.suite.fingerprint(self.text_sha + ":" + data.text_sha(str(self.token_ids)))
 
 
 @dataclass
