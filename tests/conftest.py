@@ -111,3 +111,35 @@ def scored_runs(tmp_path_factory, tiny_model_dir, tracking_db) -> dict:
             (root / f"{name}.out").write_text(buffer.getvalue())
             ids[name] = json.loads(buffer.getvalue().strip().splitlines()[-1])["run_id"]
     return {"root": root, "experiment": experiment, "tracking_uri": tracking_db, **ids}
+
+
+# The fast tier (`make test-fast`: not slow, not real) starts no server, browser or database. A test
+# that does must be marked `slow`: this guard fails an unmarked test at the moment it tries.
+SERVER_WORDS = {"serve", "api_server", "uvicorn", "gunicorn", "chromium", "postgres", "pg_ctl", "pg_ctlcluster",
+                "moto_server", "ray", "raylet"}
+
+
+def _server_like(args) -> bool:
+    import re
+
+    words = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
+    tokens = {t for w in words for t in re.split(r"[/\s.=]+", w)}
+    mlflow_verb = any(w in ("ui", "server") for w in words) and any(w in ("mlflow", "quantbench") for w in words)
+    return bool(tokens & SERVER_WORDS) or mlflow_verb
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_server(request, monkeypatch):
+    if request.node.get_closest_marker("slow") or request.node.get_closest_marker("real"):
+        return
+    import subprocess
+
+    original = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):
+        if _server_like(args):
+            raise AssertionError(f"a fast-tier test started a server-like process {str(args)[:200]}: mark it `slow`")
+        original(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+

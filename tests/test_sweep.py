@@ -19,6 +19,8 @@ from quantbench.cli import main
 
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
+pytestmark = pytest.mark.slow  # child quantize processes, timeouts, kills
+
 
 def write_sweep(workdir: Path, name: str, body: dict) -> str:
     (workdir / "sweeps").mkdir(exist_ok=True)

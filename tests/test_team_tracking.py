@@ -24,6 +24,8 @@ from quantbench.processes import free_port, stop_group
 from tests.conftest import TINY_PROFILE, TINY_SUITE
 from tests.helpers import last_json, tiny_recipe, write_recipe
 
+pytestmark = pytest.mark.slow  # PostgreSQL, an S3 server and an MLflow server
+
 POSTGRES = os.environ.get("QUANTBENCH_TEST_POSTGRES")
 if not POSTGRES:
     if os.environ.get("CI"):

@@ -14,6 +14,8 @@ import pytest
 
 from quantbench.processes import free_port, stop_group
 
+pytestmark = pytest.mark.slow  # the MLflow UI and a browser
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(os.environ.get("QUANTBENCH_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",

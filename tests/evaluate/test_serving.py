@@ -19,6 +19,8 @@ from quantbench.processes import free_port
 
 from tests.helpers import last_json, runs
 
+pytestmark = pytest.mark.slow  # real server processes
+
 PROFILE = "prompt_tokens: [16]\noutput_tokens: 6\nconcurrency: [1, 2]\nrepetitions: 2\nwarmup: 1\n"
 LONG = "prompt_tokens: [16]\noutput_tokens: 24\nconcurrency: [1, 3]\nrepetitions: 200\nwarmup: 0\n"
 

@@ -102,6 +102,7 @@ def test_student_with_another_vocabulary_is_rejected(workdir, teacher_dir, tmp_p
     assert runs() == []
 
 
+@pytest.mark.slow  # a child process trained, killed and resumed
 def test_interrupted_distillation_resumes_from_its_last_checkpoint(workdir, teacher_dir):
     write_recipe(workdir, "d", distill_recipe(teacher_dir, steps=400, save_steps=10, log_steps=10))
     command = [sys.executable, "-m", "quantbench", "quantize", "d", "--json"]

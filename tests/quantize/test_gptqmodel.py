@@ -10,6 +10,8 @@ import pytest
 from quantbench.cli import main
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
+pytestmark = pytest.mark.slow  # GPTQModel in child processes, a CPU extension compiled on first use
+
 
 @pytest.fixture(scope="module")
 def awq_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:

@@ -253,6 +253,7 @@ def watch(proc, path: Path, text: str, timeout: float = 240) -> None:
     raise AssertionError(f"'{text}' never appeared under {path}")
 
 
+@pytest.mark.slow  # a child quantize process, signalled mid-job
 def test_sigterm_during_evaluate_leaves_no_checkpoint_and_exit_130(workdir, tiny_model_dir):
     """An interrupted follow-on stage ends the whole job: run KILLED, exit 130, no checkpoint (it is
     renamed into place only when every stage finished), the log kept."""
@@ -274,6 +275,7 @@ def test_sigterm_during_evaluate_leaves_no_checkpoint_and_exit_130(workdir, tiny
     assert [p.name for p in (workdir / "outputs" / "ev").iterdir()] == [f"{candidate[0].info.run_id}.log"]
 
 
+@pytest.mark.slow  # a child quantize process, signalled mid-job
 def test_sigkill_mid_job_is_reaped_and_the_recipe_runs_again(workdir, tiny_model_dir, capsys):
     import signal
     import subprocess
