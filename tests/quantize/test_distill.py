@@ -138,7 +138,8 @@ def test_recipe_can_quantize_another_recipes_output_and_records_lineage(workdir,
     write_recipe(workdir, "student", distill_recipe(teacher_dir, student={"layers": [0]}, steps=4))
     assert main(["quantize", "student", "--json"]) == 0
     student = last_json(capsys.readouterr().out)
-    body = tiny_recipe(teacher_dir, "method: gptq\nscheme: W8A16\ngroup_size: null\n")
+    body = tiny_recipe(teacher_dir, "method: gptq\nscheme: W8A16\ngroup_size: null\n").replace(
+        "check:\n", "check:\n  base_ppl_bound: false\n")  # the student of a random teacher is random too
     write_recipe(workdir, "q", body.replace(f"source: {teacher_dir}", "source: recipe:student"))
     assert main(["quantize", "q", "--json"]) == 0
     quantized = last_json(capsys.readouterr().out)
