@@ -41,13 +41,40 @@ def assert_tracked(result: dict) -> dict:
     return run.data.metrics
 
 
-def test_fp8_dynamic(workdir, capsys):
-    result, qcfg = run_shipped("fp8-dynamic", workdir, capsys)
+@pytest.fixture(scope="module")
+def fp8_evaluated(tmp_path_factory) -> dict:
+    """fp8-dynamic quantized once for the module, evaluated with the cpu-smoke suite: the baseline is
+    scored once, the candidate against it (three tests read it)."""
+    import contextlib
+    import io
+
+    root = tmp_path_factory.mktemp("fp8-real")
+    (root / "recipes").mkdir()
+    shutil.copytree(REPO / "suites", root / "suites")
+    shutil.copy(REPO / "recipes" / "fp8-dynamic.yaml", root / "recipes")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        mp.setenv("MLFLOW_EXPERIMENT_NAME", "fp8-real")
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["quantize", "fp8-dynamic", "--json", "--set", "check.ppl_tokens=2048", "--set",
+                         "evaluate.suite=cpu-smoke"])
+        assert code == 0, err.getvalue()[-3000:]
+        result = json.loads(out.getvalue().strip().splitlines()[-1])
+        by_role = {r.data.tags["quantbench.role"]: r for r in runs()}
+    qcfg = json.loads((root / result["checkpoint"] / "config.json").read_text())["quantization_config"]
+    return {"result": result, "qcfg": qcfg, "checkpoint": root / result["checkpoint"], **by_role}
+
+
+def test_fp8_dynamic(fp8_evaluated):
+    qcfg, candidate = fp8_evaluated["qcfg"], fp8_evaluated["candidate"]
     assert qcfg["quant_method"] == "compressed-tensors" and qcfg["format"] == "float-quantized"
     group = qcfg["config_groups"]["group_0"]
     assert group["weights"]["type"] == "float" and group["weights"]["num_bits"] == 8
     assert group["input_activations"]["dynamic"] is True
-    m = assert_tracked(result)
+    assert candidate.info.status == "FINISHED" and candidate.data.tags["quantbench.license"] == "apache-2.0"
+    m = candidate.data.metrics
     # bf16 base on 2048 held-out tokens: ~14.5 measured; FP8 costs ~3% (measured 1.03)
     assert 8 < m["check/base_ppl"] < 30
     assert m["check/ppl_ratio"] < 1.10
@@ -81,12 +108,9 @@ def test_group_128_is_rejected_for_the_default_model(workdir, capsys):
     assert "width 576" in err and "width 1536" not in err
 
 
-def test_evaluate_scores_a_checkpoint_of_the_default_model_end_to_end(workdir, capsys):
+def test_evaluate_scores_a_checkpoint_of_the_default_model_end_to_end(fp8_evaluated):
     """fp8-dynamic with the cpu-smoke suite: baseline scored once, candidate against it."""
-    shutil.copytree(REPO / "suites", workdir / "suites")
-    result, _ = run_shipped("fp8-dynamic", workdir, capsys, "evaluate.suite=cpu-smoke")
-    runs_by_role = {r.data.tags["quantbench.role"]: r for r in runs()}
-    baseline, candidate = runs_by_role["baseline"], runs_by_role["candidate"]
+    baseline, candidate = fp8_evaluated["baseline"], fp8_evaluated["candidate"]
     assert candidate.data.tags["quantbench.baseline_run"] == baseline.info.run_id
     b, m = baseline.data.metrics, candidate.data.metrics
     # the base model on 2,048 held-out tokens (fp32): ppl ~15.5; its tasks well above chance
@@ -100,18 +124,17 @@ def test_evaluate_scores_a_checkpoint_of_the_default_model_end_to_end(workdir, c
     assert m["quality/flips_pct"] < 15 and m["quality/flips_items"] == 80
 
 
-def test_cached_reference_kld_equals_two_full_forward_passes(workdir, capsys):
+def test_cached_reference_kld_equals_two_full_forward_passes(fp8_evaluated):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantbench import data, models
     from quantbench.quality import compare, reference
 
-    result, _ = run_shipped("fp8-dynamic", workdir, capsys)
     base = models.resolve("builtin:smollm2-135m-instruct")
     ids = AutoTokenizer.from_pretrained(base.path)(data.python_docs("evaluation"))["input_ids"][:1024]
     base_model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto")
-    candidate = AutoModelForCausalLM.from_pretrained(result["checkpoint"])
+    candidate = AutoModelForCausalLM.from_pretrained(fp8_evaluated["checkpoint"])
     # one window per forward pass, as the suite does: the FP8 checkpoint's dynamic activation
     # scales on CPU depend on what else is in the batch (measured: logits differ by up to 3.2)
     exact = []
@@ -182,3 +205,22 @@ def test_distill_smollm2_half_trimmed(workdir, capsys):
     assert config["num_hidden_layers"] == 15 and "quantization_config" not in config
     assert 0.55 < m["distill/student_params"] / m["distill/teacher_params"] < 0.65  # embeddings are shared
     assert m["model/size_mb"] < 0.7 * m["model/base_size_mb"]
+
+
+def test_the_default_model_passes_the_base_check_and_refuses_a_foreign_tokenizer(tiny_tokenizer):
+    """The perplexity bound on the real model: its own tokenizer is far better than a unigram model
+    (measured 14.5 vs 954); the same weights fed another tokenizer's ids are worse than one."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from quantbench import data, models, verify
+
+    base = models.resolve("builtin:smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(base.path)
+    vocab = AutoConfig.from_pretrained(base.path).vocab_size
+    evaluation, calibration = data.python_docs("evaluation"), data.python_docs("calibration")
+    own = AutoTokenizer.from_pretrained(base.path)
+    ok = verify.check_perplexity(model, own(evaluation)["input_ids"][:2048], own(calibration)["input_ids"], 512, vocab)
+    assert ok.verdict == "ok" and 8 < ok.ppl < 30 and ok.unigram_ppl > 300
+    bad = verify.check_perplexity(model, tiny_tokenizer(evaluation)["input_ids"][:2048],
+                                  tiny_tokenizer(calibration)["input_ids"], 512, vocab)
+    assert bad.verdict == "refused" and bad.ppl > bad.unigram_ppl
