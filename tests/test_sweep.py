@@ -107,7 +107,11 @@ def test_a_crash_then_success_on_retry(workdir, recipes, tiny_model_dir, capsys,
     broken = tmp_path / "model"
     shutil.copytree(tiny_model_dir, broken)
     good = (broken / "model.safetensors").read_bytes()
-    (broken / "model.safetensors").write_bytes(b"torn write")  # the first attempt crashes loading it
+    # whole safetensors that do not fit the config: the first attempt crashes loading them
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(broken / "model.safetensors")
+    save_file({k: v[:-1].clone() for k, v in tensors.items()}, broken / "model.safetensors", metadata={"format": "pt"})
     write_recipe(workdir, "flaky", tiny_recipe(broken, "method: fp8\n"))
     name = write_sweep(workdir, "flaky", {"recipes": ["flaky"], "retries": 2, "backoff_s": 2})
 

@@ -124,7 +124,9 @@ def owner_alive(owner: str) -> bool | None:
     if host != socket.gethostname():
         return None
     try:
-        return abs(psutil.Process(pid_n).create_time() - started_f) < 0.05
+        proc = psutil.Process(pid_n)
+        # a killed process whose parent died too stays a zombie where PID 1 does not reap (containers)
+        return abs(proc.create_time() - started_f) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 

@@ -153,6 +153,14 @@ def test_a_checkpoint_the_server_cannot_load(workdir, tiny_model_dir, profiles, 
     shutil.copytree(tiny_model_dir, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     args = ["bench", str(broken), "--base", str(tiny_model_dir), "--backend", "serve", "--profile", "tiny"]
+    assert main(args) == 2  # a torn file is refused before any server or run starts
+    assert "is truncated or not safetensors" in capsys.readouterr().err and runs() == []
+
+    # whole safetensors the server still cannot load: every tensor one row short
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tiny_model_dir / "model.safetensors")
+    save_file({k: v[:-1].clone() for k, v in tensors.items()}, broken / "model.safetensors", metadata={"format": "pt"})
     assert main(args) == 1
     [run] = runs()
     assert run.info.status == "FAILED"

@@ -280,11 +280,15 @@ def test_sigkill_mid_job_is_reaped_and_the_recipe_runs_again(workdir, tiny_model
     import signal
     import subprocess
     import sys
+    import time
 
     write_recipe(workdir, "k", tiny_recipe(tiny_model_dir, METHODS["gptq-w4"][0]))
     proc = subprocess.Popen([sys.executable, "-m", "quantbench", "quantize", "k"], cwd=workdir, env=dict(os.environ),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    watch(proc, workdir / "outputs" / "k", "[2/2] reload check")
+    watch(proc, workdir / "outputs" / "k", "[1/2] produce")  # the staging dir is made right after this line
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".partial") for p in (workdir / "outputs" / "k").iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     [stale] = runs()
