@@ -145,6 +145,8 @@ def test_shipped_policies_load_and_the_release_gate_reads_the_real_run(workdir, 
          "max.quality/kld_max: on: ci_high, but quality/kld_max has no interval"),
         ({"min": {"speed/decode_tok_s": {"value": 1.0, "on": "ci_low"}}},
          "min.speed/decode_tok_s: on: ci_low, but speed/decode_tok_s has no interval"),
+        ({"min": {"speedup/ttft_ms_p95": {"value": 1.0, "on": "ci_low"}}},
+         "min.speedup/ttft_ms_p95: on: ci_low, but speedup/ttft_ms_p95 has no interval"),
         ({"max": {"quality/kld_mean.ci_high": 0.1}},
          "max.quality/kld_mean.ci_high: name the metric and the interval's end with on:, e.g. quality/kld_mean: "
          "{value: 0.1, on: ci_high}"),

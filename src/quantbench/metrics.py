@@ -90,10 +90,11 @@ TASK_LOWER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte
 # Metrics that have a recovery/<m> against the baseline.
 RECOVERABLE = re.compile(r"quality/ppl|quality_ood/ppl|task/[^.]+")
 # Metrics that can carry a 95 % interval (<metric>.ci_low / .ci_high): every comparison with the
-# base (paired bootstrap; speedups over paired repetitions). Not maxima, counts or p-values.
+# base (paired bootstrap; speedups over paired repetitions). Not maxima, counts or p-values, and
+# not the speedups of 95th percentiles (a tail of a handful of timings per repetition).
 WITH_INTERVAL = re.compile(r"(quality|quality_ood)/(ppl|kld_mean|kld_p90|kld_p99|top1_agreement)"
                            r"|quality/flips_(pct|right_to_wrong_pct|wrong_to_right_pct)"
-                           r"|task/[^/.]+/[^/.]+|recovery/.+|speedup/.+")
+                           r"|task/[^/.]+/[^/.]+|recovery/.+|speedup/.+(?<!_p95)")
 INTERVAL_SUFFIXES = (".ci_low", ".ci_high")
 
 # The metric families whose names are built from another name (docs/metrics.md spells them so).

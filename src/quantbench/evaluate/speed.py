@@ -196,7 +196,8 @@ def speedup_intervals(samples: dict[str, dict[str, list[float]]], profile: Profi
     """`speedup/<m>.ci_low` / `.ci_high` from the paired repetitions: repetition i of the candidate
     and of the base ran back to back, so each pair gives one ratio (each model's repetition
     summarised as the metrics are); the interval is Student's t on the log ratios
-    (intervals.ratio_interval). {} with fewer than 3 pairs: no interval is made up."""
+    (intervals.ratio_interval). {} with fewer than 3 pairs: no interval is made up. None for the
+    95th percentiles: one repetition holds one or two timings, no tail to pair."""
     from quantbench.intervals import HIGH, LOW, ratio_interval
 
     cand, base = samples.get("candidate", {}), samples.get("base", {})
@@ -209,7 +210,7 @@ def speedup_intervals(samples: dict[str, dict[str, list[float]]], profile: Profi
         except (KeyError, ValueError, statistics.StatisticsError):
             return {}  # a repetition that did not measure every sample: no paired interval
         for key in c.keys() & b.keys():
-            if c[key] > 0 and b[key] > 0:
+            if c[key] > 0 and b[key] > 0 and not key.endswith("_p95"):
                 ratios.setdefault(key, []).append(b[key] / c[key] if key.endswith(LOWER_IS_FASTER) else c[key] / b[key])
     out = {}
     for key, values in sorted(ratios.items()):
