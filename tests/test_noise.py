@@ -41,8 +41,8 @@ def test_noise_floor_seed_spread_and_reproducible_weights(workdir, tiny_model_di
     assert m["quality/top1_agreement"] == 1.0 and m["quality/flips_pct"] == 0.0 and m["quality/flips_p_value"] == 1.0
     assert m["recovery/quality/ppl"] == pytest.approx(1.0, abs=1e-6)
     assert m["recovery/quality/ppl.ci_low"] == pytest.approx(1.0, abs=1e-6) == m["recovery/quality/ppl.ci_high"]
-    # speed against itself, 3 paired repetitions: an interval for every speedup
-    assert 0.2 < m["speedup/decode_tok_s"] < 5
+    # speed against itself, 3 paired repetitions: an interval for every speedup (4 tokens on a tiny
+    # model take milliseconds, so their values are noise; that they are there is the point)
     assert 0 < m["speedup/decode_tok_s.ci_low"] < m["speedup/decode_tok_s.ci_high"]
     assert {k.removesuffix(".ci_low") for k in m if k.startswith("speedup/") and k.endswith(".ci_low")} == {
         k for k in m if k.startswith("speedup/") and ".ci_" not in k and not k.endswith("_p95")}
