@@ -130,11 +130,15 @@ def test_item_intervals_for_task_metrics_recovery_and_flips():
     cand_ll = [x - rng.random() * 0.3 for x in base_ll]
     base, cand = items({"acc": base_acc, "perplexity": base_ll}), items({"acc": cand_acc, "perplexity": cand_ll})
     metrics = {"task/t/acc": sum(cand_acc) / n, "task/t/perplexity": math.exp(-sum(cand_ll) / n)}
+    metrics.update({"recovery/task/t/acc": sum(cand_acc) / sum(base_acc),
+                    "recovery/task/t/perplexity": math.exp(-sum(base_ll) / n) / metrics["task/t/perplexity"]})
     ci, notes = item_intervals(base, cand, metrics, BOOT)
     assert notes == []
-    for name, point in [*metrics.items(), ("recovery/task/t/acc", sum(cand_acc) / sum(base_acc)),
-                        ("recovery/task/t/perplexity", math.exp(-sum(base_ll) / n) / metrics["task/t/perplexity"])]:
+    for name, point in metrics.items():
         assert ci[name + ".ci_low"] <= point <= ci[name + ".ci_high"], name
+    # no recovery logged (as where the base scored 0): no interval for it either
+    without = {k: v for k, v in metrics.items() if k != "recovery/task/t/acc"}
+    assert "recovery/task/t/acc.ci_low" not in item_intervals(base, cand, without, BOOT)[0]
     assert ci["recovery/task/t/perplexity.ci_high"] < 1  # the candidate is worse on every item
     flipped = 100 * sum(a != b for a, b in zip(base_acc, cand_acc)) / n
     assert ci["quality/flips_pct.ci_low"] <= flipped <= ci["quality/flips_pct.ci_high"]

@@ -271,7 +271,11 @@ def _aggregate(metric: str):
         return lambda c, v: (-sums(c, v[:, 0]) / sums(c, v[:, 1])).exp()
     if metric == "bits_per_byte":
         return lambda c, v: -sums(c, v[:, 0]) / sums(c, v[:, 1]) / math.log(2)
-    return lambda c, v: sums(c, v) / c.sum(1) if v.dim() == 1 else None
+
+    def mean(counts, values):  # acc, acc_norm, exact_match, ...: one number an item
+        return sums(counts, values) / counts.sum(1) if values.dim() == 1 else None
+
+    return mean
 
 
 def item_intervals(base: Items, cand: Items, metrics: dict[str, float], boot) -> tuple[dict[str, float], list[str]]:
@@ -308,7 +312,7 @@ def item_intervals(base: Items, cand: Items, metrics: dict[str, float], boot) ->
                 continue
             draws = aggregate(counts, values["cand"])
             out.update(intervals.bounds(name, draws, len(docs)))
-            if RECOVERABLE.fullmatch(name):
+            if RECOVERABLE.fullmatch(name) and f"recovery/{name}" in metrics:  # none where the base scored 0
                 base_draws = aggregate(counts, values["base"])
                 ratio = base_draws / draws if direction(name) == "lower" else draws / base_draws
                 if bool(torch.isfinite(ratio).all()):
