@@ -12,13 +12,14 @@ SUITE  ?= default
 PROFILE ?= cpu-smoke
 BACKEND ?= hf
 POLICY ?= release
+MODEL  ?= builtin:smollm2-135m-instruct
 SWEEP  ?=
 DRAFT  ?=
 HOST   ?= 127.0.0.1
 PORT   ?= 5000
 NOTEBOOK_OUT ?= outputs/notebooks
 
-.PHONY: setup quantize evaluate bench compare gate sweep notebook validate recipes test test-fast gc ui benchmarks clean help
+.PHONY: setup quantize evaluate bench compare noise gate sweep notebook validate recipes test test-fast gc ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
@@ -26,6 +27,7 @@ help:
 	@echo "make bench RUN=<run id>         speed against the base model (PROFILE=cpu-smoke BACKEND=hf|serve)"
 	@echo "make bench DRAFT=<run id>       speculative decoding: the draft's base model (e.g. its teacher) with it as draft"
 	@echo "make compare                    every candidate in one table + Pareto plot (outputs/compare/)"
+	@echo "make noise                      the noise floor: the base model (MODEL=) against itself (SUITE=, PROFILE=)"
 	@echo "make gate RUN=<run id>          pass/fail against policies/<POLICY>.yaml (default release); a pass moves the alias"
 	@echo "make sweep SWEEP=cpu-grid       run sweeps/<SWEEP>.yaml: many jobs, resumable (outputs/sweeps/<SWEEP>/)"
 	@echo "make notebook                   run notebooks/tradeoffs.ipynb headless into outputs/notebooks/"
@@ -69,6 +71,9 @@ endif
 compare: $(STAMP)
 	$(BIN)/quantbench compare $(ARGS)
 
+noise: $(STAMP)
+	$(BIN)/quantbench noise $(MODEL) --suite $(SUITE) --profile $(PROFILE) $(ARGS)
+
 gate: $(STAMP)
 	@test -n "$(RUN)" || { echo "usage: make gate RUN=<mlflow run id> [POLICY=release]"; exit 2; }
 	$(BIN)/quantbench gate $(RUN) --policy $(POLICY) $(ARGS)
@@ -110,6 +115,7 @@ benchmarks: $(STAMP)
 	$(BIN)/python bench/decode_speed.py $(ARGS)
 	$(BIN)/python bench/sweep_overhead.py
 	$(BIN)/python bench/distill.py
+	$(BIN)/python bench/stability.py
 
 clean:
 	rm -rf outputs

@@ -117,3 +117,42 @@ def test_bad_input(workdir, capsys):
     assert "context value" in capsys.readouterr().err
     assert main(["compare", "--runs", "f" * 32]) == 2
     assert "--runs:" in capsys.readouterr().err
+
+
+def test_intervals_mark_what_cannot_be_told_apart_and_the_noise_floor_is_a_row(workdir, capsys):
+    """x and y differ on KLD by less than either's interval; x and z likewise on speed. The noise
+    run of their base model is a row (≈) and a band, never a candidate or on the frontier."""
+    tracker = Tracker()
+    fingerprint = "f" * 64
+    # name: (kld, its interval, speedup, its interval)
+    made = {"x": (0.100, (0.090, 0.112), 1.50, (1.40, 1.60)), "y": (0.105, (0.095, 0.115), 1.20, (1.15, 1.25)),
+            "z": (0.300, (0.280, 0.320), 1.52, (1.45, 1.58))}
+    ids = {}
+    for name, (kld, kld_ci, speed, speed_ci) in made.items():
+        with tracker.start_run(name, {"quantbench.role": "candidate", "quantbench.recipe": name,
+                                      "quantbench.base_fingerprint": fingerprint}) as run:
+            run.log_metrics({"quality/kld_mean": kld, "quality/kld_mean.ci_low": kld_ci[0], "quality/kld_mean.ci_high": kld_ci[1],
+                             "speedup/decode_tok_s": speed, "speedup/decode_tok_s.ci_low": speed_ci[0],
+                             "speedup/decode_tok_s.ci_high": speed_ci[1]})
+        ids[name] = run.run_id
+    with tracker.start_run("noise", {"quantbench.role": "noise", "quantbench.base_fingerprint": fingerprint,
+                                     "quantbench.suite": "tiny"}) as run:
+        run.log_metrics({"quality/kld_mean": 0.0, "quality/kld_mean.ci_low": 0.0, "quality/kld_mean.ci_high": 0.0,
+                         "speedup/decode_tok_s": 1.0, "speedup/decode_tok_s.ci_low": 0.96, "speedup/decode_tok_s.ci_high": 1.04})
+    noise_id = run.run_id
+    with tracker.start_run("other-noise", {"quantbench.role": "noise", "quantbench.base_fingerprint": "0" * 64}):
+        pass  # another base model's: not shown
+
+    assert main(["compare", "--json"]) == 0
+    out = capsys.readouterr().out
+    result = last_json(out)
+    pairs = {m: {frozenset(p) for p in found} for m, found in result["not_distinguishable"].items()}
+    assert pairs == {"quality/kld_mean": {frozenset((ids["x"], ids["y"]))},
+                     "speedup/decode_tok_s": {frozenset((ids["x"], ids["z"]))}}
+    assert [n["run_id"] for n in result["noise"]] == [noise_id]
+    assert {c["run_id"] for c in result["candidates"]} == set(ids.values())  # the noise run is no candidate
+    assert "not distinguishable on quality/kld_mean (each value inside the other's 95% interval): x ~ y" in out
+    assert "≈ noise floor: the base model against itself" in out
+    md = (Path(result["outputs"]) / "compare.md").read_text()
+    assert "| ≈ | " + noise_id[:8] + " | noise floor (tiny) |" in md and "not distinguishable on speedup/decode_tok_s" in md
+    assert (Path(result["outputs"]) / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -116,11 +116,19 @@ def test_shipped_policies_load_and_the_release_gate_reads_the_real_run(workdir, 
         (workdir / "policies" / path.name).write_text(path.read_text())
         assert path.read_text().startswith(f"# Gate: make gate RUN=<run id> POLICY={path.stem}\n")
     assert {p.stem for p in (repo / "policies").glob("*.yaml")} == {"release", "experimental"}
+    # release holds task recoveries and the speedup by their intervals: 6 items a task and one bench
+    # repetition have none, which is bad input (exit 2), not a verdict
     code, report, out = gate(scored_runs["gptq"], "release", capsys)
-    assert code in (0, 1) and report["policy"] == "release"  # a random tiny model: the verdict is what it is
-    assert len(report["checks"]) == 3 + 1 + 1 + 3 + 2 + 2 + 1  # status, stages, licence, recovery, min, max, checkpoint
-    for c in report["checks"]:  # a recovery of a zero baseline score is not defined: reported, not skipped
-        assert isinstance(c["value"], (float, str)) or (c["note"] == "not logged in this run" and not c["passed"])
+    assert code == 2 and report is None and "without an interval" in out
+    # experimental needs what 10 windows and 12 items give: every check decided on an interval's end
+    code, report, out = gate(scored_runs["gptq"], "experimental", capsys)
+    assert code in (0, 1) and report["policy"] == "experimental"  # a random tiny model: the verdict is what it is
+    assert len(report["checks"]) == 1 + 2 + 1 + 2 + 1 + 1  # status, stages, recovery, max, min, checkpoint
+    for c in report["checks"]:
+        metric = "/" in c["check"]
+        assert isinstance(c["value"], (float, str)) and (c["ci_low"] is not None) == metric, c
+        assert c["on"] == ("ci_high" if c["check"] in ("recovery/quality/ppl", "quality/top1_agreement") else
+                           "ci_low" if metric else "value")
 
 
 @pytest.mark.parametrize(
@@ -133,6 +141,16 @@ def test_shipped_policies_load_and_the_release_gate_reads_the_real_run(workdir, 
         ({"maximum": {"quality/kld_mean": 0.1}}, "maximum: Extra inputs are not permitted"),
         ({"stages": ["quantise"]}, "stages.0: Input should be 'quantize', 'evaluate' or 'bench'"),
         ({"registry": {"model": "{base}-x"}}, "registry.model: unknown placeholder(s) ['base']"),
+        ({"max": {"quality/kld_max": {"value": 1.0, "on": "ci_high"}}},
+         "max.quality/kld_max: on: ci_high, but quality/kld_max has no interval"),
+        ({"min": {"speed/decode_tok_s": {"value": 1.0, "on": "ci_low"}}},
+         "min.speed/decode_tok_s: on: ci_low, but speed/decode_tok_s has no interval"),
+        ({"min": {"speedup/ttft_ms_p95": {"value": 1.0, "on": "ci_low"}}},
+         "min.speedup/ttft_ms_p95: on: ci_low, but speedup/ttft_ms_p95 has no interval"),
+        ({"max": {"quality/kld_mean.ci_high": 0.1}},
+         "max.quality/kld_mean.ci_high: name the metric and the interval's end with on:, e.g. quality/kld_mean: "
+         "{value: 0.1, on: ci_high}"),
+        ({"max": {"quality/kld_mean": {"value": 0.1, "on": "ci_hi"}}}, "max.quality/kld_mean.Bound.on: Input should be"),
     ],
 )
 def test_bad_policies_name_the_file_and_field(workdir, scored_runs, capsys, policy, expected):
@@ -153,3 +171,51 @@ def test_unknown_run_unknown_policy_and_a_baseline_run(workdir, scored_runs, cap
     baseline = client().get_run(scored_runs["gptq"]).data.tags["quantbench.baseline_run"]
     assert main(["gate", baseline, "--policy", "ok"]) == 2
     assert "is a baseline run" in capsys.readouterr().err
+
+
+def test_checks_on_an_interval_end_at_the_boundary(workdir, scored_runs, capsys):
+    """A bound on an interval's end: exactly at the limit passes, one ulp past fails; every check
+    reports value, interval and threshold; the plain form keeps holding the value."""
+    run_id = scored_runs["gptq"]
+    high = metric(run_id, "quality/kld_mean.ci_high")
+    low = metric(run_id, "recovery/quality/ppl.ci_low")
+    assert metric(run_id, "quality/kld_mean.ci_low") < metric(run_id, "quality/kld_mean") < high
+    at = {"stages": ["quantize", "evaluate"], "registry": {"model": "tiny-interval"},
+          "max": {"quality/kld_mean": {"value": high, "on": "ci_high"}, "quality/flips_pct": 100.0},
+          "recovery": {"quality/ppl": {"value": low, "on": "ci_low"}}}
+    code, report, out = gate(run_id, write_policy(workdir, "ci-at", at), capsys)
+    assert code == 0 and report["passed"], out
+    checks = {c["check"]: c for c in report["checks"]}
+    kld = checks["quality/kld_mean"]
+    assert kld["on"] == "ci_high" and kld["ci_high"] == high and kld["value"] == metric(run_id, "quality/kld_mean")
+    assert kld["threshold"] == f"ci_high <= {high}"
+    assert checks["quality/flips_pct"]["on"] == "value" and checks["quality/flips_pct"]["ci_low"] is not None
+    assert checks["run status"]["ci_low"] is None
+    assert "95% interval" in out and f"[{metric(run_id, 'quality/kld_mean.ci_low'):.4g}, {high:.4g}]" in out
+    for section, key, nudged in (("max", "quality/kld_mean", math.nextafter(high, 0)),
+                                 ("recovery", "quality/ppl", math.nextafter(low, 2))):
+        past = {**at, section: {**at[section], key: {"value": nudged, "on": at[section][key]["on"]}}}
+        code, report, _ = gate(run_id, write_policy(workdir, "ci-past", past), capsys)
+        assert code == 1 and [c["check"] for c in report["checks"] if not c["passed"]] == [
+            key if section == "max" else f"recovery/{key}"]
+    # the plain form holds the value: a limit between the value and the upper end passes
+    plain = {**at, "max": {"quality/kld_mean": (metric(run_id, "quality/kld_mean") + high) / 2}}
+    assert gate(run_id, write_policy(workdir, "plain", plain), capsys)[0] == 0
+
+
+@pytest.mark.parametrize("limits, named", [
+    ({"recovery": {"task/qb_pydoc_lastword/perplexity": {"value": 0.5, "on": "ci_low"}}},
+     "recovery/task/qb_pydoc_lastword/perplexity"),
+    ({"min": {"speedup/decode_tok_s": {"value": 0.5, "on": "ci_low"}}}, "speedup/decode_tok_s"),
+])
+def test_an_interval_the_run_did_not_log_is_bad_input(workdir, scored_runs, capsys, limits, named):
+    """6 items a task and 1 bench repetition give no interval: gating on one is exit 2, nothing written."""
+    run_id = scored_runs["gptq"]
+    before = {a.path for a in client().list_artifacts(run_id, "gate")}
+    policy = write_policy(workdir, "needs-ci", {"stages": ["quantize"], **limits})
+    assert main(["gate", run_id, "--policy", policy]) == 2
+    err = capsys.readouterr().err
+    assert f"policies/needs-ci.yaml: {named}: the policy holds an end of its interval to the limit" in err
+    assert f"logged {named} without an interval" in err
+    assert {a.path for a in client().list_artifacts(run_id, "gate")} == before
+    assert "quantbench.gate.needs-ci" not in client().get_run(run_id).data.tags

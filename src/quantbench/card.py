@@ -30,7 +30,7 @@ def write(dest: Path, final: Path, info: CardInfo, metrics: dict[str, float], sa
         "library_name": "transformers",
         "tags": ["quantbench", info.format, q.method, q.scheme.lower()],
     }
-    rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()))
+    rows = "\n".join(f"| `{k}` | {v:.4g}{_interval(metrics, k)} |" for k, v in sorted(metrics.items()) if ".ci_" not in k)
     distilled = q.method == "distill"
     kv = getattr(q, "kv_cache", None)
     lineage = f"\n- Made from the output of MLflow run `{info.base.parent_run}`" if info.base.parent_run else ""
@@ -55,6 +55,7 @@ def write(dest: Path, final: Path, info: CardInfo, metrics: dict[str, float], sa
 |---|---|
 {rows}
 
+A value in brackets is its 95 % interval (paired with the base model; docs/intervals.md in quantbench).
 `check/*` come from reloading this directory from disk: perplexity on {info.check_tokens} held-out
 tokens of the Python documentation, against the base model in {spec.model.dtype}.
 Greedy sample after "{spec.check.prompt}": {sample!r}
@@ -76,3 +77,8 @@ or serve it: `vllm serve {final}`{" --kv-cache-dtype fp8" if kv else ""}.
     tmp = dest / ".README.md.tmp"
     tmp.write_text(card)
     tmp.rename(dest / "README.md")
+
+
+def _interval(metrics: dict[str, float], key: str) -> str:
+    low, high = metrics.get(key + ".ci_low"), metrics.get(key + ".ci_high")
+    return "" if low is None or high is None else f" [{low:.4g}, {high:.4g}]"

@@ -93,6 +93,28 @@ def check_loadable(checkpoint: Path) -> None:
         raise UserError(f"'{checkpoint}' is a {method} checkpoint; loading it needs the package '{package}', which is not installed")
 
 
+def weights_sha(path: Path) -> str | None:
+    """sha256 over every tensor in a checkpoint's safetensors files: each tensor's name, dtype, shape
+    and bytes, in name order. Sharding and file metadata do not change it; one changed weight does.
+    None when the checkpoint holds no safetensors file."""
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+
+    per_tensor: dict[str, str] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name).contiguous()
+                digest = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+                digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+                per_tensor[name] = digest.hexdigest()
+    if not per_tensor:
+        return None
+    return hashlib.sha256("".join(f"{k}={v}\n" for k, v in sorted(per_tensor.items())).encode()).hexdigest()
+
+
 def weights_size_mb(path: Path) -> float:
     """Bytes of the weight files in a checkpoint directory, in MiB."""
     return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)) / 2**20

@@ -19,6 +19,7 @@ examples:
   quantbench evaluate <run id | checkpoint dir>     quality against the base model (suites/default.yaml)
   quantbench bench <run id | checkpoint dir>        speed against the base model (profiles/cpu-smoke.yaml)
   quantbench compare                                all candidates, Pareto frontier (quality vs speed)
+  quantbench noise builtin:smollm2-135m-instruct    the noise floor: the base model against itself
   quantbench gate <run id> --policy release         pass/fail; a pass moves the registry alias 'champion'
   quantbench sweep cpu-grid                         many jobs (sweeps/cpu-grid.yaml): resumable, timeouts, retries
   quantbench validate recipes/*.yaml                check recipes (every error at once)
@@ -116,6 +117,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--speed", default=None, help="speed axis (default speedup/decode_tok_s, or model/compression_ratio "
                    "when no candidate has been benched)")
 
+    n = sub.add_parser(
+        "noise", parents=[_common("experiment", "outputs", "json")],
+        help="the noise floor of every metric: the base model against itself (and a recipe at two seeds)",
+        description="Save the base model again in its own dtype and score it against itself as a candidate is "
+        "scored: evaluate (suite) and bench (profile), with intervals. What this shows is what measuring the same "
+        "model twice gives. With --recipe R (a calibrated recipe) R is also quantized at its calibration seed and "
+        "the next one, and |difference| of every quality metric is logged as noise_seed/<metric>. The result is a "
+        "run tagged quantbench.role=noise; `compare` shows it as a row and a band. "
+        'With --json the last line is {"run_id", "recipe_runs", "metrics"}.',
+    )
+    n.add_argument("model", help="the base model source (builtin:NAME, a checkpoint dir, a .gguf, run:ID, recipe:NAME)")
+    n.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
+    n.add_argument("--profile", default=None, help="profiles/NAME.yaml for the bench (default: cpu-smoke)")
+    n.add_argument("--no-bench", action="store_true", help="skip the speed part")
+    n.add_argument("--recipe", default=None, help="a calibrated recipe to run at two calibration seeds as well")
+
     g = sub.add_parser(
         "gate", parents=[exp_json],
         help="pass/fail a candidate run against a policy; on pass register it and move an alias",
@@ -203,7 +220,7 @@ def cmd_quantize(args) -> int:
     if result is None:
         return 1
     if result.evaluation is not None:
-        print(report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics))
+        print(report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes))
     if result.bench is not None:
         print(report.bench_table(result.bench.metrics))
     print(f"checkpoint: {result.checkpoint}")
@@ -218,7 +235,7 @@ def cmd_evaluate(args) -> int:
     result = _run_stage("evaluate", pipeline.evaluate, args.target, suite=args.suite, base=args.base, experiment=args.experiment)
     if result is None:
         return 1
-    print(report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics))
+    print(report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes))
     reused = " (reused)" if result.evaluation.baseline_reused else " (scored now)"
     print(f"mlflow run: {result.run_id}   baseline run: {result.evaluation.baseline_run}{reused}")
     return _json(args, result.summary())
@@ -257,6 +274,27 @@ def cmd_compare(args) -> int:
         return 1
     print(compare.terminal(result.comparison))
     print(f"written: {result.outputs}/compare.{{md,html,png,json}}   summary run: {result.run_id}")
+    return _json(args, result.summary())
+
+
+def cmd_noise(args) -> int:
+    from quantbench import noise, report
+
+    result = _run_stage("noise", noise.run, args.model, suite=args.suite, profile=args.profile, bench=not args.no_bench,
+                        recipe=args.recipe, experiment=args.experiment, outputs=args.outputs)
+    if result is None:
+        return 1
+    speed = ("speed/", "base_speed/", "speedup/", "model/", "noise_seed/")
+    print(report.evaluation_table({k: v for k, v in result.metrics.items() if not k.startswith(speed)},
+                                  result.baseline_metrics, result.notes))
+    if any(k.startswith("speedup/") for k in result.metrics):
+        print(report.bench_table(result.metrics))
+    spread = {k: v for k, v in result.metrics.items() if k.startswith("noise_seed/")}
+    if spread:
+        seeds = ", ".join(f"seed {r['seed']}: run {r['run_id']}" for r in result.recipe_runs)
+        print(f"calibration seed to seed (|difference|; {seeds}):")
+        print(report.metric_lines(spread))
+    print(f"noise run: {result.run_id}")
     return _json(args, result.summary())
 
 
@@ -401,5 +439,5 @@ def cmd_ui(args) -> int:
 
 
 COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "compare": cmd_compare,
-            "gate": cmd_gate, "sweep": cmd_sweep, "validate": cmd_validate, "recipes": cmd_recipes, "gc": cmd_gc,
+            "noise": cmd_noise, "gate": cmd_gate, "sweep": cmd_sweep, "validate": cmd_validate, "recipes": cmd_recipes, "gc": cmd_gc,
             "ui": cmd_ui}

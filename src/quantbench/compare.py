@@ -4,6 +4,12 @@ written as Markdown, HTML, JSON and a PNG plot, and logged as artifacts of a sum
 Candidates are found by tags (`quantbench.role=candidate`, FINISHED), never by run names. A
 candidate is on the frontier when no other candidate is at least as good on both axes and better
 on one; which way is better comes from the metric catalogue (`metrics.py`).
+
+Where runs carry 95 % intervals (docs/intervals.md), two candidates whose values on an axis each
+lie inside the other's interval are listed as "not distinguishable" on it, and the plot draws the
+intervals as error bars. The newest noise run of the candidates' base model (`quantbench noise`:
+the base against itself) is a row of its own and a band in the plot: differences inside it are
+what re-measuring the same model gives.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 
 from quantbench import metrics as catalogue
 from quantbench.errors import UserError
+from quantbench.intervals import interval_of
 from quantbench.tracking import TAG, Tracker
 
 log = logging.getLogger(__name__)
@@ -61,9 +68,20 @@ class Comparison:
     quality: str
     speed: str
     candidates: list[Candidate] = field(default_factory=list)
+    noise: list[Candidate] = field(default_factory=list)  # noise runs of the candidates' base models
 
     def task_columns(self) -> list[str]:
         return sorted({k for c in self.candidates for k in c.metrics if k.startswith("task/") and k.endswith("/acc")})
+
+    def not_distinguishable(self, metric: str) -> list[tuple[Candidate, Candidate]]:
+        """Pairs of candidates whose values of `metric` each lie inside the other's 95 % interval."""
+        pairs = []
+        for i, a in enumerate(self.candidates):
+            for b in self.candidates[i + 1 :]:
+                ia, ib = interval_of(a.metrics, metric), interval_of(b.metrics, metric)
+                if ia and ib and ia[0] <= b.metrics[metric] <= ia[1] and ib[0] <= a.metrics[metric] <= ib[1]:
+                    pairs.append((a, b))
+        return pairs
 
 
 def collect(tracker: Tracker, run_ids: list[str] | None = None) -> list[Candidate]:
@@ -74,6 +92,18 @@ def collect(tracker: Tracker, run_ids: list[str] | None = None) -> list[Candidat
         if r.data.tags.get(TAG + "role") != "candidate":
             raise UserError(f"--runs: '{r.info.run_id}' is a {r.data.tags.get(TAG + 'role', 'non-quantbench')} run, not a candidate")
         out.append(Candidate(r.info.run_id, r.info.run_name, r.info.status, dict(r.data.tags), dict(r.data.metrics)))
+    return out
+
+
+def collect_noise(tracker: Tracker, candidates: list[Candidate]) -> list[Candidate]:
+    """The newest FINISHED noise run of each base model the candidates were made from."""
+    out = []
+    for fingerprint in sorted({c.tags.get(TAG + "base_fingerprint") for c in candidates} - {None}):
+        found = tracker.search({TAG + "role": "noise", TAG + "base_fingerprint": fingerprint})
+        if found:
+            r = found[0]
+            name = f"noise floor ({r.data.tags.get(TAG + 'suite', '?')})"
+            out.append(Candidate(r.info.run_id, name, r.info.status, dict(r.data.tags), dict(r.data.metrics)))
     return out
 
 
@@ -97,7 +127,8 @@ def check_metric(name: str, flag: str) -> None:
         raise UserError(f"{flag}: {problem}")
 
 
-def build(candidates: list[Candidate], quality: str | None, speed: str | None) -> Comparison:
+def build(candidates: list[Candidate], quality: str | None, speed: str | None,
+          noise: list[Candidate] | None = None) -> Comparison:
     quality = quality or DEFAULT_QUALITY
     check_metric(quality, "--quality")
     if speed is None:
@@ -106,7 +137,7 @@ def build(candidates: list[Candidate], quality: str | None, speed: str | None) -
             log.warning("no candidate has %s yet (run `make bench RUN=<id>`); plotting against %s", DEFAULT_SPEED, FALLBACK_SPEED)
             speed = FALLBACK_SPEED
     check_metric(speed, "--speed")
-    comparison = Comparison(quality, speed, candidates)
+    comparison = Comparison(quality, speed, candidates, noise or [])
     frontier(candidates, quality, speed)
     # frontier first, then the other scored ones by quality (best first); those missing an axis last
     def key(c: Candidate):
@@ -126,8 +157,9 @@ def rows(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
     header = ["", "run", "recipe", "method", "scheme", "format"] + [h for h, _, _ in COLUMNS]
     header += [t.removeprefix("task/").removesuffix("/acc") + " acc" for t in cmp.task_columns()] + ["gate"]
     body = []
-    for c in cmp.candidates:
-        row = ["★" if c.frontier else "", c.run_id[:8], c.label, c.tags.get(TAG + "method", ""),
+    for c in cmp.candidates + cmp.noise:
+        marker = "≈" if c in cmp.noise else "★" if c.frontier else ""
+        row = [marker, c.run_id[:8], c.label, c.tags.get(TAG + "method", ""),
                c.tags.get(TAG + "scheme", ""), c.tags.get(TAG + "format", "")]
         for _, key, fmt in COLUMNS:
             row.append(fmt.format(c.metrics[key]) if key in c.metrics else "—")
@@ -143,7 +175,22 @@ def terminal(cmp: Comparison) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines) + f"\n★ Pareto frontier on {cmp.quality} ({catalogue.direction(cmp.quality)} is better) " \
-                              f"vs {cmp.speed} ({catalogue.direction(cmp.speed)} is better)"
+                              f"vs {cmp.speed} ({catalogue.direction(cmp.speed)} is better)" + \
+        "".join("\n" + line for line in notes(cmp))
+
+
+def notes(cmp: Comparison) -> list[str]:
+    """The lines under the table: the noise row, and the differences the intervals cannot tell apart."""
+    lines = []
+    if cmp.noise:
+        lines.append("≈ noise floor: the base model against itself re-saved (quantbench noise); differences of that "
+                     "size are what measuring the same model again gives")
+    for metric in (cmp.quality, cmp.speed):
+        pairs = cmp.not_distinguishable(metric)
+        if pairs:
+            lines.append(f"not distinguishable on {metric} (each value inside the other's 95% interval): "
+                         + "; ".join(f"{a.label} ~ {b.label}" for a, b in pairs))
+    return lines
 
 
 def markdown(cmp: Comparison, title: str) -> str:
@@ -151,6 +198,7 @@ def markdown(cmp: Comparison, title: str) -> str:
     lines = [f"# {title}", "", f"Pareto frontier (★) on `{cmp.quality}` vs `{cmp.speed}`.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in body]
+    lines += [""] + [f"- {line}" for line in notes(cmp)] if notes(cmp) else []
     return "\n".join(lines) + "\n\n![quality vs speed](compare.png)\n"
 
 
@@ -165,6 +213,7 @@ def html_page(cmp: Comparison, title: str) -> str:
             "padding:4px 8px;text-align:right}tr.frontier{background:#eaf6ea;font-weight:bold}</style></head><body>"
             f"<h1>{html.escape(title)}</h1><p>Pareto frontier (★) on <code>{html.escape(cmp.quality)}</code> vs "
             f"<code>{html.escape(cmp.speed)}</code>.</p><table><tr>{head}</tr>{trs}</table>"
+            + "".join(f"<p>{html.escape(line)}</p>" for line in notes(cmp)) +
             "<p><img src='compare.png' alt='quality vs speed'></p></body></html>\n")
 
 
@@ -179,8 +228,23 @@ def plot(cmp: Comparison, path: Path, title: str) -> Path:
     scored = [c for c in cmp.candidates if cmp.quality in c.metrics and cmp.speed in c.metrics]
     for c in scored:
         x, y = c.metrics[cmp.speed], c.metrics[cmp.quality]
-        ax.scatter([x], [y], s=60, color="tab:green" if c.frontier else "tab:gray", zorder=3)
+        color = "tab:green" if c.frontier else "tab:gray"
+        ax.scatter([x], [y], s=60, color=color, zorder=3)
+        xi, yi = interval_of(c.metrics, cmp.speed), interval_of(c.metrics, cmp.quality)
+        if xi or yi:  # the 95 % intervals as error bars
+            ax.errorbar([x], [y], xerr=[[x - xi[0]], [xi[1] - x]] if xi else None,
+                        yerr=[[y - yi[0]], [yi[1] - y]] if yi else None, color=color, alpha=0.6, capsize=3, zorder=2)
         ax.annotate(c.label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=9)
+    for n in cmp.noise:  # what measuring the base model against itself gives: a band on each axis
+        label = f"noise floor ({n.run_id[:8]})"
+        for metric, span, line in ((cmp.speed, ax.axvspan, ax.axvline), (cmp.quality, ax.axhspan, ax.axhline)):
+            found = interval_of(n.metrics, metric) or ((n.metrics[metric],) * 2 if metric in n.metrics else None)
+            if found and found[0] < found[1]:
+                span(found[0], found[1], color="tab:orange", alpha=0.15, label=label)
+                label = None
+            elif found:
+                line(found[0], color="tab:orange", linewidth=1.2, linestyle=":", label=label)
+                label = None
     line = sorted((c.metrics[cmp.speed], c.metrics[cmp.quality]) for c in scored if c.frontier)
     if len(line) > 1:
         ax.plot(*zip(*line), color="tab:green", linestyle="--", zorder=2, label="Pareto frontier")
@@ -211,6 +275,8 @@ def as_json(cmp: Comparison) -> dict:
         "quality": cmp.quality,
         "speed": cmp.speed,
         "frontier": [c.run_id for c in cmp.candidates if c.frontier],
+        "not_distinguishable": {m: [[a.run_id, b.run_id] for a, b in cmp.not_distinguishable(m)] for m in (cmp.quality, cmp.speed)},
+        "noise": [{"run_id": n.run_id, "name": n.name, "metrics": n.metrics} for n in cmp.noise],
         "candidates": [
             {"run_id": c.run_id, "name": c.name, "recipe": c.label, "status": c.status, "frontier": c.frontier,
              "method": c.tags.get(TAG + "method"), "scheme": c.tags.get(TAG + "scheme"), "format": c.tags.get(TAG + "format"),
@@ -231,7 +297,7 @@ def run(*, experiment: str | None = None, run_ids: list[str] | None = None, qual
     if not candidates:
         raise UserError(f"no finished candidate runs in experiment '{tracker.experiment}' "
                         "(run `make quantize RECIPE=...` first, or pass --experiment / --runs)")
-    cmp = build(candidates, quality, speed)
+    cmp = build(candidates, quality, speed, collect_noise(tracker, candidates))
     title = f"quantbench compare · {tracker.experiment} · {len(candidates)} candidate{'s' if len(candidates) != 1 else ''}"
     tags = {TAG + "role": "summary", TAG + "compared_runs": ",".join(c.run_id for c in candidates),
             TAG + "quality_metric": cmp.quality, TAG + "speed_metric": cmp.speed,

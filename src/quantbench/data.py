@@ -4,6 +4,12 @@
   English prose that every CPython ships). Topics are assigned to a split by a hash of their
   name (one in five to evaluation), so the calibration and evaluation parts are disjoint and
   the same on every machine with the same Python.
+- `builtin:numpy-license`: out-of-domain evaluation text, legal English of another kind than the
+  Python docs: the licence file the installed numpy ships (`numpy-*.dist-info/LICENSE.txt`: numpy's
+  BSD-3 licence, the notices of the libraries its wheel bundles and the text of the GNU GPL v3,
+  about 11k tokens). Read where it is installed, never copied; evaluation only: a calibration or
+  training field that names it is refused. numpy's wheels append platform-specific notices, so the
+  text's sha (part of a suite's fingerprint) can differ between platforms.
 - a local `.txt` file (the whole file) or `.jsonl` file (one JSON object a line, `text_field`);
 - `hub:DATASET`: a Hugging Face dataset (`split`, `text_field`), only when the hub is reachable.
 
@@ -21,7 +27,8 @@ from typing import Literal
 
 from quantbench.errors import UserError, did_you_mean
 
-BUILTIN_TEXTS = ("python-docs",)
+BUILTIN_TEXTS = ("python-docs", "numpy-license")
+EVALUATION_ONLY = ("numpy-license",)  # out-of-domain evaluation text: never calibration or training
 Split = Literal["calibration", "evaluation"]
 
 
@@ -42,6 +49,17 @@ def python_docs(split: Split) -> str:
     return "\n\n".join(topics[k] for k in python_docs_topics(split))
 
 
+def numpy_license() -> str:
+    """The licence file of the installed numpy (see the module docstring)."""
+    from importlib import metadata
+
+    for file in metadata.distribution("numpy").files or []:
+        # numpy-X.dist-info/LICENSE.txt (or .../licenses/LICENSE.txt in newer wheels)
+        if file.name == "LICENSE.txt" and (file.parent.name.endswith(".dist-info") or file.parent.name == "licenses"):
+            return file.read_text()
+    raise UserError("builtin:numpy-license: the installed numpy ships no LICENSE.txt")
+
+
 def load_text(
     source: str, *, field: str, split: Split = "calibration", text_field: str = "text", hub_split: str = "train"
 ) -> str:
@@ -50,6 +68,11 @@ def load_text(
         name = source.removeprefix("builtin:")
         if name not in BUILTIN_TEXTS:
             raise UserError(f"{field}: unknown builtin text '{name}'." + did_you_mean(name, BUILTIN_TEXTS))
+        if name in EVALUATION_ONLY:
+            if split != "evaluation":
+                raise UserError(f"{field}: '{source}' is held-out evaluation text (out of domain); it is never used "
+                                "for calibration or training. Use builtin:python-docs or a file of your own")
+            return numpy_license()
         return python_docs(split)
     if source.startswith("hub:"):
         return _hub_text(source, field, text_field, hub_split)

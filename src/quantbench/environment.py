@@ -8,7 +8,8 @@ import subprocess
 from functools import cache
 from importlib import metadata
 
-LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "mlflow", "pydantic", "quantbench")
+LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "lm_eval", "numpy", "bitsandbytes", "gptqmodel",
+             "mlflow", "pydantic", "quantbench")
 
 
 @cache
@@ -18,6 +19,7 @@ def describe() -> dict[str, str]:
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_count": str(os.cpu_count()),
+        "torch_threads": str(_torch_threads()),  # CPU reductions split by thread count: it can change results
         "memory_gb": f"{_memory_bytes() / 2**30:.1f}",
         "gpu": _gpu(),
         "git_sha": _git("rev-parse", "HEAD") or "unknown",
@@ -40,6 +42,12 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _memory_bytes() -> int:

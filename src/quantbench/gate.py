@@ -8,6 +8,11 @@ version of the policy's registered model, and the policy's alias (`champion`) mo
 version it replaces keeps a second alias (`previous`). On fail nothing in the registry moves.
 Either way the report is an artifact of the run (`gate/<policy>-<time>.json` and `.md`) and the
 outcome a run tag (`quantbench.gate.<policy>`).
+
+A check may hold a bound of the metric's 95 % interval to the limit instead of its value
+(`max: {quality/kld_mean: {value: 0.10, on: ci_high}}`: the upper end must be under 0.10), so a
+verdict does not flip on noise (docs/intervals.md). Naming an interval a metric cannot have, or
+one the run did not log, is bad input (exit 2).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from quantbench import intervals
 from quantbench import metrics as catalogue
 from quantbench import models
 from quantbench.checkpoint import RUN_ID
@@ -46,22 +52,45 @@ class Register(Strict):
     previous_alias: str | None = Field("previous", description="alias kept on the version the new one replaces")
 
 
+class Bound(Strict):
+    """A limit held against the metric's value (the plain form) or against one end of its 95 %
+    interval: `{value: 0.10, on: ci_high}` under max: the upper end must be at most 0.10."""
+
+    value: float
+    on: Literal["value", "ci_low", "ci_high"] = "value"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_on(cls, data):
+        """YAML 1.1 reads the bare key `on` as the boolean true: take it back as the name it is."""
+        if isinstance(data, dict) and True in data:
+            data = {("on" if key is True else key): value for key, value in data.items()}
+        return data
+
+
+Limit = float | Bound
+
+
+def _limit(limit: Limit) -> Bound:
+    return limit if isinstance(limit, Bound) else Bound(value=limit)
+
+
 class Policy(Strict):
     """A release policy (policies/NAME.yaml). Example:
 
         stages: [quantize, evaluate, bench]
         recovery: {quality/ppl: 0.85}            # at least 85% of the base's score kept
-        max: {quality/kld_mean: 0.2, quality/flips_pct: 15}
-        min: {speedup/decode_tok_s: 1.0}
+        max: {quality/kld_mean: {value: 0.2, on: ci_high}, quality/flips_pct: 15}
+        min: {speedup/decode_tok_s: {value: 1.0, on: ci_low}}
         licenses: [apache-2.0, mit]
         registry: {model: "{base_model}", alias: champion}
     """
 
     description: str = ""
     stages: list[Stage] = ["quantize", "evaluate"]
-    recovery: dict[str, float] = Field(default_factory=dict, description="minimum recovery/<metric> (1 = as good as the base)")
-    min: dict[str, float] = Field(default_factory=dict, description="absolute lower limits (higher-is-better metrics)")
-    max: dict[str, float] = Field(default_factory=dict, description="absolute upper limits (lower-is-better metrics)")
+    recovery: dict[str, Limit] = Field(default_factory=dict, description="minimum recovery/<metric> (1 = as good as the base)")
+    min: dict[str, Limit] = Field(default_factory=dict, description="absolute lower limits (higher-is-better metrics)")
+    max: dict[str, Limit] = Field(default_factory=dict, description="absolute upper limits (lower-is-better metrics)")
     licenses: list[str] | None = Field(None, description="allowed licences of the base model; null allows any")
     registry: Register = Register()
 
@@ -81,6 +110,9 @@ class Check:
     threshold: float | str | None
     passed: bool
     note: str = ""
+    ci_low: float | None = None  # the metric's 95 % interval, when the run logged one
+    ci_high: float | None = None
+    on: str = "value"  # what the threshold was held against: value, ci_low or ci_high
 
 
 def policies_dir() -> Path:
@@ -98,13 +130,17 @@ def load_policy(name_or_path: str) -> LoadedPolicy:
         problem = catalogue.check_name(f"recovery/{key}")
         if problem:
             problems.append(f"{path}: recovery.{key}: {problem}")
-        elif not 0 < threshold:
-            problems.append(f"{path}: recovery.{key}: {threshold} is not a share of the base's score (e.g. 0.95)")
+        elif not 0 < _limit(threshold).value:
+            problems.append(f"{path}: recovery.{key}: {_limit(threshold).value} is not a share of the base's score (e.g. 0.95)")
+        else:
+            problems += _interval_problems(path, "recovery", key, f"recovery/{key}", threshold)
     for bound, wrong in (("min", "lower"), ("max", "higher")):
-        for key in getattr(policy, bound):
+        for key, threshold in getattr(policy, bound).items():
             problem = catalogue.check_name(key)
             if problem:
                 problems.append(f"{path}: {bound}.{key}: {problem}")
+            elif found := _interval_problems(path, bound, key, key, threshold):
+                problems += found
             elif catalogue.direction(key) == wrong:
                 right = "max" if bound == "min" else "min"
                 problems.append(f"{path}: {bound}.{key}: {wrong} is better for this metric, so its limit belongs under {right}:")
@@ -118,6 +154,20 @@ def load_policy(name_or_path: str) -> LoadedPolicy:
         raise UserError(problems)
     sha = hashlib.sha256(json.dumps(policy.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     return LoadedPolicy(path.stem, path, policy, sha)
+
+
+def _interval_problems(path: Path, section: str, key: str, name: str, limit: Limit) -> list[str]:
+    """An interval's end written into the metric's name, or an interval asked of a metric that
+    never has one (`name` is the metric `key` stands for in `section`)."""
+    bare = catalogue.without_interval_suffix(key)
+    if bare != key:
+        return [f"{path}: {section}.{key}: name the metric and the interval's end with on:, e.g. "
+                f"{bare}: {{value: {_limit(limit).value}, on: {key.removeprefix(bare + '.')}}}"]
+    if _limit(limit).on != "value" and not catalogue.has_interval(name):
+        return [f"{path}: {section}.{key}: on: {_limit(limit).on}, but {name} has no interval (intervals exist for "
+                "quality/* and quality_ood/* but maxima, counts and p-values; task/*, recovery/*, speedup/*; "
+                "docs/intervals.md)"]
+    return []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,11 +189,11 @@ def evaluate_policy(policy: Policy, status: str, tags: dict[str, str], metrics: 
         allowed = [x.lower() for x in policy.licenses]
         checks.append(Check("licence", license_, " | ".join(policy.licenses), license_.lower() in allowed))
     for key, threshold in policy.recovery.items():
-        checks.append(_bound(f"recovery/{key}", metrics, threshold, ">="))
+        checks.append(_bound(f"recovery/{key}", metrics, _limit(threshold), ">="))
     for key, threshold in policy.min.items():
-        checks.append(_bound(key, metrics, threshold, ">="))
+        checks.append(_bound(key, metrics, _limit(threshold), ">="))
     for key, threshold in policy.max.items():
-        checks.append(_bound(key, metrics, threshold, "<="))
+        checks.append(_bound(key, metrics, _limit(threshold), "<="))
     checkpoint = tags.get(TAG + "checkpoint")
     on_disk = bool(checkpoint) and (Path(checkpoint) / "config.json").is_file()
     checks.append(Check("checkpoint on disk", "present" if on_disk else "missing", "present", on_disk,
@@ -151,20 +201,34 @@ def evaluate_policy(policy: Policy, status: str, tags: dict[str, str], metrics: 
     return checks
 
 
-def _bound(key: str, metrics: dict[str, float], threshold: float, op: str) -> Check:
+class MissingInterval(Exception):
+    """A check holds an interval's end to its limit, and the run logged the metric without one."""
+
+
+def _bound(key: str, metrics: dict[str, float], limit: Bound, op: str) -> Check:
     value = metrics.get(key)
+    low, high = intervals.interval_of(metrics, key) or (None, None)
+    shown = f"{op} {limit.value}" if limit.on == "value" else f"{limit.on} {op} {limit.value}"
     if value is None:
-        return Check(key, None, f"{op} {threshold}", False, "not logged in this run")
-    passed = value >= threshold if op == ">=" else value <= threshold
-    return Check(key, value, f"{op} {threshold}", passed)
+        return Check(key, None, shown, False, "not logged in this run", on=limit.on)
+    held = value if limit.on == "value" else {"ci_low": low, "ci_high": high}[limit.on]
+    if held is None:
+        raise MissingInterval(key)
+    passed = held >= limit.value if op == ">=" else held <= limit.value
+    return Check(key, value, shown, passed, ci_low=low, ci_high=high, on=limit.on)
+
+
+def _interval_text(c: Check) -> str:
+    return "—" if c.ci_low is None else f"[{c.ci_low:.4g}, {c.ci_high:.4g}]"
 
 
 def table(checks: list[Check]) -> str:
-    rows = [f"{'check':40s} {'value':>14s} {'threshold':>16s}  result", "-" * 82]
+    rows = [f"{'check':40s} {'value':>14s} {'95% interval':>22s} {'threshold':>22s}  result", "-" * 112]
     for c in checks:
         value = f"{c.value:.4g}" if isinstance(c.value, float) else str(c.value if c.value is not None else "—")
         note = f"  ({c.note})" if c.note else ""
-        rows.append(f"{c.check:40s} {value:>14s} {str(c.threshold):>16s}  {'pass' if c.passed else 'FAIL'}{note}")
+        rows.append(f"{c.check:40s} {value:>14s} {_interval_text(c):>22s} {str(c.threshold):>22s}  "
+                    f"{'pass' if c.passed else 'FAIL'}{note}")
     return "\n".join(rows)
 
 
@@ -184,10 +248,11 @@ def text(report: dict) -> str:
 
 
 def markdown(checks: list[Check], header: str) -> str:
-    rows = [header, "", "| check | value | threshold | result |", "|---|---|---|---|"]
+    rows = [header, "", "| check | value | 95% interval | threshold | result |", "|---|---|---|---|---|"]
     for c in checks:
         value = repr(c.value) if isinstance(c.value, float) else str(c.value if c.value is not None else "—")
-        rows.append(f"| `{c.check}` | {value} | {c.threshold} | {'pass' if c.passed else '**FAIL**'} {c.note} |")
+        interval = "—" if c.ci_low is None else f"[{c.ci_low!r}, {c.ci_high!r}]"
+        rows.append(f"| `{c.check}` | {value} | {interval} | {c.threshold} | {'pass' if c.passed else '**FAIL**'} {c.note} |")
     return "\n".join(rows) + "\n"
 
 
@@ -208,7 +273,13 @@ def run(run_id: str, policy_name: str, *, experiment: str | None = None) -> dict
     if tags.get(TAG + "role") != "candidate":
         raise UserError(f"MLflow run '{run_id}' is a {tags.get(TAG + 'role', 'non-quantbench')} run; gate a candidate run")
 
-    checks = evaluate_policy(loaded.policy, info.status, tags, metrics)
+    try:
+        checks = evaluate_policy(loaded.policy, info.status, tags, metrics)
+    except MissingInterval as exc:
+        why = ("fewer than 3 paired repetitions in its bench" if str(exc).startswith("speedup/")
+               else "too few windows or items in its suite, or intervals off; evaluation.json lists why")
+        raise UserError(f"{loaded.path}: {exc}: the policy holds an end of its interval to the limit, but run {run_id} "
+                        f"logged {exc} without an interval ({why}); nothing gated") from None
     passed = all(c.passed for c in checks)
     verdict = "PASS" if passed else "FAIL"
     stamp = time.strftime("%Y%m%dT%H%M%S")

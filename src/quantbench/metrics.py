@@ -4,6 +4,9 @@ every name here (a test keeps the two in step).
 
 Orientation of the ratios: `recovery/<m>` and `speedup/<m>` are both "above 1 is better" (for a
 lower-is-better metric they are baseline / candidate), so a policy thresholds them with a minimum.
+
+Intervals: a metric with a 95 % interval logs it beside itself as `<metric>.ci_low` and
+`<metric>.ci_high` (docs/intervals.md); `has_interval` says which metrics can have one.
 """
 
 from __future__ import annotations
@@ -52,7 +55,15 @@ FIXED: dict[str, Direction | None] = {
     "quality/flips_right_to_wrong_pct": "lower",
     "quality/flips_wrong_to_right_pct": None,
     "quality/flips_items": None,
+    "quality/flips_p_value": None,
     "quality/positions": None,
+    "quality_ood/ppl": "lower",  # the same quality pass over out-of-domain text (suite ood_text)
+    "quality_ood/kld_mean": "lower",
+    "quality_ood/kld_p90": "lower",
+    "quality_ood/kld_p99": "lower",
+    "quality_ood/kld_max": "lower",
+    "quality_ood/top1_agreement": "higher",
+    "quality_ood/positions": None,
     "compare/candidates": None,  # a compare summary run
     "compare/frontier": None,
     "sweep/finished": None,  # a sweep's parent run
@@ -77,16 +88,23 @@ CONCURRENT: dict[str, Direction] = {"throughput_tok_s": "higher", "requests_s": 
 # task/<task>/<metric>: lm-eval's metric names; these are lower-is-better, the rest higher.
 TASK_LOWER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
 # Metrics that have a recovery/<m> against the baseline.
-RECOVERABLE = re.compile(r"quality/ppl|task/.+")
-
+RECOVERABLE = re.compile(r"quality/ppl|quality_ood/ppl|task/[^.]+")
+# Metrics that can carry a 95 % interval (<metric>.ci_low / .ci_high): every comparison with the
+# base (paired bootstrap; speedups over paired repetitions). Not maxima, counts or p-values, and
+# not the speedups of 95th percentiles (a tail of a handful of timings per repetition).
+WITH_INTERVAL = re.compile(r"(quality|quality_ood)/(ppl|kld_mean|kld_p90|kld_p99|top1_agreement)"
+                           r"|quality/flips_(pct|right_to_wrong_pct|wrong_to_right_pct)"
+                           r"|task/[^/.]+/[^/.]+|recovery/.+|speedup/.+(?<!_p95)")
+INTERVAL_SUFFIXES = (".ci_low", ".ci_high")
 
 # The metric families whose names are built from another name (docs/metrics.md spells them so).
-PATTERNS = ("base_speed/<metric>", "speedup/<metric>", "recovery/<metric>", "task/<task>/<metric>")
+PATTERNS = ("base_speed/<metric>", "speedup/<metric>", "recovery/<metric>", "task/<task>/<metric>",
+            "<metric>.ci_low", "<metric>.ci_high", "noise_seed/<metric>")
 
 # Every tag quantbench sets (prefix quantbench.), with its meaning. `<...>` stands for a part
 # that varies: environment keys, policies.
 TAGS: dict[str, str] = {
-    "quantbench.role": "candidate | baseline | summary | sweep: what the run is",
+    "quantbench.role": "candidate | baseline | noise | summary | sweep: what the run is",
     "quantbench.recipe": "the recipe's name (its file name without .yaml)",
     "quantbench.recipe_sha": "sha256 of the resolved recipe (defaults filled in, overrides applied)",
     "quantbench.method": "quantize.method of the recipe (gptq, awq, fp8, smoothquant, bnb, distill)",
@@ -100,6 +118,10 @@ TAGS: dict[str, str] = {
     "quantbench.license": "the base model's licence",
     "quantbench.parent_run": "the run whose checkpoint was this run's base model (run: / recipe: sources)",
     "quantbench.checkpoint": "absolute path of the checkpoint directory (set when the job finished)",
+    "quantbench.weights_sha": "sha256 over the checkpoint's tensors (names, dtypes, shapes, bytes): same hash, same weights",
+    "quantbench.deterministic": "what the produce step pinned for a repeatable checkpoint: seeds, deterministic algorithms, threads",
+    "quantbench.noise_run": "on a noise run's recipe runs: the noise run they measure",
+    "quantbench.noise_recipe": "on a noise run: the calibrated recipe whose seed-to-seed spread it measured",
     "quantbench.staging": "the staging directory a running job writes (removed if it does not finish)",
     "quantbench.owner": "host, pid and start time of the process holding the run open (to reap dead ones)",
     "quantbench.error": "why a run FAILED or was KILLED",
@@ -125,8 +147,8 @@ TAGS: dict[str, str] = {
     "quantbench.gate.policy_sha": "on a registered version: sha256 of the policy that promoted it",
     "quantbench.gate.at": "on a registered version: when it was promoted",
     "quantbench.run": "on a registered version: the run it came from",
-    "quantbench.<environment>": "what a number was measured on: python, platform, cpu, cpu_count, memory_gb, gpu, "
-                                "git_sha, git_dirty, version.<library>",
+    "quantbench.<environment>": "what a number was measured on: python, platform, cpu, cpu_count, torch_threads, "
+                                "memory_gb, gpu, git_sha, git_dirty, version.<library>",
 }
 
 # Artifacts of a run (paths inside the run's artifact store).
@@ -137,7 +159,9 @@ ARTIFACTS: dict[str, str] = {
     "error.txt": "the traceback of a FAILED run",
     "evaluation.json": "the evaluate stage: settings, metrics, the baseline's, per-item results, per-position KLD",
     "baseline/reference.safetensors": "on a baseline run: the base model's final hidden states and output head",
-    "baseline/task_samples.json": "on a baseline run: the base model's per-item task results",
+    "baseline/reference_ood.safetensors": "on a baseline run: the same for the suite's out-of-domain text",
+    "baseline/task_samples.json": "on a baseline run: the base model's per-item task values (every metric of every item)",
+    "noise.json": "on a noise run: what was compared with what, every metric, the recipe runs' spread",
     "bench.json": "the bench stage: settings, hardware, every sample (median, min, max), partial or not",
     "bench_spec.json": "bench --draft: speculative decoding samples",
     "servers/<name>.log": "the logs of the servers the serve backend started",
@@ -155,8 +179,25 @@ def documented_metrics() -> set[str]:
     return set(FIXED) | {f"speed/{k}" for k in SPEED} | {f"speed/c<N>/{k}" for k in CONCURRENT} | set(PATTERNS)
 
 
+def without_interval_suffix(name: str) -> str:
+    """quality/kld_mean.ci_high -> quality/kld_mean (other names unchanged)."""
+    for suffix in INTERVAL_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
+def has_interval(name: str) -> bool:
+    """Whether a metric can carry a 95 % interval (whether a run has it depends on its units)."""
+    return bool(WITH_INTERVAL.fullmatch(name))
+
+
 def direction(name: str) -> Direction | None:
-    """Which way is better for a metric name; None for context values and unknown names."""
+    """Which way is better for a metric name (an interval's bound: its metric's); None for context
+    values and unknown names."""
+    name = without_interval_suffix(name)
+    if name.startswith("noise_seed/"):
+        return None
     if name in FIXED:
         return FIXED[name]
     if name.startswith(("recovery/", "speedup/")):
@@ -199,15 +240,16 @@ def catalogue() -> list[str]:
     tasks = [f"task/{t}/{m}" for t in sorted(known_tasks()) for m in ("acc", "acc_norm", "perplexity")]
     names += speed + tasks
     names += [f"speedup/{s.removeprefix('speed/')}" for s in speed]
-    names += ["recovery/quality/ppl"] + [f"recovery/{t}" for t in tasks]
+    names += ["recovery/quality/ppl", "recovery/quality_ood/ppl"] + [f"recovery/{t}" for t in tasks]
     return names
 
 
 def check_name(name: str) -> str | None:
     """None if `name` is a metric the stages log; else the problem, with close matches."""
+    name = without_interval_suffix(name)
     base = name.removeprefix("recovery/")
     if name.startswith("recovery/") and not RECOVERABLE.fullmatch(base):
-        return f"unknown metric '{name}' (recovery/ exists for quality/ppl and task/*)." + _close(name)
+        return f"unknown metric '{name}' (recovery/ exists for quality/ppl, quality_ood/ppl and task/*)." + _close(name)
     if base.startswith("task/"):
         parts = base.split("/")
         if len(parts) == 3 and parts[1] in known_tasks() and parts[2]:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench import card, data, environment, models
-from quantbench.checkpoint import Target, check_loadable, param_bytes, resolve_target, weights_size_mb, write_info
+from quantbench.checkpoint import (Target, check_loadable, param_bytes, resolve_target, weights_sha, weights_size_mb,
+                                   write_info)
 from quantbench.errors import UserError
 from quantbench.evaluate import bench as bench_stage
 from quantbench.evaluate import stage as evaluate_stage
@@ -215,7 +216,10 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
                 step("reload check")
                 log.info("reloading the saved checkpoint from disk and checking it")
                 check = reload_check(staging, spec.check, job.check_ids, base_ppl, produced.reference_ppl)
-                write_info(staging, _checkpoint_info(job, run.run_id))
+                sha = weights_sha(staging)  # same recipe, same seed, same engine versions -> same hash
+                log.info("weights sha256 %s (%s)", sha, produced.pinned)
+                run.set_tags({TAG + "weights_sha": sha or "none", TAG + "deterministic": produced.pinned})
+                write_info(staging, {**_checkpoint_info(job, run.run_id), "weights_sha": sha})
                 size_mb = weights_size_mb(staging)
                 metrics = {**produced.metrics, "model/size_mb": size_mb, "model/base_size_mb": base_size_mb,
                            "model/compression_ratio": base_size_mb / size_mb, **check.metrics}

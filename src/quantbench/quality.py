@@ -131,18 +131,51 @@ class Comparison:
     nll: torch.Tensor  # [positions] candidate's negative log-likelihood per token
     kld: torch.Tensor  # [positions] KL(base || candidate)
     top1_agree: torch.Tensor  # [positions] bool: the candidate's argmax is the base's
+    per_window: int  # positions scored per window (window - 1), consecutive in the tensors above
 
-    def metrics(self) -> dict[str, float]:
+    @property
+    def windows(self) -> int:
+        return len(self.nll) // self.per_window
+
+    def metrics(self, prefix: str = "quality/") -> dict[str, float]:
         kld = self.kld.double()
         return {
-            "quality/ppl": math.exp(self.nll.double().mean().item()),
-            "quality/kld_mean": kld.mean().item(),
-            "quality/kld_p90": kld.quantile(0.90).item(),
-            "quality/kld_p99": kld.quantile(0.99).item(),
-            "quality/kld_max": kld.max().item(),
-            "quality/top1_agreement": self.top1_agree.double().mean().item(),
-            "quality/positions": float(len(self.nll)),
+            prefix + "ppl": math.exp(self.nll.double().mean().item()),
+            prefix + "kld_mean": kld.mean().item(),
+            prefix + "kld_p90": kld.quantile(0.90).item(),
+            prefix + "kld_p99": kld.quantile(0.99).item(),
+            prefix + "kld_max": kld.max().item(),
+            prefix + "top1_agreement": self.top1_agree.double().mean().item(),
+            prefix + "positions": float(len(self.nll)),
         }
+
+    def intervals(self, base_nll: torch.Tensor, boot, prefix: str = "quality/") -> dict[str, float]:
+        """95 % intervals of the metrics above (and of recovery/<prefix>ppl against `base_nll`, the
+        base model's per-position NLL), from a paired block bootstrap over whole windows
+        (intervals.py); {} when there are too few windows. kld_max has none: a bootstrap cannot
+        see past the largest value it was given."""
+        from quantbench import intervals
+
+        if not intervals.enough(self.windows) or boot.resamples == 0:
+            return {}
+        counts = boot.counts(self.windows)
+        sizes = torch.full((self.windows,), float(self.per_window), dtype=torch.float64)
+
+        def sums(values: torch.Tensor) -> torch.Tensor:
+            return values.double().view(self.windows, self.per_window).sum(1)
+
+        cand = intervals.weighted_means(counts, sums(self.nll), sizes)
+        base = intervals.weighted_means(counts, sums(base_nll), sizes)
+        owner = torch.arange(self.windows).repeat_interleave(self.per_window)
+        out = {
+            **intervals.bounds(prefix + "ppl", cand.exp(), self.windows),
+            **intervals.bounds(f"recovery/{prefix}ppl", (base - cand).exp(), self.windows),  # base ppl / candidate ppl
+            **intervals.bounds(prefix + "kld_mean", intervals.weighted_means(counts, sums(self.kld), sizes), self.windows),
+            **intervals.bounds(prefix + "top1_agreement", intervals.weighted_means(counts, sums(self.top1_agree), sizes), self.windows),
+        }
+        for q, name in ((0.90, "kld_p90"), (0.99, "kld_p99")):
+            out.update(intervals.bounds(prefix + name, intervals.resampled_quantile(self.kld, owner, counts, q), self.windows))
+        return out
 
 
 def kl_divergence(base_log_probs: torch.Tensor, cand_log_probs: torch.Tensor) -> torch.Tensor:
@@ -173,4 +206,4 @@ def compare(model, token_ids: list[int], window: int, ref: Reference, batch_size
         offset += n
     if offset != len(ref.nll):
         raise ValueError("the reference was computed on different text or window")
-    return Comparison(torch.cat(nll), torch.cat(kld), torch.cat(agree))
+    return Comparison(torch.cat(nll), torch.cat(kld), torch.cat(agree), window - 1)

@@ -79,8 +79,23 @@ def test_quantize_evaluates_the_reloaded_checkpoint_and_reuses_the_baseline(work
     assert len(report["samples"]["qb_pydoc_lastword"]) == 6 and len(report["kld_per_position"]) == 630
     card = (Path(first["checkpoint"]) / "README.md").read_text()
     assert "| `quality/kld_mean` |" in card and "| `check/reload_ppl` |" in card
+    assert f"| `quality/kld_mean` | {m['quality/kld_mean']:.4g} [{m['quality/kld_mean.ci_low']:.4g}, " in card
+    assert ".ci_low` |" not in card  # the interval sits beside its metric, not in a row of its own
     assert {a.path for a in client.list_artifacts(baseline.info.run_id, "baseline")} == {
-        "baseline/reference.safetensors", "baseline/task_samples.json"}
+        "baseline/reference.safetensors", "baseline/reference_ood.safetensors", "baseline/task_samples.json"}
+
+    # out of domain: the same quality pass over the suite's ood_text, under its own names
+    assert m["quality_ood/positions"] == 10 * 63 and 0 < m["quality_ood/kld_mean"] <= m["quality_ood/kld_max"]
+    assert m["recovery/quality_ood/ppl"] == pytest.approx(baseline.data.metrics["quality_ood/ppl"] / m["quality_ood/ppl"])
+    # intervals: 10 windows are enough for the quality pass, 6 items a task are not (said so, none logged)
+    for key in ("quality/ppl", "quality/kld_mean", "quality/kld_p99", "quality/top1_agreement", "recovery/quality/ppl",
+                "quality_ood/kld_mean", "recovery/quality_ood/ppl", "quality/flips_pct"):
+        assert m[key + ".ci_low"] <= m[key] <= m[key + ".ci_high"], key
+    assert not [k for k in m if k.startswith(("task/", "recovery/task/")) and ".ci_" in k]
+    assert "quality/kld_max.ci_low" not in m and 0 < m["quality/flips_p_value"] <= 1
+    assert report["intervals"]["windows"] == 10 and report["intervals"]["resamples"] == 2000
+    assert "task/qb_pydoc_lastword/*: 6 items, too few for an interval (at least 10)" in report["intervals"]["not_computed"]
+    assert set(report["item_values"]["qb_pydoc_lastword"]["0"]) == {"acc", "perplexity"}
 
 
 def test_evaluate_by_run_id_and_by_directory(workdir, tiny_model_dir, suite, capsys):

@@ -30,5 +30,8 @@ def test_flips_on_hand_made_results():
     assert out["quality/flips_right_to_wrong_pct"] == pytest.approx(100 * 2 / 6)
     assert out["quality/flips_wrong_to_right_pct"] == pytest.approx(100 * 1 / 6)
     assert out["quality/flips_pct"] == pytest.approx(50.0)
-    assert flips(base, base)["quality/flips_pct"] == 0
+    assert out["quality/flips_p_value"] == pytest.approx(1.0)  # 2 one way, 1 the other: McNemar sees nothing
+    assert flips(base, base)["quality/flips_pct"] == 0 and flips(base, base)["quality/flips_p_value"] == 1.0
+    lopsided = {"a": {i: True for i in range(12)}}
+    assert flips(lopsided, {"a": {i: i >= 9 for i in range(12)}})["quality/flips_p_value"] == pytest.approx(2 * 0.5**9)
     assert flips(base, {}) == {}

@@ -10,7 +10,9 @@ Metric names (docs/metrics.md): `speed/ttft_ms_p50`, `speed/ttft_ms_p95`, `speed
 `speed/itl_ms_p50`, `speed/prefill_tok_s`, `speed/e2e_ms_p50`, `speed/e2e_ms_p95`,
 `speed/c<N>/throughput_tok_s`, `speed/c<N>/requests_s`, `speed/peak_mem_mb`.
 `speedup/<metric>` is oriented so that above 1 is faster: candidate / base for rates,
-base / candidate for times and memory.
+base / candidate for times and memory. With 3 or more repetitions each speedup also has a 95 %
+interval, `speedup/<metric>.ci_low` / `.ci_high`, from the paired repetitions
+(`speedup_intervals`, docs/intervals.md).
 """
 
 from __future__ import annotations
@@ -186,7 +188,36 @@ def bench_pair(measurers: dict, token_ids: list[int], profile: Profile) -> Speed
             base = metrics["base_" + key]
             lower = key.endswith(LOWER_IS_FASTER)
             metrics["speedup/" + key.removeprefix("speed/")] = (base / value) if lower else (value / base)
+    metrics.update(speedup_intervals(samples, profile))
     return SpeedResult(metrics, samples)
+
+
+def speedup_intervals(samples: dict[str, dict[str, list[float]]], profile: Profile) -> dict[str, float]:
+    """`speedup/<m>.ci_low` / `.ci_high` from the paired repetitions: repetition i of the candidate
+    and of the base ran back to back, so each pair gives one ratio (each model's repetition
+    summarised as the metrics are); the interval is Student's t on the log ratios
+    (intervals.ratio_interval). {} with fewer than 3 pairs: no interval is made up. None for the
+    95th percentiles: one repetition holds one or two timings, no tail to pair."""
+    from quantbench.intervals import HIGH, LOW, ratio_interval
+
+    cand, base = samples.get("candidate", {}), samples.get("base", {})
+    pairs = min((len(v) for v in [*cand.values(), *base.values()]), default=0)
+    ratios: dict[str, list[float]] = {}
+    for i in range(pairs):
+        try:
+            c = summarize({k: [v[i]] for k, v in cand.items()}, profile)
+            b = summarize({k: [v[i]] for k, v in base.items()}, profile)
+        except (KeyError, ValueError, statistics.StatisticsError):
+            return {}  # a repetition that did not measure every sample: no paired interval
+        for key in c.keys() & b.keys():
+            if c[key] > 0 and b[key] > 0 and not key.endswith("_p95"):
+                ratios.setdefault(key, []).append(b[key] / c[key] if key.endswith(LOWER_IS_FASTER) else c[key] / b[key])
+    out = {}
+    for key, values in sorted(ratios.items()):
+        interval = ratio_interval(values) if len(values) == pairs else None
+        if interval:
+            out[f"speedup/{key}{LOW}"], out[f"speedup/{key}{HIGH}"] = interval
+    return out
 
 
 def summarize(samples: dict[str, list[float]], profile: Profile) -> dict[str, float]:

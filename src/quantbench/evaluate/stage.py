@@ -1,11 +1,13 @@
 """The evaluate stage: a loaded checkpoint's quality against its base model.
 
 One quality pass over held-out text (perplexity, KL divergence to the base model, top-1
-agreement), task evals through lm-eval, answer flips against the base model's per-item results,
-and recovery (the share of the base model's score kept; above 1 is better). The base model is
-scored once per (model fingerprint, suite fingerprint) in its own MLflow run tagged
-`quantbench.role=baseline`, with what its next-token distributions are computed from stored as an
-artifact; every later candidate reuses that run.
+agreement), the same over out-of-domain text (`quality_ood/*`), task evals through lm-eval,
+answer flips against the base model's per-item results, and recovery (the share of the base
+model's score kept; above 1 is better); each with a paired 95 % interval where the suite has
+units enough (intervals.py, docs/intervals.md). The base model is scored once per (model
+fingerprint, suite fingerprint) in its own MLflow run tagged `quantbench.role=baseline`, with what
+its next-token distributions are computed from and its per-item task values stored as artifacts;
+every later candidate reuses that run.
 """
 
 from __future__ import annotations
@@ -14,19 +16,21 @@ import json
 import logging
 import math
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantbench import data, models
+from quantbench import data, intervals, models
 from quantbench.errors import UserError
-from quantbench.evaluate.suite import LoadedSuite, suites_dir
-from quantbench.evaluate.tasks import check_tasks, flips, run_tasks, write_offline_suite
+from quantbench.evaluate.suite import BASELINE_FORMAT, LoadedSuite, suites_dir
+from quantbench.evaluate.tasks import Items, check_tasks, correct, flips, item_intervals, run_tasks, write_offline_suite
 from quantbench.metrics import RECOVERABLE, direction
 from quantbench.tracking import TAG, Tracker
 
 log = logging.getLogger(__name__)
 
 REFERENCE = "baseline/reference.safetensors"
+REFERENCE_OOD = "baseline/reference_ood.safetensors"
 SAMPLES = "baseline/task_samples.json"
 
 
@@ -39,12 +43,20 @@ class Plan:
     text_sha: str
     tasks_dir: Path
     task_counts: dict[str, int]
+    ood_ids: list[int] | None = None  # the out-of-domain text's tokens, when the suite has one
+    ood_sha: str | None = None
 
     @property
     def fingerprint(self) -> str:
-        """The text and the very token ids scored: a tokenizer that splits the same text otherwise
+        """The texts and the very token ids scored: a tokenizer that splits the same text otherwise
         (another conversion of the same weights) must not reuse a baseline scored on other ids."""
-        return self.suite.fingerprint(self.text_sha + ":" + data.text_sha(str(self.token_ids)))
+        ood = self.ood_sha and self.ood_sha + ":" + data.text_sha(str(self.ood_ids))
+        return self.suite.fingerprint(self.text_sha + ":" + data.text_sha(str(self.token_ids)), ood)
+
+    @property
+    def bootstrap(self) -> intervals.Bootstrap:
+        spec = self.suite.suite.intervals
+        return intervals.Bootstrap(spec.resamples, spec.seed)
 
 
 @dataclass
@@ -52,8 +64,13 @@ class Baseline:
     run_id: str
     metrics: dict[str, float]
     reference: object
-    correct: dict[str, dict[int, bool]]
+    items: Items  # the base model's per-item task values
     reused: bool
+    reference_ood: object = None
+
+    @property
+    def correct(self) -> dict[str, dict[int, bool]]:
+        return correct(self.items)
 
 
 @dataclass
@@ -66,6 +83,7 @@ class Evaluation:
     baseline_reused: bool
     tags: dict[str, str]
     report: dict  # evaluation.json
+    notes: list[str] = field(default_factory=list)  # metrics left without an interval, and why
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,11 +103,21 @@ def prepare(suite: LoadedSuite, tokenizer) -> Plan:
             f"{where}: text: the evaluation text has {len(ids)} tokens, shorter than one window "
             f"(window={spec.window}); give a longer text or a smaller window"
         )
+    ood_ids = ood_sha = None
+    if spec.ood_text is not None:
+        try:
+            ood = data.load_text(spec.ood_text, field="ood_text", split="evaluation")
+        except UserError as exc:
+            raise UserError([f"{where}: {p}" for p in exc.problems]) from None
+        ood_ids, ood_sha = tokenizer(ood)["input_ids"][: spec.tokens], data.text_sha(ood)
+        if len(ood_ids) < spec.window:
+            raise UserError(f"{where}: ood_text: the out-of-domain text has {len(ood_ids)} tokens, shorter than one "
+                            f"window (window={spec.window}); give a longer text, a smaller window, or ood_text: null")
     docs = data.python_docs("evaluation")
     tasks_dir = models.cache_dir() / "tasks" / data.text_sha(docs)[:16]
     counts = write_offline_suite(docs, tasks_dir)
     check_tasks(spec.tasks, tasks_dir)
-    return Plan(suite, ids, data.text_sha(text), tasks_dir, counts)
+    return Plan(suite, ids, data.text_sha(text), tasks_dir, counts, ood_ids, ood_sha)
 
 
 def evaluate(model, tokenizer, base: models.ResolvedModel, p: Plan, tracker: Tracker) -> Evaluation:
@@ -98,15 +126,28 @@ def evaluate(model, tokenizer, base: models.ResolvedModel, p: Plan, tracker: Tra
     from quantbench.quality import compare
 
     spec = p.suite.suite
+    started = time.perf_counter()
     baseline = get_baseline(tracker, base, p)
+    baseline_s = time.perf_counter() - started
     log.info("evaluate: quality pass over %d held-out tokens", len(p.token_ids))
     comparison = compare(model, p.token_ids, spec.window, baseline.reference, spec.batch_size)
     metrics = comparison.metrics()
+    ood = None
+    if p.ood_ids is not None:
+        log.info("evaluate: quality pass over %d out-of-domain tokens (%s)", len(p.ood_ids), spec.ood_text)
+        ood = compare(model, p.ood_ids, spec.window, baseline.reference_ood, spec.batch_size)
+        metrics.update(ood.metrics("quality_ood/"))
     log.info("evaluate: tasks %s", ", ".join(spec.tasks))
     tasks = run_tasks(model, tokenizer, spec.tasks, p.tasks_dir, limit=spec.task_limit, batch_size=spec.task_batch_size)
     metrics.update(tasks.metrics)
     metrics.update(flips(baseline.correct, tasks.correct))
     metrics.update(recovery(metrics, baseline.metrics))
+    before = time.perf_counter()
+    bounds, notes = _intervals(p, baseline, comparison, ood, tasks.items, metrics)
+    interval_s = time.perf_counter() - before
+    metrics.update(bounds)
+    for note in notes:
+        log.info("evaluate: no interval for %s", note)
     tags = {TAG + "baseline_run": baseline.run_id, TAG + "suite": p.suite.name, TAG + "suite_sha": p.fingerprint}
     report = {
         "suite": p.suite.name,
@@ -120,9 +161,34 @@ def evaluate(model, tokenizer, base: models.ResolvedModel, p: Plan, tracker: Tra
         "baseline_metrics": baseline.metrics,
         "lm_eval_results": tasks.raw,
         "samples": {task: {str(k): v for k, v in items.items()} for task, items in tasks.correct.items()},
+        "item_values": {task: {str(k): v for k, v in items.items()} for task, items in tasks.items.items()},
         "kld_per_position": [round(x, 6) for x in comparison.kld.tolist()],
+        "intervals": {"confidence": intervals.CONFIDENCE, "resamples": spec.intervals.resamples, "seed": spec.intervals.seed,
+                      "method": "paired percentile bootstrap: whole windows (quality pass), items (tasks, flips)",
+                      "windows": comparison.windows, "ood_windows": ood.windows if ood else None,
+                      "min_units": intervals.MIN_UNITS, "seconds": interval_s, "not_computed": notes},
+        # wall time of this stage: all of it, the part spent finding (or scoring) the baseline, the intervals
+        "seconds": {"evaluate": time.perf_counter() - started, "baseline": baseline_s, "intervals": interval_s},
     }
-    return Evaluation(metrics, baseline.metrics, baseline.run_id, baseline.reused, tags, report)
+    return Evaluation(metrics, baseline.metrics, baseline.run_id, baseline.reused, tags, report, notes)
+
+
+def _intervals(p: Plan, baseline: Baseline, comparison, ood, items: Items, metrics: dict[str, float]) -> tuple[dict, list[str]]:
+    """Every interval the suite has units for, and a note for each family left without one."""
+    boot = p.bootstrap
+    if boot.resamples == 0:
+        return {}, ["every metric: the suite sets intervals.resamples: 0"]
+    out, notes = {}, []
+    for prefix, result, reference in (("quality/", comparison, baseline.reference), ("quality_ood/", ood, baseline.reference_ood)):
+        if result is None:
+            continue
+        if intervals.enough(result.windows):
+            out.update(result.intervals(reference.nll, boot, prefix))
+        else:
+            notes.append(f"{prefix}* and recovery/{prefix}ppl: {result.windows} windows, too few for an interval "
+                         f"(at least {intervals.MIN_UNITS}: raise tokens or lower window)")
+    task_bounds, task_notes = item_intervals(baseline.items, items, metrics, boot)
+    return {**out, **task_bounds}, notes + task_notes
 
 
 def get_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan) -> Baseline:
@@ -136,9 +202,10 @@ def get_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan) -> Basel
         log.info("evaluate: reusing baseline run %s", run.run_id)
         with tempfile.TemporaryDirectory() as tmp:
             reference = Reference.load(run.download(REFERENCE, Path(tmp)))
+            reference_ood = Reference.load(run.download(REFERENCE_OOD, Path(tmp))) if p.ood_ids is not None else None
             samples = json.loads(run.download(SAMPLES, Path(tmp)).read_text())
-        correct = {task: {int(k): v for k, v in items.items()} for task, items in samples.items()}
-        return Baseline(run.run_id, dict(run.data.metrics), reference, correct, reused=True)
+        items = {task: {int(k): v for k, v in docs.items()} for task, docs in samples["tasks"].items()}
+        return Baseline(run.run_id, dict(run.data.metrics), reference, items, reused=True, reference_ood=reference_ood)
     return _score_baseline(tracker, base, p, keys)
 
 
@@ -158,22 +225,31 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys:
         model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto")
         tokenizer = AutoTokenizer.from_pretrained(base.path)
         ref = reference(model, p.token_ids, spec.window, spec.batch_size)
+        metrics = {"quality/ppl": math.exp(ref.nll.double().mean().item()), "quality/positions": float(len(ref.nll))}
+        ref_ood = None
+        if p.ood_ids is not None:
+            ref_ood = reference(model, p.ood_ids, spec.window, spec.batch_size)
+            metrics.update({"quality_ood/ppl": math.exp(ref_ood.nll.double().mean().item()),
+                            "quality_ood/positions": float(len(ref_ood.nll))})
         tasks = run_tasks(model, tokenizer, spec.tasks, p.tasks_dir, limit=spec.task_limit, batch_size=spec.task_batch_size)
-        metrics = {"quality/ppl": math.exp(ref.nll.double().mean().item()), "quality/positions": float(len(ref.nll)), **tasks.metrics}
+        metrics.update(tasks.metrics)
         with tempfile.TemporaryDirectory() as tmp:
-            ref_path, samples_path = Path(tmp) / "reference.safetensors", Path(tmp) / "task_samples.json"
-            ref.save(ref_path)
-            samples_path.write_text(json.dumps({t: {str(k): v for k, v in items.items()} for t, items in tasks.correct.items()}))
-            run.log_artifact(ref_path, "baseline")
+            samples_path = Path(tmp) / "task_samples.json"
+            for name, kept in (("reference.safetensors", ref), ("reference_ood.safetensors", ref_ood)):
+                if kept is not None:
+                    kept.save(Path(tmp) / name)
+                    run.log_artifact(Path(tmp) / name, "baseline")
+            samples_path.write_text(json.dumps({"format": BASELINE_FORMAT, "tasks": {
+                t: {str(k): v for k, v in docs.items()} for t, docs in tasks.items.items()}}))
             run.log_artifact(samples_path, "baseline")
         run.log_metrics(metrics)
         run.log_dict({"metrics": metrics, "lm_eval_results": tasks.raw, "task_items_scored": tasks.counts}, "evaluation.json")
-    return Baseline(run.run_id, metrics, ref, tasks.correct, reused=False)
+    return Baseline(run.run_id, metrics, ref, tasks.items, reused=False, reference_ood=ref_ood)
 
 
 def recovery(metrics: dict[str, float], baseline: dict[str, float]) -> dict[str, float]:
-    """recovery/<m> for quality/ppl and task/*: the share of the base model's score kept, above 1
-    better, so for a lower-is-better metric (perplexity) it is baseline / candidate."""
+    """recovery/<m> for quality/ppl, quality_ood/ppl and task/*: the share of the base model's score
+    kept, above 1 better, so for a lower-is-better metric (perplexity) it is baseline / candidate."""
     out = {}
     for key, value in metrics.items():
         base = baseline.get(key)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -121,12 +122,27 @@ def write_offline_suite(text: str, directory: Path) -> dict[str, int]:
     return {name: len(rows) for name, rows in items.items()}
 
 
+# task -> doc_id -> metric -> that item's value as lm-eval aggregates it (a number, or
+# [log-likelihood, words or bytes] for the weighted perplexities)
+Items = dict[str, dict[int, dict[str, float | list[float]]]]
+
+
 @dataclass
 class TaskResults:
     metrics: dict[str, float]  # task/<task>/<metric>
-    correct: dict[str, dict[int, bool]]  # task -> doc_id -> right?
+    items: Items  # every item's per-metric values (what the paired intervals resample)
     counts: dict[str, int]  # items scored per task
     raw: dict  # lm-eval's results section
+
+    @property
+    def correct(self) -> dict[str, dict[int, bool]]:
+        """task -> doc_id -> right? (the items' `acc`)."""
+        return correct(self.items)
+
+
+def correct(items: Items) -> dict[str, dict[int, bool]]:
+    return {task: {doc: bool(values["acc"]) for doc, values in docs.items() if "acc" in values}
+            for task, docs in items.items()}
 
 
 @cache
@@ -187,7 +203,7 @@ def run_tasks(model, tokenizer, tasks: list[str], suite_dir: Path, *, limit: int
         fewshot_random_seed=0,
         bootstrap_iters=0,
     )
-    metrics, correct, counts = {}, {}, {}
+    metrics, items, counts = {}, {}, {}
     for task, values in out["results"].items():
         for key, value in values.items():
             name, _, filt = key.partition(",")
@@ -195,22 +211,38 @@ def run_tasks(model, tokenizer, tasks: list[str], suite_dir: Path, *, limit: int
                 continue
             metrics[f"task/{task}/{name}"] = float(value)
     for task, samples in out.get("samples", {}).items():
-        correct[task] = {int(s["doc_id"]): bool(s["acc"]) for s in samples if "acc" in s}
+        items[task] = {int(s["doc_id"]): _item_values(s) for s in samples}
         counts[task] = len(samples)
-    return TaskResults(metrics, correct, counts, out["results"])
+    return TaskResults(metrics, items, counts, out["results"])
+
+
+def _item_values(sample: dict) -> dict[str, float | list[float]]:
+    """An lm-eval sample's per-metric values, as plain JSON numbers."""
+    out: dict[str, float | list[float]] = {}
+    for name in sample.get("metrics", []):
+        value = sample.get(name)
+        if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, (int, float)) for v in value):
+            out[name] = [float(value[0]), float(value[1])]
+        elif isinstance(value, (int, float)):
+            out[name] = float(value)
+    return out
+
+
+def _paired_flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]]) -> list[tuple[bool, bool]]:
+    """(base right?, candidate right?) for every item both scored, in a fixed order."""
+    return [(was_right, cand[task][doc_id]) for task, base_items in sorted(base.items())
+            for doc_id, was_right in sorted(base_items.items()) if doc_id in cand.get(task, {})]
 
 
 def flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]]) -> dict[str, float]:
-    """Answers that changed between right and wrong, over the items both scored."""
-    total = right_to_wrong = wrong_to_right = 0
-    for task, base_items in base.items():
-        for doc_id, was_right in base_items.items():
-            if doc_id not in cand.get(task, {}):
-                continue
-            total += 1
-            now_right = cand[task][doc_id]
-            right_to_wrong += was_right and not now_right
-            wrong_to_right += now_right and not was_right
+    """Answers that changed between right and wrong, over the items both scored, and McNemar's
+    exact test of whether they changed more often one way than the other."""
+    from quantbench.intervals import mcnemar_p
+
+    pairs = _paired_flips(base, cand)
+    total = len(pairs)
+    right_to_wrong = sum(was and not now for was, now in pairs)
+    wrong_to_right = sum(now and not was for was, now in pairs)
     if total == 0:
         return {}
     return {
@@ -218,4 +250,84 @@ def flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]]) ->
         "quality/flips_right_to_wrong_pct": 100.0 * right_to_wrong / total,
         "quality/flips_wrong_to_right_pct": 100.0 * wrong_to_right / total,
         "quality/flips_items": float(total),
+        "quality/flips_p_value": mcnemar_p(right_to_wrong, wrong_to_right),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Paired intervals over items (intervals.py): each task metric, its recovery, and the flips
+
+
+def _aggregate(metric: str):
+    """How lm-eval turns a metric's per-item values into the task's score, as a function of
+    bootstrap counts [resamples, items] and the values; None for an aggregation not known here."""
+
+    def sums(counts, values):
+        return counts @ values
+
+    if metric == "perplexity":
+        return lambda c, v: (-sums(c, v) / c.sum(1)).exp()
+    if metric in ("word_perplexity", "byte_perplexity"):
+        return lambda c, v: (-sums(c, v[:, 0]) / sums(c, v[:, 1])).exp()
+    if metric == "bits_per_byte":
+        return lambda c, v: -sums(c, v[:, 0]) / sums(c, v[:, 1]) / math.log(2)
+
+    def mean(counts, values):  # acc, acc_norm, exact_match, ...: one number an item
+        return sums(counts, values) / counts.sum(1) if values.dim() == 1 else None
+
+    return mean
+
+
+def item_intervals(base: Items, cand: Items, metrics: dict[str, float], boot) -> tuple[dict[str, float], list[str]]:
+    """Intervals of `task/<t>/<m>`, `recovery/task/<t>/<m>` and the flips, from a paired bootstrap
+    over the items both models scored; and a note for every metric left without one."""
+    import torch
+
+    from quantbench import intervals
+    from quantbench.metrics import RECOVERABLE, direction
+
+    out: dict[str, float] = {}
+    notes: list[str] = []
+    if boot.resamples == 0:
+        return out, notes
+    for task in sorted(cand):
+        docs = sorted(set(cand[task]) & set(base.get(task, {})))
+        if not intervals.enough(len(docs)):
+            notes.append(f"task/{task}/*: {len(docs)} items, too few for an interval (at least {intervals.MIN_UNITS})")
+            continue
+        counts = boot.counts(len(docs))
+        ones = torch.ones(1, len(docs), dtype=torch.float64)
+        for metric in sorted(cand[task][docs[0]]):
+            name = f"task/{task}/{metric}"
+            try:
+                values = {who: torch.tensor([items[task][d][metric] for d in docs], dtype=torch.float64)
+                          for who, items in (("cand", cand), ("base", base))}
+            except (KeyError, TypeError, ValueError):
+                notes.append(f"{name}: not every item has a value for both models; no interval")
+                continue
+            aggregate = _aggregate(metric)
+            point = aggregate(ones, values["cand"]) if aggregate else None
+            if point is None or name not in metrics or not math.isclose(point.item(), metrics[name], rel_tol=1e-6, abs_tol=1e-9):
+                notes.append(f"{name}: its per-item values do not reproduce lm-eval's score; no interval")
+                continue
+            draws = aggregate(counts, values["cand"])
+            out.update(intervals.bounds(name, draws, len(docs)))
+            if RECOVERABLE.fullmatch(name) and f"recovery/{name}" in metrics:  # none where the base scored 0
+                base_draws = aggregate(counts, values["base"])
+                ratio = base_draws / draws if direction(name) == "lower" else draws / base_draws
+                if bool(torch.isfinite(ratio).all()):
+                    out.update(intervals.bounds(f"recovery/{name}", ratio, len(docs)))
+                else:
+                    notes.append(f"recovery/{name}: a resample has a zero score; no interval")
+    pairs = _paired_flips(correct(base), correct(cand))
+    if not intervals.enough(len(pairs)):
+        if pairs:
+            notes.append(f"quality/flips_*: {len(pairs)} items, too few for an interval (at least {intervals.MIN_UNITS})")
+        return out, notes
+    was = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+    now = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
+    counts = boot.counts(len(pairs))
+    for name, flipped in (("flips_pct", (was != now).double()), ("flips_right_to_wrong_pct", was * (1 - now)),
+                          ("flips_wrong_to_right_pct", now * (1 - was))):
+        out.update(intervals.bounds(f"quality/{name}", 100.0 * (counts @ flipped) / len(pairs), len(pairs)))
+    return out, notes

@@ -62,6 +62,7 @@ class Produced:
     metrics: dict[str, float] = field(default_factory=dict)  # its own metrics (e.g. distill/*)
     reference_ppl: float | None = None  # the reload check bounds against this instead of the base's (a trained model)
     card: str = ""  # how it was made, for the model card (markdown list items)
+    pinned: str = ""  # what the produce step pinned for a repeatable checkpoint (quantize/stage.py)
 
 
 class Backend(Protocol):

@@ -76,7 +76,8 @@ class GPTQModelBackend:
 
     def produce(self, inputs: Inputs) -> Produced:
         inputs.drop_model()  # the child loads its own copy
-        self.write(inputs.base.path, inputs.loaded.recipe.model.dtype, inputs.calibration, inputs.staging, inputs.log_path)
+        self.write(inputs.base.path, inputs.loaded.recipe.model.dtype, inputs.calibration, inputs.staging, inputs.log_path,
+                   inputs.loaded.recipe.calibration.seed)
         return Produced(card=calibration_card(inputs))
 
     def loaders(self) -> str:
@@ -87,12 +88,14 @@ class GPTQModelBackend:
             return f"GPTQ (gptqmodel {version}) — transformers (+optimum, gptqmodel), vLLM, SGLang"
         return f"AWQ GEMM (gptqmodel {version}) — transformers (+gptqmodel), vLLM, SGLang"
 
-    def write(self, base_path: Path, dtype: str, calibration: list[list[int]], dest: Path, log_path: Path) -> None:
-        """Quantize the base model with GPTQModel and save it into `dest`, in a child process."""
+    def write(self, base_path: Path, dtype: str, calibration: list[list[int]], dest: Path, log_path: Path,
+              seed: int = 0) -> None:
+        """Quantize the base model with GPTQModel and save it into `dest`, in a child process
+        (seeded and deterministic like the produce step: quantize/stage.py)."""
         from quantbench.processes import stop_group
 
         job = {"base": str(base_path), "dtype": dtype, "spec": self.spec.model_dump(mode="json"),
-               "calibration": calibration, "dest": str(dest)}
+               "calibration": calibration, "dest": str(dest), "seed": seed}
         env = dict(os.environ)
         if (os.cpu_count() or 1) <= 2:
             env.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -144,14 +147,17 @@ def _child(job_file: str) -> None:
     from gptqmodel import BACKEND, GPTQModel
     from transformers import AutoTokenizer
 
+    from quantbench.quantize.stage import deterministic
+
     job = json.loads(Path(job_file).read_text())
     spec = (AWQSpec if job["spec"]["method"] == "awq" else GPTQSpec).model_validate(job["spec"])
-    model = GPTQModel.load(job["base"], config(spec), dtype=getattr(torch, job["dtype"]))
-    rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in job["calibration"]]
-    # the kernel for GPTQModel's own forward passes after each layer (torch: runs on a CPU)
-    kernel = BACKEND.AUTO if torch.cuda.is_available() else BACKEND.AWQ_TORCH if spec.format == "awq" else BACKEND.GPTQ_TORCH
-    model.quantize(rows, batch_size=1, backend=kernel)
-    model.save(job["dest"])
+    with deterministic(job["seed"]):
+        model = GPTQModel.load(job["base"], config(spec), dtype=getattr(torch, job["dtype"]))
+        rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in job["calibration"]]
+        # the kernel for GPTQModel's own forward passes after each layer (torch: runs on a CPU)
+        kernel = BACKEND.AUTO if torch.cuda.is_available() else BACKEND.AWQ_TORCH if spec.format == "awq" else BACKEND.GPTQ_TORCH
+        model.quantize(rows, batch_size=1, backend=kernel)  # calibration_sort "desc": our windows, in a fixed order
+        model.save(job["dest"])
     AutoTokenizer.from_pretrained(job["base"]).save_pretrained(job["dest"])
 
 

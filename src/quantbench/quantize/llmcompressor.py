@@ -99,6 +99,11 @@ class LLMCompressorBackend:
                 ),
                 "num_calibration_samples": len(calibration),
                 "max_seq_length": max(len(row) for row in calibration),
+                # The windows are already chosen and ordered by calibration.seed. llm-compressor's
+                # default draws them in an unseeded random order (a RandomSampler on torch's global
+                # generator), and AWQ's and GPTQ's sums over batches then round differently run
+                # to run: the same recipe and seed gave different checkpoints.
+                "shuffle_calibration_samples": False,
             }
         with cpu_safe_pinning():
             oneshot(model=model, recipe=self.modifiers(), **kwargs)
