@@ -42,10 +42,10 @@ class LLMCompressorBackend:
         self.calibrates = not isinstance(spec, (FP8Spec, RTNSpec)) or spec.kv_cache is not None
 
     def check(self, loaded, config) -> list[str]:
-        if isinstance(self.spec, MIXED):
+        if isinstance(self.spec, MIXED) and self.spec.layers:
             return layer_problems(loaded, config) + rotation_problems(loaded, config)
-        group_size = getattr(self.spec, "group_size", None)
-        return group_size_problem(loaded, config, group_size) if group_size else []
+        group_size = default_scheme(self.spec).group_size if isinstance(self.spec, MIXED) else getattr(self.spec, "group_size", None)
+        return (group_size_problem(loaded, config, group_size) if group_size else []) + rotation_problems(loaded, config)
 
     def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
         return {}
