@@ -205,8 +205,7 @@ def write_recipe(plan: Plan, alloc: allocate.Allocation, units: list[sensitivity
         layers_of.setdefault(scheme_name, []).extend(by_unit[unit_name].layers)
     own = _own_scheme(q["method"], layers_of)
     if own is not None:
-        name_, group = own
-        q["scheme"], q["group_size"], q["symmetric"] = name_, group, True
+        q["scheme"], q["group_size"], q["symmetric"] = own
     default = schemes.from_recipe(q["scheme"], q["group_size"], q["symmetric"]).name
     q["layers"] = {s: targets(layers) for s, layers in sorted(layers_of.items()) if s != default}
     needed = plan.policy.policy.stages
@@ -235,11 +234,13 @@ def write_recipe(plan: Plan, alloc: allocate.Allocation, units: list[sensitivity
     return path, name, loaded.sha
 
 
-def _own_scheme(method: str, layers_of: dict[str, list[str]]) -> tuple[str, int | None] | None:
-    """The most common chosen scheme a recipe of `method` can name as its own `scheme`."""
-    own = {"W4A16-G64": ("W4A16", 64), "W4A16-G32": ("W4A16", 32), "W8A16": ("W8A16", None)}
+def _own_scheme(method: str, layers_of: dict[str, list[str]]) -> tuple[str, int | None, bool] | None:
+    """The most common chosen scheme a recipe of `method` can name as its own (scheme, group_size,
+    symmetric)."""
+    own = {"W4A16-G64": ("W4A16", 64, True), "W4A16-G32": ("W4A16", 32, True), "W4A16-G64-ASYM": ("W4A16", 64, False),
+           "W4A16-G32-ASYM": ("W4A16", 32, False), "W8A16": ("W8A16", None, True)}
     if method == "rtn":
-        own["W8A8"] = ("W8A8", None)
+        own["W8A8"] = ("W8A8", None, True)
     ranked = sorted(layers_of, key=lambda s: -len(layers_of[s]))
     return next((own[s] for s in ranked if s in own), None)
 
