@@ -123,3 +123,29 @@ def test_when_even_the_best_allocation_fails_the_search_stops():
     search.budgets()
     [only] = search.candidates  # the prediction cannot reach the limit: the best allocation is tried, and fails
     assert only.bits_per_weight == search.problem.bounds()[1] / search.problem.total_params and not only.passed
+
+
+def candidate(name, size, kld, top1, speed):
+    checks = [{"check": "quality/kld_mean", "value": kld, "threshold": "<= 0.1", "passed": kld <= 0.1},
+              {"check": "quality/top1_agreement", "value": top1, "threshold": ">= 0.85", "passed": top1 >= 0.85},
+              {"check": "speedup/decode_tok_s", "value": speed, "threshold": ">= 1.0", "passed": speed >= 1.0}]
+    passed = all(c["passed"] for c in checks)
+    quality = all(c["passed"] for c in checks if not tune._beyond_bits(c["check"]))
+    return tune.Candidate(name, name + ".yaml", "sha", 0, 0, 0, 0, {}, run_id=name, status="finished",
+                          metrics={"model/size_mb": size, "quality/kld_mean": kld}, checks=checks, passed=passed,
+                          quality_passed=quality)
+
+
+def test_the_answer_is_the_smallest_pass_or_names_each_unmet_check_with_the_closest_value():
+    a, b, c = candidate("a", 100, 0.2, 0.80, 1.2), candidate("b", 120, 0.09, 0.86, 1.1), candidate("c", 140, 0.05, 0.9, 1.0)
+    best, unmet = tune.answer([a, b, c])
+    assert best is b and unmet == []  # the smallest that passes
+    slow = [candidate("a", 100, 0.2, 0.80, 0.7), candidate("b", 120, 0.09, 0.84, 0.9), candidate("c", 140, 0.12, 0.83, 0.8)]
+    best, unmet = tune.answer(slow)
+    # nothing passes; quality passes nowhere either: the fewest failed checks, then the lowest KLD
+    assert best.name == "b"
+    assert unmet == [{"check": "quality/top1_agreement", "threshold": ">= 0.85", "closest": {"value": 0.84, "run_id": "b", "name": "b"}},
+                     {"check": "speedup/decode_tok_s", "threshold": ">= 1.0", "closest": {"value": 0.9, "run_id": "b", "name": "b"}}]
+    quality_ok = [candidate("a", 100, 0.2, 0.80, 0.7), candidate("b", 120, 0.09, 0.86, 0.9), candidate("c", 140, 0.05, 0.9, 0.8)]
+    best, unmet = tune.answer(quality_ok)
+    assert best.name == "b" and [u["check"] for u in unmet] == ["speedup/decode_tok_s"]  # speed: bits cannot buy it
