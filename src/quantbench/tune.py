@@ -536,31 +536,40 @@ def frontier(candidates: list[Candidate], references: list, policy: str) -> list
 
 
 def plot_frontier(points: list[dict], path: Path, title: str) -> Path:
+    """Size vs KLD (and, when candidates were benched, decode speedup vs KLD): tuned candidates
+    coloured by verdict, shipped uniform recipes in grey, the size-vs-KLD frontier dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
-    for p in points:
-        tuned = p["kind"] == "tuned"
-        color = ("tab:green" if p["passed"] else "tab:orange") if tuned else "tab:gray"
-        ax.scatter([p["size_mb"]], [p["kld"]], s=60 if tuned else 45, color=color, marker="o" if tuned else "s", zorder=3)
-        label = f"{p['bits_per_weight']:.2f} b/w" if tuned and p.get("bits_per_weight") else p["name"]
-        ax.annotate(label, (p["size_mb"], p["kld"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    line = sorted((p["size_mb"], p["kld"]) for p in points if p["frontier"])
-    if len(line) > 1:
-        ax.plot(*zip(*line), color="tab:green", linestyle="--", zorder=2, label="Pareto frontier (size vs KLD)")
-    if points:
-        ax.set_yscale("log")
+    speed = [p for p in points if p.get("decode_speedup") is not None]
+    fig, axes = plt.subplots(1, 2 if speed else 1, figsize=(13 if speed else 8, 5.5), dpi=110, squeeze=False)
+    panels = [("size_mb", "model/size_mb (lower is better)", points)]
+    if speed:
+        panels.append(("decode_speedup", "speedup/decode_tok_s (higher is better)", speed))
+    for ax, (x_key, x_label, shown) in zip(axes[0], panels):
+        for p in shown:
+            tuned = p["kind"] == "tuned"
+            color = ("tab:green" if p["passed"] else "tab:orange") if tuned else "tab:gray"
+            ax.scatter([p[x_key]], [p["kld"]], s=60 if tuned else 45, color=color, marker="o" if tuned else "s", zorder=3)
+            label = f"{p['bits_per_weight']:.2f} b/w" if tuned and p.get("bits_per_weight") else p["name"]
+            ax.annotate(label, (p[x_key], p["kld"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        if x_key == "size_mb":
+            line = sorted((p["size_mb"], p["kld"]) for p in shown if p["frontier"])
+            if len(line) > 1:
+                ax.plot(*zip(*line), color="tab:green", linestyle="--", zorder=2, label="Pareto frontier (size vs KLD)")
+        if shown:
+            ax.set_yscale("log")
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("quality/kld_mean (lower is better)")
+        ax.grid(alpha=0.3)
+    ax = axes[0][0]
     ax.scatter([], [], color="tab:green", label="tuned, passes the policy")
     ax.scatter([], [], color="tab:orange", label="tuned, fails the policy")
     ax.scatter([], [], color="tab:gray", marker="s", label="shipped uniform recipe")
-    ax.set_xlabel("model/size_mb (lower is better)")
-    ax.set_ylabel("quality/kld_mean (lower is better)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
