@@ -11,7 +11,11 @@ Spearman's rho of the proxy's unit ranking against the measured one for each sch
 over (unit, scheme), and the share of the measured top-10 units the proxy also puts in its
 top 10. The last line is a JSON object.
 
-    python bench/sensitivity_proxy.py [--windows 4] [--seq-len 256] [--fisher-windows 4]
+    python bench/sensitivity_proxy.py [--windows 4] [--seq-len 256] [--fisher-windows 4] [--measured-from FILE]
+
+--measured-from takes the JSON line of an earlier run with the same windows and reuses its
+measured table (and time) instead of measuring again (15 minutes here), e.g. to check a change to
+the proxy.
 
 Run it alone (flock /work/heavy.lock ...): both timings are of a quiet machine only then.
 """
@@ -33,6 +37,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--fisher-windows", type=int, default=4)
+    parser.add_argument("--measured-from", help="the JSON line of an earlier run: reuse its measured KLD")
     args = parser.parse_args()
 
     import torch
@@ -49,8 +54,18 @@ def main() -> None:
     windows = sensitivity.held_back_windows(ids, max(args.windows, args.fisher_windows), args.seq_len, 1, exclude)
 
     results, walls = {}, {}
+    earlier = json.loads(open(args.measured_from).read().strip().splitlines()[-1]) if args.measured_from else None
     for method, count in (("fisher", args.fisher_windows), ("kld", args.windows)):
         settings = sensitivity.Settings(method=method, windows=count, seq_len=args.seq_len)
+        if method == "kld" and earlier is not None:
+            assert (earlier["windows"], earlier["seq_len"]) == (args.windows, args.seq_len), "other windows"
+            walls[method] = earlier["kld_wall_s"]
+            results[method] = sensitivity.Sensitivity("", True, settings, SCHEMES, results["fisher"].units,
+                                                      earlier["measured"]["kld"], walls[method], "",
+                                                      {"replay": earlier["replay"]})
+            assert earlier["measured"]["units"] == [u.name for u in results["fisher"].units]
+            print(f"kld     {walls[method]:7.1f} s  (reused from {args.measured_from})")
+            continue
         started = time.perf_counter()
         results[method] = sensitivity.measure(base.path, windows[:count], SCHEMES, settings)
         walls[method] = time.perf_counter() - started

@@ -50,7 +50,7 @@ def test_measured_kld_is_exact_and_ordered(measured, tiny128_model_dir, windows)
         g64, g32, w8a8, bf16 = row
         assert bf16 == 0.0 and 0 < w8a8 < g32 < g64  # finer groups and more bits move the output less
     # block 1's down_proj by hand: the whole model, its weight fake-quantized, KLD over every position
-    model = AutoModelForCausalLM.from_pretrained(tiny128_model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny128_model_dir, dtype=torch.float32).eval()
     ids = torch.tensor(windows)
     layer = model.model.layers[1].mlp.down_proj
     with torch.inference_mode():

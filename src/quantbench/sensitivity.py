@@ -12,11 +12,12 @@ Two measures:
   per token as vLLM runs them), and the mean KL(base || perturbed) over held-back calibration
   windows is measured exactly. Only the blocks from the unit's on are recomputed (each block's
   input is cached); a check at the start proves the replay reproduces the model's own logits.
-- `fisher` (proxy): one backward pass per window gives the diagonal Fisher information of the
-  model's output distribution (labels sampled from the model itself); a unit's score is
-  1/2 * sum(F * (W - Q(W))^2), the second-order estimate of the same KLD. Weights only: the error
-  of quantized activations (W8A8, FP8) is not in it. bench/sensitivity_proxy.py measures how well
-  it ranks units against `kld`.
+- `fisher` (proxy): one backward pass per window with labels sampled from the model itself gives
+  the Fisher information of the output distribution; a unit's score is the second-order estimate
+  of the same KLD: 1/2 * sum(F * (W - Q(W))^2) over its weights (diagonal Fisher), plus, for
+  schemes that quantize activations (W8A8, FP8), 1/2 * sum over tokens of (g . e)^2, with g the
+  gradient at the unit's input and e that token's rounding error. bench/sensitivity_proxy.py
+  measures how well it ranks units against `kld`.
 
 Text: windows of the calibration split that the recipe's own calibration windows do not touch
 (held back), never the evaluation split. The result is stored once per (base fingerprint,
@@ -57,7 +58,9 @@ class Settings:
     windows: int = 4  # held-back calibration windows
     seq_len: int = 256
     seed: int = 1
-    dtype: str = "bfloat16"  # the model's dtype while measuring (a quantized checkpoint runs in it)
+    # float32: in bfloat16 any perturbation of a weight re-rounds everything after it, a KLD floor
+    # of ~0.0017 per unit on SmolLM2 that drowns the small ones (measured; W8A16's true KLD is 1e-5)
+    dtype: str = "float32"
 
 
 @dataclass
@@ -394,7 +397,11 @@ def _measured(model, modules, ids, units, scheme_list) -> tuple[list[list[float 
 
 
 def _fisher(model, modules, ids, units, scheme_list) -> list[list[float | None]]:
-    """Diagonal Fisher of the output distribution, labels sampled from the model (seeded)."""
+    """The second-order estimate of each unit's KLD, from one backward pass per window with labels
+    sampled from the model (seeded): for the weights, 1/2 sum(F * dW^2) with F the diagonal Fisher
+    of the weights; for dynamically quantized input activations (W8A8, FP8), 1/2 sum_t (g_t . e_t)^2
+    with g_t the gradient at the unit's input and e_t the rounding error of that token, an
+    unbiased estimate of e^T F e for the input's full Fisher."""
     from tqdm import tqdm
 
     model.float()
@@ -404,16 +411,45 @@ def _fisher(model, modules, ids, units, scheme_list) -> list[list[float | None]]
     for p in params.values():
         p.requires_grad_(True)
     fisher = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
+    act_schemes = [s for s in scheme_list if s.activations]
+    act_total = {(u.name, s.name): 0.0 for u in units for s in act_schemes}
+    inputs: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor] = {}
+    hooks = []
+    if act_schemes:
+        # the embeddings' output carries a gradient, so even the first block's inputs get one
+        hooks.append(model.get_input_embeddings().register_forward_hook(lambda m, args, out: out.requires_grad_()))
+        for unit in units:
+            def keep(module, args, name=unit.name):
+                x = args[0]
+                inputs[name] = x.detach()
+                if x.requires_grad:
+                    x.register_hook(lambda g: grads.__setitem__(name, g.detach()))
+            hooks.append(modules[unit.layers[0]].register_forward_pre_hook(keep))
     generator = torch.Generator().manual_seed(0)
-    for row in tqdm(ids, desc="sensitivity (fisher)", unit="window", leave=False):
-        logits = model(input_ids=row[None]).logits[0, :-1].float()
-        with torch.no_grad():
-            labels = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
-        loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        for name, p in params.items():
-            fisher[name] += p.grad.float() ** 2
+    try:
+        for row in tqdm(ids, desc="sensitivity (fisher)", unit="window", leave=False):
+            inputs.clear()
+            grads.clear()
+            logits = model(input_ids=row[None]).logits[0, :-1].float()
+            with torch.no_grad():
+                labels = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+            loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            for name, p in params.items():
+                fisher[name] += p.grad.float() ** 2
+            with torch.no_grad():
+                for unit in units:
+                    if unit.name not in grads:
+                        continue
+                    x, g = inputs[unit.name].float(), grads[unit.name].float()
+                    for scheme in act_schemes:
+                        error = fake_quantize_tokens(x, scheme.activations).float() - x
+                        act_total[(unit.name, scheme.name)] += float(((g * error).sum(-1) ** 2).sum())
+    finally:
+        for h in hooks:
+            h.remove()
     for p in params.values():
         p.requires_grad_(False)
         p.grad = None
@@ -432,6 +468,7 @@ def _fisher(model, modules, ids, units, scheme_list) -> list[list[float | None]]
                     for name in unit.layers:
                         w = params[name].detach()
                         total += float((fisher[name] * (w.float() - fake_quantize_weight(w, scheme).float()) ** 2).sum())
+                    total += act_total.get((unit.name, scheme.name), 0.0)
                     row.append(0.5 * total / tokens)
             table.append(row)
     return table
