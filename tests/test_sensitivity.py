@@ -29,7 +29,7 @@ def windows(tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def measured(tiny128_model_dir, windows):
-    return S.measure(tiny128_model_dir, windows, SCHEMES, S.Settings(windows=3, seq_len=64))
+    return S.measure(tiny128_model_dir, windows, SCHEMES, S.Settings(method="kld", windows=3, seq_len=64))
 
 
 def test_units_are_the_layers_that_share_an_input(measured):
@@ -86,7 +86,7 @@ def test_stored_once_and_reused(workdir, tiny128_model_dir, tiny_tokenizer):
 
     base = models.resolve(str(tiny128_model_dir))
     cal = CalibrationSpec(samples=4, seq_len=64)
-    settings = S.Settings(windows=2, seq_len=64)
+    settings = S.Settings(method="kld", windows=2, seq_len=64)
     first = S.get(Tracker(), base, tiny_tokenizer, ["W4A16-G32", "BF16"], cal, settings)
     again = S.get(Tracker(), base, tiny_tokenizer, ["W4A16-G32", "BF16"], cal, settings)
     assert not first.reused and again.reused and again.run_id == first.run_id and again.kld == first.kld

@@ -54,7 +54,7 @@ Method = Literal["kld", "fisher"]
 
 @dataclass(frozen=True)
 class Settings:
-    method: Method = "kld"
+    method: Method = "fisher"
     windows: int = 4  # held-back calibration windows
     seq_len: int = 256
     seed: int = 1
