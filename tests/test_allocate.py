@@ -73,19 +73,22 @@ class StandIn(tune.Search):
     """The search's decisions with measuring replaced: a candidate passes when its bits per weight
     reach `needed`; its measured KLD is the prediction times `scale`."""
 
-    def __init__(self, sens, needed, scale, runs, limit):
+    def __init__(self, sens, needed, scale, runs, limit, alternatives=()):
         self.sens, self.needed, self.scale = sens, needed, scale
         self.problem = allocate.problem(sens, sens.schemes, 16, 0.0)
-        self.candidates = []
+        self.candidates, self.allocations, self.templates = [], {}, []
         policy = type("P", (), {"max": {"quality/kld_mean": limit}})
-        self.plan = type("Plan", (), {"request": tune.Request("x", budget_runs=runs),
+        self.plan = type("Plan", (), {"request": tune.Request("x", budget_runs=runs), "alternatives": list(alternatives),
                                       "policy": type("L", (), {"policy": policy})})
 
-    def measure(self, alloc, budget_bits):
+    def measure(self, alloc, budget_bits, template=None):
+        self.allocations[f"sha{len(self.candidates)}"] = alloc
+        self.templates.append(template)
         passed = alloc.bits_per_weight >= self.needed
-        cand = tune.Candidate("c", "r", "sha", budget_bits, alloc.predicted_kld, alloc.size_mb, alloc.bits_per_weight,
+        cand = tune.Candidate(f"c{len(self.candidates)}", "r", f"sha{len(self.candidates)}", budget_bits, alloc.predicted_kld, alloc.size_mb, alloc.bits_per_weight,
                               alloc.counts(), run_id="run", status="finished",
-                              metrics={"quality/kld_mean": alloc.predicted_kld * self.scale}, checks=[{"passed": passed}],
+                              metrics={"quality/kld_mean": alloc.predicted_kld * self.scale * (0.5 if template else 1),
+                                       "model/size_mb": alloc.size_mb}, checks=[{"passed": passed}],
                               passed=passed, quality_passed=passed)
         self.candidates.append(cand)
         return cand
@@ -149,3 +152,15 @@ def test_the_answer_is_the_smallest_pass_or_names_each_unmet_check_with_the_clos
     quality_ok = [candidate("a", 100, 0.2, 0.80, 0.7), candidate("b", 120, 0.09, 0.86, 0.9), candidate("c", 140, 0.05, 0.9, 0.8)]
     best, unmet = tune.answer(quality_ok)
     assert best.name == "b" and [u["check"] for u in unmet] == ["speedup/decode_tok_s"]  # speed: bits cannot buy it
+
+
+def test_other_templates_make_the_chosen_allocation_and_the_better_one_is_the_answer():
+    autoround = type("Loaded", (), {"name": "autoround-w4a16", "recipe": type("R", (), {"quantize": type("Q", (), {"method": "autoround"})})})
+    search = StandIn(many_units(), needed=6.0, scale=2.0, runs=4, limit=0.05, alternatives=[autoround])
+    search.budgets()
+    chosen, _ = tune.answer(search.candidates)
+    search.alternatives()
+    extra = search.candidates[-1]
+    assert search.templates[-1] is autoround and search.templates[:-1] == [None] * (len(search.candidates) - 1)
+    assert extra.bits_per_weight == chosen.bits_per_weight  # the same allocation, another method
+    assert tune.answer(search.candidates)[0] is extra  # same size, lower KLD

@@ -159,9 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="schemes to choose from (default: W4A16-G64 W4A16-G32 W8A8 BF16, what vLLM serves together on "
                    "CPU); also W8A16, FP8")
     t.add_argument("--budget-runs", type=int, default=6, help="candidates to quantize and measure at most (default 6)")
-    t.add_argument("--from", dest="template", default="gptq-w4a16", metavar="RECIPE",
+    t.add_argument("--from", dest="templates", nargs="+", default=["gptq-w4a16"], metavar="RECIPE",
                    help="the recipe the candidates start from: model, calibration, method (gptq, rtn, autoround, "
-                   "spinquant), evaluate and bench sections (default gptq-w4a16)")
+                   "spinquant), evaluate and bench sections (default gptq-w4a16). With several (e.g. gptq-w4a16 "
+                   "autoround-w4a16), the search uses the first and the answer's allocation is also made with each "
+                   "other; the best measured wins")
     t.add_argument("--sensitivity", choices=["fisher", "kld"], default="fisher",
                    help="fisher: the second-order proxy, one backward pass per window (default; about a minute on the "
                    "default model on 2 cores); kld: measured exactly per layer and scheme (about 25 minutes there)")
@@ -317,7 +319,7 @@ def cmd_tune(args) -> int:
 
     request = tune.Request(policy=args.policy, bits=args.bits, max_size_mb=args.max_size_mb,
                            schemes=args.schemes or list(schemes.DEFAULT_TUNE_SCHEMES), budget_runs=args.budget_runs,
-                           template=args.template,
+                           template=args.templates[0], alternatives=args.templates[1:],
                            sensitivity=sensitivity.Settings(method=args.sensitivity, windows=args.sensitivity_windows))
     result = _run_stage("tune", tune.run, request, outputs=args.outputs, experiment=args.experiment)
     if result is None:

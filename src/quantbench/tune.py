@@ -62,6 +62,9 @@ class Request:
     schemes: list[str] = field(default_factory=lambda: list(schemes.DEFAULT_TUNE_SCHEMES))
     budget_runs: int = 6
     template: str = DEFAULT_TEMPLATE
+    # more templates (other methods: autoround-w4a16, spinquant-w4a16, ...): the answer's allocation is
+    # also made with each, and the best measured one wins
+    alternatives: list[str] = field(default_factory=list)
     sensitivity: sensitivity.Settings = field(default_factory=sensitivity.Settings)
 
 
@@ -97,6 +100,7 @@ class Plan:
     request: Request
     policy: gate.LoadedPolicy
     template: LoadedRecipe
+    alternatives: list[LoadedRecipe]
     base: models.ResolvedModel
     tokenizer: object
     shapes: dict[str, tuple[int, int, bool]]  # every quantizable layer (all Linear layers but the output head)
@@ -124,11 +128,13 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         raise UserError("give one budget: --bits or --max-size-mb")
     if request.budget_runs < 1:
         raise UserError(f"--budget-runs: {request.budget_runs}; at least 1 candidate")
-    template = load_recipe(resolve_recipe_path(request.template))
+    template, *alternatives = [_template(name) for name in [request.template, *request.alternatives]]
     spec = template.recipe.quantize
-    if spec.method not in MIXED_METHODS or getattr(spec, "format", "compressed-tensors") != "compressed-tensors":
-        raise UserError(f"--from {request.template}: method {spec.method} cannot take per-layer schemes; a tune needs a "
-                        f"recipe of method {', '.join(MIXED_METHODS)} (compressed-tensors)")
+    for other in alternatives:
+        if other.recipe.model.source != template.recipe.model.source or other.recipe.model.dtype != template.recipe.model.dtype \
+                or other.recipe.quantize.ignore != spec.ignore:
+            raise UserError(f"--from {other.name}: every template must name the same model, dtype and ignore list as "
+                            f"{template.name} (the allocation is made for one model)")
     base = models.resolve(template.recipe.model.source, experiment=experiment)
     config = AutoConfig.from_pretrained(base.path)
     shapes = linear_layers(config)
@@ -141,19 +147,29 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         raise UserError(f"--schemes: no scheme of {', '.join(names)} fits {len(stuck)} layer(s) of {base.source} "
                         f"(input widths {', '.join(map(str, widths))}, e.g. {next(iter(stuck))}; {groups}). Add one "
                         "that fits: W4A16-G32, a per-channel scheme (W8A8, W8A16, FP8) or BF16")
-    problems = make_backend(spec).check(template, config)
+    problems = [p for t in (template, *alternatives) for p in make_backend(t.recipe.quantize).check(t, config)]
     if problems:
         raise UserError(problems)
     dtype_bits = 32 if template.recipe.model.dtype == "float32" else 16
     fixed_bytes = _fixed_bytes(base.path, shapes, dtype_bits)
     _check_budget(request, names, shapes, unquantized, dtype_bits, fixed_bytes)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
-    key = {"policy": policy.sha, "template": template.sha, "schemes": names, "bits": request.bits,
+    key = {"policy": policy.sha, "template": template.sha, "schemes": names,
+           **({"alternatives": [t.sha for t in alternatives]} if alternatives else {}), "bits": request.bits,
            "max_size_mb": request.max_size_mb, "budget_runs": request.budget_runs, "base": base.fingerprint,
            "sensitivity": asdict(request.sensitivity)}
     tune_id = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return Plan(request, policy, template, base, tokenizer, shapes, unquantized, dtype_bits, fixed_bytes, tune_id,
+    return Plan(request, policy, template, alternatives, base, tokenizer, shapes, unquantized, dtype_bits, fixed_bytes, tune_id,
                 outputs / "tune" / f"{policy.name}-{tune_id}")
+
+
+def _template(name: str) -> LoadedRecipe:
+    loaded = load_recipe(resolve_recipe_path(name))
+    spec = loaded.recipe.quantize
+    if spec.method not in MIXED_METHODS or getattr(spec, "format", "compressed-tensors") != "compressed-tensors":
+        raise UserError(f"--from {name}: method {spec.method} cannot take per-layer schemes; a tune needs a "
+                        f"recipe of method {', '.join(MIXED_METHODS)} (compressed-tensors)")
+    return loaded
 
 
 def _fixed_bytes(path: Path, shapes: dict, dtype_bits: int) -> float:
@@ -192,11 +208,12 @@ def _check_budget(request: Request, names: list[str], shapes: dict, unquantized:
 # Candidates: an allocation written as a recipe file
 
 
-def write_recipe(plan: Plan, alloc: allocate.Allocation, units: list[sensitivity.Unit], parent: str) -> tuple[Path, str, str]:
-    """The allocation as a recipe file in the tune's directory: the template with `layers:` (the
-    most common scheme the method can take as its own becomes the recipe's `scheme`); returns
-    (path, name, sha)."""
-    template = plan.template
+def write_recipe(plan: Plan, alloc: allocate.Allocation, units: list[sensitivity.Unit], parent: str,
+                 template: LoadedRecipe | None = None) -> tuple[Path, str, str]:
+    """The allocation as a recipe file in the tune's directory: the template (by default the
+    tune's first) with `layers:` (the most common scheme the method can take as its own becomes the
+    recipe's `scheme`); returns (path, name, sha)."""
+    template = template or plan.template
     doc = template.recipe.model_dump(mode="json", exclude_unset=False)
     q = doc["quantize"]
     by_unit = {u.name: u for u in units}
@@ -324,6 +341,7 @@ class Search:
         self.experiment, self.outputs, self.state = experiment, outputs, state
         self.problem = allocate.problem(sens, plan.request.schemes, plan.dtype_bits, plan.fixed_bytes, plan.unquantized)
         self.candidates: list[Candidate] = []
+        self.allocations: dict[str, allocate.Allocation] = {}  # recipe sha -> allocation
 
     def budgets(self) -> None:
         request = self.plan.request
@@ -395,8 +413,22 @@ class Search:
                 break
         return b
 
-    def measure(self, alloc: allocate.Allocation, budget_bits: float) -> Candidate:
-        path, name, sha = write_recipe(self.plan, alloc, self.sens.units, self.parent.run_id)
+    def alternatives(self) -> None:
+        """The answer's allocation made with each other template (method), measured the same way."""
+        if not self.plan.alternatives:
+            return
+        chosen, _ = answer(self.candidates)
+        if chosen is None:
+            return
+        alloc = self.allocations[chosen.sha]
+        for template in self.plan.alternatives:
+            log.info("tune: the chosen allocation (%.3f bits/weight) with %s (method %s)", alloc.bits_per_weight, template.name,
+                     template.recipe.quantize.method)
+            self.measure(alloc, chosen.budget_bits, template)
+
+    def measure(self, alloc: allocate.Allocation, budget_bits: float, template: LoadedRecipe | None = None) -> Candidate:
+        path, name, sha = write_recipe(self.plan, alloc, self.sens.units, self.parent.run_id, template)
+        self.allocations[sha] = alloc
         cand = Candidate(name, str(path), sha, budget_bits, alloc.predicted_kld, alloc.size_mb, alloc.bits_per_weight,
                          alloc.counts())
         self.candidates.append(cand)
@@ -578,12 +610,14 @@ def plot_frontier(points: list[dict], path: Path, title: str) -> Path:
 
 def answer(candidates: list[Candidate]) -> tuple[Candidate | None, list[dict]]:
     """The chosen candidate (the smallest that passes the policy; else the smallest whose quality
-    passes; else the one with the fewest failed checks, then the lowest KLD) and, when none
+    passes; else the one with the fewest failed checks, then the lowest KLD; a tie in size goes to
+    the lower KLD) and, when none
     passes, every check no candidate met with the closest value any candidate reached."""
     measured = [c for c in candidates if c.checks]
     if not measured:
         return None, []
-    size = lambda c: c.metrics.get("model/size_mb", math.inf)  # noqa: E731
+    # size first; at one size (the same allocation made by two methods) the lower KLD
+    size = lambda c: (round(c.metrics.get("model/size_mb", math.inf), 3), c.metrics.get("quality/kld_mean", math.inf))  # noqa: E731
     passing = [c for c in measured if c.passed]
     if passing:
         return min(passing, key=size), []
@@ -638,11 +672,13 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path) -> dict:
     with run_:
         if not resumed:
             run_.log_params({"tune": {"policy": plan.policy.name, "template": str(plan.template.path),
+                                      "alternatives": ",".join(str(t.path) for t in plan.alternatives),
                                       "schemes": ",".join(request.schemes), "bits": request.bits,
                                       "max_size_mb": request.max_size_mb, "budget_runs": request.budget_runs,
                                       "sensitivity": request.sensitivity.method}})
         search = Search(plan, tracker, sens, run_, tracker.experiment, outputs, state)
         search.budgets()
+        search.alternatives()
         best, unmet = answer(search.candidates)
         references = shipped_references(tracker, plan.base.fingerprint)
         points = frontier(search.candidates, references, plan.policy.name)
