@@ -115,7 +115,6 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     from transformers import AutoConfig, AutoTokenizer
 
     from quantbench.checkpoint import linear_layers
-    from quantbench.quantize import make_backend
 
     policy = gate.load_policy(request.policy)
     if not request.schemes:
@@ -147,7 +146,11 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         raise UserError(f"--schemes: no scheme of {', '.join(names)} fits {len(stuck)} layer(s) of {base.source} "
                         f"(input widths {', '.join(map(str, widths))}, e.g. {next(iter(stuck))}; {groups}). Add one "
                         "that fits: W4A16-G32, a per-channel scheme (W8A8, W8A16, FP8) or BF16")
-    problems = [p for t in (template, *alternatives) for p in make_backend(t.recipe.quantize).check(t, config)]
+    # the templates' own group sizes do not matter (each candidate gets its schemes); what the
+    # method needs of the model's shapes does (SpinQuant's rotation sizes)
+    from quantbench.quantize.llmcompressor import rotation_problems
+
+    problems = [p for t in (template, *alternatives) for p in rotation_problems(t, config)]
     if problems:
         raise UserError(problems)
     dtype_bits = 32 if template.recipe.model.dtype == "float32" else 16
