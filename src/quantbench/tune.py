@@ -157,7 +157,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     fixed_bytes = _fixed_bytes(base.path, shapes, dtype_bits)
     _check_budget(request, names, shapes, unquantized, dtype_bits, fixed_bytes)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
-    key = {"policy": policy.sha, "template": template.sha, "schemes": names,
+    key = {"policy": policy.sha, "template": template.sha, "schemes": sorted(names),
            **({"alternatives": [t.sha for t in alternatives]} if alternatives else {}), "bits": request.bits,
            "max_size_mb": request.max_size_mb, "budget_runs": request.budget_runs, "base": base.fingerprint,
            "sensitivity": asdict(request.sensitivity)}
