@@ -266,19 +266,24 @@ def _own_scheme(method: str, layers_of: dict[str, list[str]]) -> tuple[str, int 
 
 
 def targets(layers: list[str]) -> list[str]:
-    """Compact targets for a set of layer names: one `re:` pattern per layer kind across blocks
-    (`re:^model\\.layers\\.(0|3|7)\\.mlp\\.down_proj$`), exact names for layers outside blocks."""
-    kinds: dict[tuple[str, str], list[int]] = {}
+    """Compact targets for a set of layer names: one `re:` pattern per set of layer kinds taken in
+    the same blocks (`re:^model\\.layers\\.(0|3|7)\\.self_attn\\.(q_proj|k_proj|v_proj)$`), exact names
+    for layers outside blocks."""
+    kinds: dict[tuple[str, str], set[int]] = {}
     out = []
     for name in layers:
         match = re.fullmatch(r"(.*?)\.(\d+)\.(.*)", name)
         if match is None:
             out.append(name)
             continue
-        kinds.setdefault((match.group(1), match.group(3)), []).append(int(match.group(2)))
+        kinds.setdefault((match.group(1), match.group(3)), set()).add(int(match.group(2)))
+    together: dict[tuple[str, tuple[int, ...]], list[str]] = {}
     for (prefix, suffix), blocks in kinds.items():
-        alternatives = "|".join(str(b) for b in sorted(set(blocks)))
-        out.append(f"re:^{re.escape(prefix)}\\.({alternatives})\\.{re.escape(suffix)}$")
+        together.setdefault((prefix, tuple(sorted(blocks))), []).append(suffix)
+    for (prefix, blocks), suffixes in together.items():
+        alternatives = "|".join(map(str, blocks))
+        names = re.escape(suffixes[0]) if len(suffixes) == 1 else "(" + "|".join(map(re.escape, suffixes)) + ")"
+        out.append(f"re:^{re.escape(prefix)}\\.({alternatives})\\.{names}$")
     return out
 
 
