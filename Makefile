@@ -19,7 +19,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 5000
 NOTEBOOK_OUT ?= outputs/notebooks
 
-.PHONY: setup quantize evaluate bench compare noise gate sweep notebook validate recipes test test-fast gc ui benchmarks clean help
+.PHONY: setup quantize evaluate bench compare noise gate sweep tune notebook validate recipes test test-fast gc ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
@@ -30,6 +30,7 @@ help:
 	@echo "make noise                      the noise floor: the base model (MODEL=) against itself (SUITE=, PROFILE=)"
 	@echo "make gate RUN=<run id>          pass/fail against policies/<POLICY>.yaml (default release); a pass moves the alias"
 	@echo "make sweep SWEEP=cpu-grid       run sweeps/<SWEEP>.yaml: many jobs, resumable (outputs/sweeps/<SWEEP>/)"
+	@echo "make tune POLICY=release        the smallest per-layer mixed-precision checkpoint that passes the policy (outputs/tune/)"
 	@echo "make notebook                   run notebooks/tradeoffs.ipynb headless into outputs/notebooks/"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
@@ -81,6 +82,9 @@ gate: $(STAMP)
 sweep: $(STAMP)
 	@test -n "$(SWEEP)" || { echo "usage: make sweep SWEEP=<name> (sweeps/<name>.yaml)"; exit 2; }
 	$(BIN)/quantbench sweep $(SWEEP) $(ARGS)
+
+tune: $(STAMP)
+	$(BIN)/quantbench tune --policy $(POLICY) $(ARGS)
 
 notebook: $(STAMP)
 	mkdir -p $(NOTEBOOK_OUT)

@@ -27,7 +27,7 @@ def make_runs(status_extra: bool = True) -> dict[str, str]:
         with tracker.start_run(name, {"quantbench.role": "candidate", "quantbench.recipe": name,
                                       "quantbench.method": "gptq", "quantbench.scheme": "W4A16"}) as run:
             run.log_metrics({"quality/kld_mean": kld, "speedup/decode_tok_s": speedup, "recovery/quality/ppl": recovery,
-                             "model/size_mb": 100.0})
+                             "model/size_mb": 100.0, "model/bits_per_weight": 4.25})
         ids[name] = run.run_id
     if status_extra:
         with tracker.start_run("not-benched", {"quantbench.role": "candidate", "quantbench.recipe": "not-benched"}) as run:
@@ -56,6 +56,10 @@ def test_frontier_on_hand_made_runs(workdir, capsys):
     assert result["quality"] == "quality/kld_mean" and result["speed"] == "speedup/decode_tok_s"
     assert [c["recipe"] for c in result["candidates"][:3]] == ["a-best-quality", "b-balanced", "e-fastest"]
     assert result["candidates"][-1]["recipe"] == "not-benched"  # unscored last, listed anyway
+    md = (Path(result["outputs"]) / "compare.md").read_text().splitlines()
+    header = next(line for line in md if line.startswith("| "))
+    row = next(line for line in md if "a-best-quality" in line)
+    assert row.split("|")[header.split("|").index(" bits/w ")].strip() == "4.25"
 
     out_dir = Path(result["outputs"])
     md = (out_dir / "compare.md").read_text()

@@ -120,6 +120,65 @@ def weights_size_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)) / 2**20
 
 
+def linear_layers(config) -> dict[str, tuple[int, int, bool]]:
+    """name -> (in_features, out_features, has bias) of every Linear layer of a model with this
+    config except its output head: the layers a quantization recipe may quantize. Read from a
+    model built on the meta device (no weights, nothing loaded)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the skeleton's shapes are the unquantized ones
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    head = skeleton.get_output_embeddings()
+    return {name: (m.in_features, m.out_features, m.bias is not None) for name, m in skeleton.named_modules()
+            if isinstance(m, torch.nn.Linear) and m is not head}
+
+
+# safetensors dtype names -> bytes per element
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+                "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "F4": 0.5, "F6_E2M3": 0.75,
+                "F6_E3M2": 0.75}
+
+
+def tensor_bytes(path: Path) -> dict[str, float]:
+    """Bytes of every tensor in a checkpoint's safetensors files, read from their headers only."""
+    out: dict[str, float] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        for key, meta in header.items():
+            if key != "__metadata__":
+                start, end = meta["data_offsets"]
+                out[key] = float(end - start)
+    return out
+
+
+def bits_per_weight(path: Path) -> float | None:
+    """`model/bits_per_weight`: stored bits per parameter over the quantizable layers (every
+    Linear layer but the output head), scales, zero points, packing metadata and biases included;
+    a layer left unquantized counts at its stored width. None when the checkpoint has no
+    safetensors files or none of its tensors are named after its layers."""
+    from transformers import AutoConfig
+
+    tensors = tensor_bytes(path)
+    if not tensors:
+        return None
+    stored = params = 0.0
+    for name, (fan_in, fan_out, _) in linear_layers(AutoConfig.from_pretrained(path)).items():
+        prefix = name + "."
+        size = sum(b for key, b in tensors.items() if key.startswith(prefix))
+        if size:
+            stored += size
+            params += fan_in * fan_out
+    return 8 * stored / params if params else None
+
+
 def param_bytes(model) -> int:
     """Bytes of a loaded model's unique tensors in their dtype (tied weights counted once)."""
     seen = {}

@@ -22,6 +22,7 @@ examples:
   quantbench noise builtin:smollm2-135m-instruct    the noise floor: the base model against itself
   quantbench gate <run id> --policy release         pass/fail; a pass moves the registry alias 'champion'
   quantbench sweep cpu-grid                         many jobs (sweeps/cpu-grid.yaml): resumable, timeouts, retries
+  quantbench tune --policy release                  the smallest mixed-precision checkpoint that passes a policy
   quantbench validate recipes/*.yaml                check recipes (every error at once)
   quantbench recipes                                list the shipped recipes
   quantbench gc                                     end runs left RUNNING by a killed process, remove their leftovers
@@ -154,6 +155,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a path to a .yaml file")
     s.add_argument("--force", action="store_true", help="run every job again, even those already FINISHED")
+
+    t = sub.add_parser(
+        "tune", parents=[_common("experiment", "outputs", "json")],
+        help="find the smallest checkpoint that passes a policy: per-layer schemes under a budget, verified",
+        description="Measure how much each layer of the base model moves its output when quantized alone with each "
+        "scheme (stored once, reused), choose a scheme per layer that minimises the predicted KLD under a budget, write "
+        "that choice as a recipe and run it like any quantize job (reload check, evaluate, bench) as a child of a "
+        "tune run. Without --bits / --max-size-mb the budget is searched (bisection on the measured quality checks) "
+        "for the smallest checkpoint that passes. The answer is gated with the policy (a pass moves its alias). "
+        "Re-running resumes. Outputs under OUTPUTS/tune/<policy>-<id>/. Exit 0 a candidate passes, 1 none does, "
+        '2 bad input, 130 interrupted. With --json the last line is {"parent_run", "best_run", "recipe", "passed", '
+        '"frontier", ...}.',
+    )
+    t.add_argument("--policy", required=True, help="policies/NAME.yaml or a path")
+    budget = t.add_mutually_exclusive_group()
+    budget.add_argument("--bits", type=float, help="average stored bits per quantizable weight (scales included), e.g. 4.5")
+    budget.add_argument("--max-size-mb", type=float, help="the checkpoint's size in MiB, embeddings included")
+    t.add_argument("--schemes", nargs="+", metavar="SCHEME", default=None,
+                   help="schemes to choose from (default: W4A16-G64 W4A16-G64-ASYM W4A16-G32 W4A16-G32-ASYM W8A8 BF16, "
+                   "what vLLM serves together on CPU); also W8A16, FP8")
+    t.add_argument("--budget-runs", type=int, default=6, help="candidates to quantize and measure at most (default 6)")
+    t.add_argument("--from", dest="templates", nargs="+", default=["gptq-w4a16"], metavar="RECIPE",
+                   help="the recipe the candidates start from: model, calibration, method (gptq, rtn, autoround, "
+                   "spinquant), evaluate and bench sections (default gptq-w4a16). With several (e.g. gptq-w4a16 "
+                   "autoround-w4a16), the search uses the first and the answer's allocation is also made with each "
+                   "other; the best measured wins")
+    t.add_argument("--sensitivity", choices=["fisher", "kld"], default="fisher",
+                   help="fisher: the second-order proxy, one backward pass per window (default; about a minute on the "
+                   "default model on 2 cores); kld: measured exactly per layer and scheme (about 25 minutes there)")
+    t.add_argument("--sensitivity-windows", type=int, default=4, metavar="N",
+                   help="held-back calibration windows of 256 tokens the sensitivity is measured on (default 4)")
 
     v = sub.add_parser("validate", parents=[exp_json], help="validate recipe files, reporting every error at once",
                        description="Check recipe files against the schema and against their model's layer "
@@ -320,6 +352,21 @@ def cmd_sweep(args) -> int:
     return 0 if result["counts"]["failed"] == 0 else 1
 
 
+def cmd_tune(args) -> int:
+    from quantbench import schemes, sensitivity, tune
+
+    request = tune.Request(policy=args.policy, bits=args.bits, max_size_mb=args.max_size_mb,
+                           schemes=args.schemes or list(schemes.DEFAULT_TUNE_SCHEMES), budget_runs=args.budget_runs,
+                           template=args.templates[0], alternatives=args.templates[1:],
+                           sensitivity=sensitivity.Settings(method=args.sensitivity, windows=args.sensitivity_windows))
+    result = _run_stage("tune", tune.run, request, outputs=args.outputs, experiment=args.experiment)
+    if result is None:
+        return 1
+    print(tune.text(result))
+    _json(args, result)
+    return 0 if result["passed"] else 1
+
+
 def cmd_gc(args) -> int:
     from quantbench.tracking import Tracker, all_experiments
 
@@ -439,5 +486,6 @@ def cmd_ui(args) -> int:
 
 
 COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "compare": cmd_compare,
-            "noise": cmd_noise, "gate": cmd_gate, "sweep": cmd_sweep, "validate": cmd_validate, "recipes": cmd_recipes, "gc": cmd_gc,
+            "noise": cmd_noise, "gate": cmd_gate, "sweep": cmd_sweep, "tune": cmd_tune, "validate": cmd_validate,
+            "recipes": cmd_recipes, "gc": cmd_gc,
             "ui": cmd_ui}

@@ -33,6 +33,7 @@ FALLBACK_SPEED = "model/compression_ratio"  # when no candidate has been benched
 # (column header, metric or tag, format)
 COLUMNS = [
     ("size MB", "model/size_mb", "{:.1f}"),
+    ("bits/w", "model/bits_per_weight", "{:.2f}"),
     ("compr ×", "model/compression_ratio", "{:.2f}"),
     ("ppl recov", "recovery/quality/ppl", "{:.3f}"),
     ("KLD", "quality/kld_mean", "{:.4f}"),

@@ -24,6 +24,7 @@ FIXED: dict[str, Direction | None] = {
     "model/size_mb": "lower",
     "model/base_size_mb": None,
     "model/compression_ratio": "higher",
+    "model/bits_per_weight": "lower",
     "check/base_ppl": None,
     "check/reload_ppl": "lower",
     "check/ppl_ratio": "lower",
@@ -69,6 +70,20 @@ FIXED: dict[str, Direction | None] = {
     "sweep/finished": None,  # a sweep's parent run
     "sweep/skipped": None,
     "sweep/failed": None,
+    "sensitivity/wall_s": None,  # a sensitivity run
+    "sensitivity/units": None,
+    "sensitivity/evaluations": None,
+    "tune/predicted_kld": None,  # on a tuned candidate, and per candidate (step) on the tune's parent run
+    "tune/predicted_size_mb": None,
+    "tune/measured_kld": None,  # the tune's parent run, per candidate (step)
+    "tune/bits_per_weight": None,
+    "tune/size_mb": None,
+    "tune/passed": None,
+    "tune/candidates": None,  # the tune's parent run, at the end
+    "tune/passed_final": None,
+    "tune/best_size_mb": None,
+    "tune/best_kld": None,
+    "tune/best_bits_per_weight": None,
 }
 # speed/<name> (also base_speed/<name>); c<N>/... per concurrency level.
 SPEED: dict[str, Direction] = {
@@ -104,7 +119,7 @@ PATTERNS = ("base_speed/<metric>", "speedup/<metric>", "recovery/<metric>", "tas
 # Every tag quantbench sets (prefix quantbench.), with its meaning. `<...>` stands for a part
 # that varies: environment keys, policies.
 TAGS: dict[str, str] = {
-    "quantbench.role": "candidate | baseline | noise | summary | sweep: what the run is",
+    "quantbench.role": "candidate | baseline | noise | summary | sweep | tune | sensitivity: what the run is",
     "quantbench.recipe": "the recipe's name (its file name without .yaml)",
     "quantbench.recipe_sha": "sha256 of the resolved recipe (defaults filled in, overrides applied)",
     "quantbench.method": "quantize.method of the recipe (gptq, awq, fp8, smoothquant, bnb, distill)",
@@ -139,6 +154,14 @@ TAGS: dict[str, str] = {
     "quantbench.sweep": "the sweep that ran the job (on its runs and on the sweep's parent run)",
     "quantbench.sweep_job": "the job's id within its sweep",
     "quantbench.sweep_runs": "on a sweep's parent run: the runs of its jobs",
+    "quantbench.tune": "the tune that made the candidate (on its runs and on the tune's parent run)",
+    "quantbench.tune_policy": "the policy the tune searched for",
+    "quantbench.tune_best_run": "on a tune's parent run: the chosen candidate",
+    "quantbench.tune_passed": "on a tune's parent run: true when the chosen candidate passes the policy",
+    "quantbench.tune_runs": "on a tune's parent run: its candidates' runs",
+    "quantbench.sensitivity_run": "on a tune's parent run: the sensitivity run it allocated from",
+    "quantbench.sensitivity_key": "on a sensitivity run: sha256 of base model, schemes, calibration text and settings",
+    "quantbench.sensitivity_method": "on a sensitivity run: kld (measured) or fisher (proxy)",
     "quantbench.compared_runs": "on a compare summary run: the runs it compared",
     "quantbench.quality_metric": "on a compare summary run: the quality axis",
     "quantbench.speed_metric": "on a compare summary run: the speed axis",
@@ -171,6 +194,13 @@ ARTIFACTS: dict[str, str] = {
     "compare/compare.{md,html,png,json}": "on a compare summary run: the table and the plot",
     "sweep.json": "on a sweep's parent run: every job, attempt and result",
     "sweep.txt": "on a sweep's parent run: the summary table",
+    "sensitivity/sensitivity.json": "on a sensitivity run: units, their layers and shapes, schemes, the KLD table, settings",
+    "sensitivity/table.csv": "the same table, one row per unit",
+    "sensitivity/heatmap.png": "the table as a heat map: blocks x unit kinds, one panel per scheme",
+    "tune/tune.json": "on a tune's parent run: every candidate, the frontier, the answer",
+    "tune/tune.txt": "the same as the table `quantbench tune` prints",
+    "tune/frontier.png": "size vs KLD of the tuned candidates and the shipped uniform recipes",
+    "tune/recipes/<name>.yaml": "each candidate's recipe file",
 }
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench import card, data, environment, models
-from quantbench.checkpoint import (Target, check_loadable, param_bytes, resolve_target, weights_sha, weights_size_mb,
+from quantbench.checkpoint import (Target, bits_per_weight, check_loadable, param_bytes, resolve_target, weights_sha,
+                                   weights_size_mb,
                                    write_info)
 from quantbench.errors import UserError
 from quantbench.evaluate import bench as bench_stage
@@ -223,6 +224,9 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
                 size_mb = weights_size_mb(staging)
                 metrics = {**produced.metrics, "model/size_mb": size_mb, "model/base_size_mb": base_size_mb,
                            "model/compression_ratio": base_size_mb / size_mb, **check.metrics}
+                bits = bits_per_weight(staging)
+                if bits is not None:
+                    metrics["model/bits_per_weight"] = bits
                 run.log_metrics(metrics)
                 info = card.CardInfo(loaded, job.base, backend.format, backend.loaders(), produced.card,
                                      len(job.check_ids), run.run_id)

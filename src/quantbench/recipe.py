@@ -76,6 +76,42 @@ class _LLMCompressorBase(_QuantizeBase):
     kv_cache: Literal["fp8"] | None = None
 
 
+class _LayerSchemes(_LLMCompressorBase):
+    """Mixed precision: `layers` gives some layers another scheme than the recipe's. Keys are
+    scheme names (quantbench.schemes: W4A16-G64, W4A16-G32, W8A16, W8A8, FP8, BF16 = unquantized),
+    values the layers (module names, or `re:` patterns) that take it; every other layer takes the
+    recipe's `scheme`. A layer must be matched by the targets of one scheme only (checked against
+    the model's layers when the recipe is validated or run).
+
+        layers:
+          W8A8: ["re:model\\.layers\\.(0|1)\\.mlp\\.down_proj$"]
+          BF16: [model.layers.2.self_attn.o_proj]
+    """
+
+    layers: dict[str, list[str]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_schemes(self):
+        from quantbench import schemes
+
+        canonical: dict[str, list[str]] = {}
+        seen: dict[str, str] = {}
+        for name, targets in self.layers.items():
+            try:
+                scheme = schemes.get(name, f"layers.{name}").name
+            except UserError as exc:
+                raise ValueError(exc.problems[0]) from None
+            if not targets or not all(isinstance(t, str) and t for t in targets):
+                raise ValueError(f"layers.{name}: a non-empty list of layer names or re: patterns")
+            for target in targets:
+                if target in seen and seen[target] != scheme:
+                    raise ValueError(f"layers: '{target}' is listed under both {seen[target]} and {scheme}")
+                seen[target] = scheme
+            canonical.setdefault(scheme, []).extend(targets)
+        self.layers = canonical
+        return self
+
+
 class _TwoEngines(_LLMCompressorBase):
     """`format:` picks the engine where two can write the scheme: compressed-tensors
     (llm-compressor) or the GPTQ / AWQ format of AutoGPTQ / AutoAWQ, written by GPTQModel, their
@@ -95,7 +131,7 @@ class _TwoEngines(_LLMCompressorBase):
         return self
 
 
-class GPTQSpec(_TwoEngines):
+class GPTQSpec(_LayerSchemes, _TwoEngines):
     """GPTQ weight-only: INT4 (W4A16) or INT8 (W8A16); compressed-tensors output (llm-compressor)
     or the GPTQ format (GPTQModel)."""
 
@@ -107,7 +143,8 @@ class GPTQSpec(_TwoEngines):
     dampening_frac: float = Field(0.01, gt=0, lt=1)
     block_size: PositiveInt = 128  # llm-compressor only
     desc_act: bool = False  # GPTQ format only: quantize columns in activation order (act-order)
-    ENGINE_ONLY: ClassVar[dict[str, tuple[str, Any]]] = {"block_size": ("compressed-tensors", 128), "desc_act": ("gptq", False)}
+    ENGINE_ONLY: ClassVar[dict[str, tuple[str, Any]]] = {"block_size": ("compressed-tensors", 128), "desc_act": ("gptq", False),
+                                                         "layers": ("compressed-tensors", {})}
 
 
 class AWQSpec(_TwoEngines):
@@ -123,6 +160,48 @@ class AWQSpec(_TwoEngines):
     duo_scaling: bool | Literal["both"] = True  # llm-compressor only
     ENGINE_ONLY: ClassVar[dict[str, tuple[str, Any]]] = {"n_grid": ("compressed-tensors", 20),
                                                          "duo_scaling": ("compressed-tensors", True)}
+
+
+class RTNSpec(_LayerSchemes):
+    """Round-to-nearest: min-max scales, no calibration data (llm-compressor's QuantizationModifier);
+    seconds on a small model. The cheapest way to a (mixed) compressed-tensors checkpoint."""
+
+    method: Literal["rtn"]
+    scheme: Literal["W4A16", "W8A16", "W8A8"] = "W4A16"
+    group_size: PositiveInt | None = 64  # None: one scale per output channel (W8A8: always per channel)
+    symmetric: bool = True
+
+
+class AutoRoundSpec(_LayerSchemes):
+    """AutoRound: signed gradient descent tunes each weight's rounding and the clipping range,
+    block by block, against the block's full-precision output (llm-compressor's AutoRoundModifier,
+    auto-round underneath). Better than RTN and often GPTQ at 4 bits; costs `iters` forward and
+    backward passes per block."""
+
+    method: Literal["autoround"]
+    scheme: Literal["W4A16", "W8A16"] = "W4A16"
+    group_size: PositiveInt | None = 64
+    symmetric: bool = True
+    iters: PositiveInt = 200  # tuning steps per block; the cost is linear in it
+    batch_size: PositiveInt = 8
+    lr: float | None = Field(None, gt=0)  # None: auto-round's default (1 / iters)
+
+
+class SpinQuantSpec(_LayerSchemes):
+    """SpinQuant's offline rotations, then GPTQ (or RTN): Hadamard rotations R1 (the residual
+    stream) and R2 (attention heads) are fused into the weights, which spreads outliers across
+    channels before rounding. No runtime cost and no runtime support needed; the embeddings are
+    untied (the output head is stored separately, so a tied model's checkpoint grows)."""
+
+    method: Literal["spinquant"]
+    scheme: Literal["W4A16", "W8A16"] = "W4A16"
+    group_size: PositiveInt | None = 64
+    symmetric: bool = True
+    rotations: list[Literal["R1", "R2"]] = Field(default_factory=lambda: ["R1", "R2"])
+    # hadamard: sizes that are powers of two; random-hadamard: also k * 2^n for known k (576 = 36 * 16)
+    transform_type: Literal["hadamard", "random-hadamard"] = "random-hadamard"
+    quantizer: Literal["gptq", "rtn"] = "gptq"  # what rounds the rotated weights
+    dampening_frac: float = Field(0.01, gt=0, lt=1)  # GPTQ
 
 
 class FP8Spec(_LLMCompressorBase):
@@ -210,7 +289,8 @@ class DistillSpec(Strict):
 
 
 QuantizeSpec = Annotated[
-    Union[GPTQSpec, AWQSpec, FP8Spec, SmoothQuantSpec, BnbSpec, DistillSpec], Field(discriminator="method")
+    Union[GPTQSpec, AWQSpec, RTNSpec, AutoRoundSpec, SpinQuantSpec, FP8Spec, SmoothQuantSpec, BnbSpec, DistillSpec],
+    Field(discriminator="method"),
 ]
 
 

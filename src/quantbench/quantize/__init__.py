@@ -20,6 +20,9 @@ BACKENDS = {
     "awq": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
     "fp8": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
     "smoothquant": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
+    "rtn": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
+    "autoround": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
+    "spinquant": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
     "bnb": "quantbench.quantize.bnb:BnbBackend",
     "distill": "quantbench.quantize.distill:DistillBackend",
     "gptq/gptq": "quantbench.quantize.gptqmodel:GPTQModelBackend",
@@ -134,9 +137,10 @@ def calibration_card(inputs: Inputs) -> str:
 # Shapes: engines that group weights need widths their group size divides
 
 
-def linear_layers(config, ignore: list[str]) -> list[tuple[str, int, int]]:
+def recipe_layers(config, ignore: list[str]) -> list[tuple[str, int, int]]:
     """(name, in_features, out_features) of every Linear layer a recipe would quantize, read from
-    a model built on the meta device (no weights), matched as llm-compressor matches targets."""
+    a model built on the meta device (no weights), matched as llm-compressor matches targets
+    (`checkpoint.linear_layers` has every Linear layer but the head, with no recipe)."""
     import torch
     from compressed_tensors.utils import match_named_modules
     from transformers import AutoModelForCausalLM
@@ -149,7 +153,7 @@ def linear_layers(config, ignore: list[str]) -> list[tuple[str, int, int]]:
 def group_size_problem(loaded, config, group_size: int, field: str = "group_size") -> list[str]:
     """A group size must divide the input width of every layer it quantizes."""
     widths: dict[int, list[str]] = {}
-    for name, width, _ in linear_layers(config, loaded.recipe.quantize.ignore):
+    for name, width, _ in recipe_layers(config, loaded.recipe.quantize.ignore):
         widths.setdefault(width, []).append(name)
     bad = {w: names for w, names in widths.items() if w % group_size}
     if not bad:

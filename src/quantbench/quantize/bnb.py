@@ -15,7 +15,7 @@ from pathlib import Path
 import bitsandbytes  # noqa: F401  (a missing package fails here, named by the registry)
 import torch
 
-from quantbench.quantize import Inputs, Produced, linear_layers
+from quantbench.quantize import Inputs, Produced, recipe_layers
 from quantbench.recipe import BnbSpec
 
 # bitsandbytes 0.50's 4-bit CPU kernels repack weights in blocks of 64 input features (the
@@ -44,7 +44,7 @@ class BnbBackend:
         if self.spec.scheme == "INT8" or torch.cuda.is_available():
             return []
         bad: dict[int, list[str]] = {}
-        for name, width, _ in linear_layers(config, self.spec.ignore):
+        for name, width, _ in recipe_layers(config, self.spec.ignore):
             if width % BNB_4BIT_BLOCK:
                 bad.setdefault(width, []).append(name)
         if not bad:

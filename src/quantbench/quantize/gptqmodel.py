@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from quantbench.quantize import Inputs, Produced, calibration_card, group_size_problem, linear_layers
+from quantbench.quantize import Inputs, Produced, calibration_card, group_size_problem, recipe_layers
 from quantbench.recipe import AWQSpec, GPTQSpec
 
 if importlib.util.find_spec("gptqmodel") is None:  # named by the registry; the package is imported by the child only
@@ -60,7 +60,7 @@ class GPTQModelBackend:
         problems = group_size_problem(loaded, config, self.spec.group_size) if self.spec.group_size else []
         if self.format == "awq":
             odd: dict[int, list[str]] = {}
-            for name, _, width in linear_layers(config, self.spec.ignore):
+            for name, _, width in recipe_layers(config, self.spec.ignore):
                 if width % AWQ_OUT_BLOCK:
                     odd.setdefault(width, []).append(name)
             if odd:

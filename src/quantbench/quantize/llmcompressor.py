@@ -1,5 +1,7 @@
-"""GPTQ, AWQ, FP8 and SmoothQuant through llm-compressor; writes compressed-tensors checkpoints
-(the format vLLM serves, and transformers loads)."""
+"""GPTQ, AWQ, RTN, AutoRound, SpinQuant (+ GPTQ or RTN), FP8 and SmoothQuant through
+llm-compressor; writes compressed-tensors checkpoints (the format vLLM serves, and transformers
+loads). GPTQ, RTN, AutoRound and SpinQuant take per-layer schemes (`layers:`): one
+config_groups entry per scheme, the recipe's own scheme last on every other Linear layer."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ import llmcompressor  # noqa: F401  (configures its loguru sinks now, before a r
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+from quantbench import schemes
 from quantbench.quantize import Inputs, Produced, calibration_card, group_size_problem
-from quantbench.recipe import AWQSpec, FP8Spec, GPTQSpec, SmoothQuantSpec
+from quantbench.recipe import AutoRoundSpec, AWQSpec, FP8Spec, GPTQSpec, RTNSpec, SmoothQuantSpec, SpinQuantSpec
+
+MIXED = (GPTQSpec, RTNSpec, AutoRoundSpec, SpinQuantSpec)  # the specs with `layers:`
 
 
 # recipe `kv_cache:` -> llm-compressor's kv_cache_scheme (static per-tensor scales, calibrated)
@@ -32,13 +37,15 @@ class LLMCompressorBackend:
 
         return f"compressed-tensors {compressed_tensors.__version__} — vLLM, SGLang, transformers (+compressed-tensors)"
 
-    def __init__(self, spec: GPTQSpec | AWQSpec | FP8Spec | SmoothQuantSpec):
+    def __init__(self, spec: GPTQSpec | AWQSpec | RTNSpec | AutoRoundSpec | SpinQuantSpec | FP8Spec | SmoothQuantSpec):
         self.spec = spec
-        self.calibrates = not isinstance(spec, FP8Spec) or spec.kv_cache is not None
+        self.calibrates = not isinstance(spec, (FP8Spec, RTNSpec)) or spec.kv_cache is not None
 
     def check(self, loaded, config) -> list[str]:
-        group_size = getattr(self.spec, "group_size", None)
-        return group_size_problem(loaded, config, group_size) if group_size else []
+        if isinstance(self.spec, MIXED) and self.spec.layers:
+            return layer_problems(loaded, config) + rotation_problems(loaded, config)
+        group_size = default_scheme(self.spec).group_size if isinstance(self.spec, MIXED) else getattr(self.spec, "group_size", None)
+        return (group_size_problem(loaded, config, group_size) if group_size else []) + rotation_problems(loaded, config)
 
     def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
         return {}
@@ -57,17 +64,25 @@ class LLMCompressorBackend:
 
         spec = self.spec
         kv = {"kv_cache_scheme": KV_CACHE_SCHEMES[spec.kv_cache]} if spec.kv_cache else {}
-        if isinstance(spec, GPTQSpec):
-            bits = {"W4A16": 4, "W8A16": 8}[spec.scheme]
-            return [
-                GPTQModifier(
-                    config_groups={"group_0": weight_only_scheme(bits, spec.group_size, spec.symmetric)},
-                    ignore=spec.ignore,
-                    block_size=spec.block_size,
-                    dampening_frac=spec.dampening_frac,
-                    **kv,
-                )
-            ]
+        if isinstance(spec, MIXED):
+            groups, ignore = config_groups(spec)
+            if isinstance(spec, GPTQSpec):
+                return [GPTQModifier(config_groups=groups, ignore=ignore, block_size=spec.block_size,
+                                     dampening_frac=spec.dampening_frac, **kv)]
+            if isinstance(spec, RTNSpec):
+                return [QuantizationModifier(config_groups=groups, ignore=ignore, **kv)]
+            if isinstance(spec, AutoRoundSpec):
+                from llmcompressor.modifiers.autoround import AutoRoundModifier
+
+                # torch.compile of the tuning loop needs a compiler toolchain and pays off on GPUs
+                return [AutoRoundModifier(config_groups=groups, ignore=ignore, iters=spec.iters, batch_size=spec.batch_size,
+                                          lr=spec.lr, enable_torch_compile=torch.accelerator.is_available(), **kv)]
+            from llmcompressor.modifiers.transform import SpinQuantModifier
+
+            rotate = SpinQuantModifier(rotations=spec.rotations, transform_type=spec.transform_type)
+            if spec.quantizer == "gptq":
+                return [rotate, GPTQModifier(config_groups=groups, ignore=ignore, dampening_frac=spec.dampening_frac, **kv)]
+            return [rotate, QuantizationModifier(config_groups=groups, ignore=ignore, **kv)]
         if isinstance(spec, AWQSpec):
             # AWQ only rescales channels; the quantization modifier after it rounds the weights
             # on the grid AWQ searched against.
@@ -111,6 +126,89 @@ class LLMCompressorBackend:
     def save(self, model, tokenizer, dest: Path) -> None:
         model.save_pretrained(dest, save_compressed=True)
         tokenizer.save_pretrained(dest)
+
+
+def default_scheme(spec) -> schemes.Scheme:
+    """The scheme of every layer a mixed recipe's `layers:` does not name."""
+    return schemes.from_recipe(spec.scheme, spec.group_size, spec.symmetric)
+
+
+def config_groups(spec) -> tuple[dict[str, QuantizationScheme], list[str]]:
+    """llm-compressor's config_groups for a recipe with `layers:` (one group per scheme, the
+    recipe's own last, on every other Linear layer), and its ignore list (with the BF16 layers)."""
+    groups = {}
+    ignore = list(spec.ignore)
+    for name, targets in spec.layers.items():
+        scheme = schemes.get(name)
+        if scheme.quantized:
+            groups[name] = scheme.quantization_scheme(list(targets))
+        else:
+            ignore += [t for t in targets if t not in ignore]
+    groups["group_0"] = default_scheme(spec).quantization_scheme(["Linear"])
+    return groups, ignore
+
+
+def layer_problems(loaded, config) -> list[str]:
+    """A mixed recipe on a model's shapes: every group size divides the input width of the layers
+    that take it; every target of `layers:` names a layer; no layer is claimed by two schemes."""
+    import difflib
+
+    from compressed_tensors.utils.match import match_name
+
+    from quantbench.checkpoint import linear_layers
+
+    spec = loaded.recipe.quantize
+    shapes = linear_layers(config)
+    names = list(shapes)
+    default = default_scheme(spec)
+    taken = schemes.assign(names, default.name, spec.layers, spec.ignore)
+    problems = []
+    source = loaded.recipe.model.source
+    for scheme_name, targets in spec.layers.items():
+        for target in targets:
+            if not any(match_name(n, target) for n in names):
+                close = difflib.get_close_matches(target, names, n=1, cutoff=0.6)
+                hint = f" Did you mean '{close[0]}'?" if close else f" Layers are named like '{names[0]}'."
+                problems.append(f"{loaded.path}: {loaded.where('quantize', 'layers', scheme_name)}: '{target}' matches no "
+                                f"quantizable Linear layer of {source}.{hint}")
+    for name, claimed in schemes.overlaps(names, spec.layers).items():
+        problems.append(f"{loaded.path}: {loaded.where('quantize', 'layers')}: layer {name} is matched under "
+                        f"{' and '.join(claimed)}; give each layer one scheme")
+    by_scheme: dict[str, list[str]] = {}
+    for name, scheme_name in taken.items():
+        scheme = default if scheme_name == default.name else schemes.get(scheme_name)
+        if not scheme.fits(shapes[name][0]):
+            by_scheme.setdefault(scheme_name, []).append(name)
+    for scheme_name, bad in by_scheme.items():
+        scheme = default if scheme_name == default.name else schemes.get(scheme_name)
+        field = ("quantize", "group_size") if scheme_name == default.name else ("quantize", "layers", scheme_name)
+        widths = sorted({shapes[n][0] for n in bad})
+        problems.append(f"{loaded.path}: {loaded.where(*field)}: {scheme_name} (group size {scheme.group_size}) does not "
+                        f"divide the input width of {len(bad)} layer(s) of {source} it applies to (widths "
+                        f"{', '.join(map(str, widths))}; e.g. {bad[0]})")
+    return problems
+
+
+def rotation_problems(loaded, config) -> list[str]:
+    """SpinQuant's Hadamard rotations need sizes they can be built for: R1 the hidden size, R2
+    the head dimension (hadamard: powers of two; random-hadamard: k * 2^n for the k that
+    compressed-tensors ships)."""
+    spec = loaded.recipe.quantize
+    if not isinstance(spec, SpinQuantSpec):
+        return []
+    from compressed_tensors.transform.utils.hadamard import _fetch_hadamard_divisor, is_pow2
+    from compressed_tensors.utils import get_head_dim
+
+    sizes = {"R1": ("hidden size", config.hidden_size), "R2": ("head dimension", get_head_dim(config))}
+    problems = []
+    for rotation in spec.rotations:
+        what, n = sizes[rotation]
+        ok = is_pow2(n) if spec.transform_type == "hadamard" else _fetch_hadamard_divisor(n, torch.float32) is not None
+        if not ok:
+            hint = " (try transform_type: random-hadamard)" if spec.transform_type == "hadamard" else ""
+            problems.append(f"{loaded.path}: {loaded.where('quantize', 'transform_type')}: no {spec.transform_type} "
+                            f"matrix of size {n}, the {what} of {loaded.recipe.model.source}, for rotation {rotation}{hint}")
+    return problems
 
 
 def weight_only_scheme(bits: int, group_size: int | None, symmetric: bool) -> QuantizationScheme:
