@@ -170,11 +170,27 @@ def run_tasks(model, tokenizer, tasks: list[str], suite_dir: Path, *, limit: int
     """Score `tasks` on the already-loaded model through lm-eval's HFLM."""
     if not tasks:
         return TaskResults({}, {}, {}, {})
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the offline suite reads local JSONL
-    from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(next(model.parameters()).device))
+    return score(lm, tasks, suite_dir, limit=limit)
+
+
+def served_lm(url: str, model: str, tokenizer: str, *, max_length: int, batch_size: int):
+    """lm-eval's `local-completions` model against a running OpenAI-compatible server (vLLM):
+    log-probabilities of the very token ids lm-eval sends (echo), batched."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    return LocalCompletionsAPI(base_url=url.rstrip("/") + "/completions", model=model, tokenizer=tokenizer,
+                               tokenizer_backend="huggingface", tokenized_requests=True, batch_size=batch_size,
+                               max_length=max_length, num_concurrent=1, max_retries=1, timeout=300)
+
+
+def score(lm, tasks: list[str], suite_dir: Path, *, limit: int | None) -> TaskResults:
+    """Score `tasks` with any lm-eval model: metrics task/<task>/<metric> and per-item correctness."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the offline suite reads local JSONL
+    from lm_eval import simple_evaluate
+
     out = simple_evaluate(
         model=lm,
         tasks=list(tasks),
@@ -200,7 +216,7 @@ def run_tasks(model, tokenizer, tasks: list[str], suite_dir: Path, *, limit: int
     return TaskResults(metrics, correct, counts, out["results"])
 
 
-def flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]]) -> dict[str, float]:
+def flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]], prefix: str = "quality/flips") -> dict[str, float]:
     """Answers that changed between right and wrong, over the items both scored."""
     total = right_to_wrong = wrong_to_right = 0
     for task, base_items in base.items():
@@ -214,8 +230,8 @@ def flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]]) ->
     if total == 0:
         return {}
     return {
-        "quality/flips_pct": 100.0 * (right_to_wrong + wrong_to_right) / total,
-        "quality/flips_right_to_wrong_pct": 100.0 * right_to_wrong / total,
-        "quality/flips_wrong_to_right_pct": 100.0 * wrong_to_right / total,
-        "quality/flips_items": float(total),
+        f"{prefix}_pct": 100.0 * (right_to_wrong + wrong_to_right) / total,
+        f"{prefix}_right_to_wrong_pct": 100.0 * right_to_wrong / total,
+        f"{prefix}_wrong_to_right_pct": 100.0 * wrong_to_right / total,
+        f"{prefix}_items": float(total),
     }
