@@ -382,6 +382,8 @@ def server_command(engine: Engine, checkpoint: Path, port: int, max_len: int, *,
            "--generation-config", "vllm"]
     if not compiled:
         cmd.append("--enforce-eager")  # no graph compilation at start-up: see docs/speed.md
+    if device() == "cuda":
+        cmd += ["--gpu-memory-utilization", "0.4"]  # candidate and base share the GPU (vLLM takes 0.9 by default)
     config = json.loads((checkpoint / "config.json").read_text())
     if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
         cmd += ["--kv-cache-dtype", "fp8"]  # a checkpoint with calibrated FP8 KV-cache scales
@@ -396,3 +398,27 @@ def server_env(tmp: Path) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; set, it also skips the CPU warm-up pass in eager mode
     env.pop("PYTHONPATH", None)  # this environment's packages must not shadow vLLM's own
     return env
+
+
+# `vllm bench serve` (vLLM's own load client) from its environment: the CPU build's `vllm` command
+# looks up package metadata under the name "vllm"; this maps that lookup to the build installed
+BENCH_SHIM = """
+import importlib.metadata as md, sys
+_version = md.version
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name == "vllm":
+            return _version("vllm-cpu")
+        raise
+md.version = version
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm"] + sys.argv[1:]
+main()
+"""
+
+
+def bench_serve_command(engine: Engine, *args: str) -> list[str]:
+    """`vllm bench serve ARGS...` run by the engine's python."""
+    return [engine.python, "-c", BENCH_SHIM, "bench", "serve", *args]
