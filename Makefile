@@ -131,6 +131,7 @@ benchmarks: $(STAMP)
 	$(BIN)/python bench/decode_speed.py $(ARGS)
 	$(BIN)/python bench/sweep_overhead.py
 	$(BIN)/python bench/distill.py
+	$(BIN)/python bench/serving_fidelity.py
 
 clean:
 	rm -rf outputs

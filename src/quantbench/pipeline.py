@@ -436,7 +436,9 @@ def bench(target: str, *, profile: str | None = None, backend: str = "auto", ser
                                base_path=base_model.path)
     with target_run(tracker, tgt, base_model, "bench") as run:
         result = _bench(run, tgt.checkpoint, base_model, plan)
-    return StageOutcome(run.run_id, tgt.checkpoint, result.metrics, bench=result)
+    engine = {"engine": result.report["engine"], "engine_description": result.report["engine_description"],
+              "why": result.report["why"]}
+    return StageOutcome(run.run_id, tgt.checkpoint, result.metrics, bench=result, extra=engine)
 
 
 def speculative(draft: str, target: str | None = None, *, profile: str | None = None,

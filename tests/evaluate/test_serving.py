@@ -108,9 +108,15 @@ def test_a_server_killed_mid_run_fails_the_run_and_keeps_partial_results(workdir
 
 
 def test_a_checkpoint_the_server_cannot_load(workdir, tiny_model_dir, profiles, capsys, tmp_path):
+    """A whole, readable weights file whose tensor does not match the config (a truncated file is
+    refused before any run): transformers serve fails on it."""
+    from safetensors.torch import load_file, save_file
+
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][:, :160].clone()
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     args = ["bench", str(broken), "--base", str(tiny_model_dir), "--backend", "transformers", "--profile", "tiny"]
     assert main(args) == 1
     [run] = runs()
