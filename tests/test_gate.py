@@ -42,7 +42,8 @@ def test_boundary_pass_registers_and_fail_moves_nothing(workdir, scored_runs, ca
     speedup = metric(run_id, "speedup/decode_tok_s")
     model = "tiny-boundary"
     at = {"stages": ["quantize", "evaluate", "bench"], "max": {"quality/kld_mean": kld},
-          "min": {"speedup/decode_tok_s": speedup}, "licenses": ["MIT"], "registry": {"model": model}}
+          "min": {"speedup/decode_tok_s": speedup}, "licenses": ["MIT"], "registry": {"model": model},
+          "speed_engine": "any"}  # the session's runs are benched in-process (hf)
     # exactly at both thresholds (raw values, YAML round-trips the float): pass
     code, report, out = gate(run_id, write_policy(workdir, "at", at), capsys)
     assert code == 0 and report["passed"], out

@@ -17,7 +17,10 @@ examples:
   quantbench quantize awq-int4                      recipes/awq-int4.yaml on the embedded default model
   quantbench quantize gptq-w4a16 --set calibration.samples=8 --json
   quantbench evaluate <run id | checkpoint dir>     quality against the base model (suites/default.yaml)
-  quantbench bench <run id | checkpoint dir>        speed against the base model (profiles/cpu-smoke.yaml)
+  quantbench bench <run id | checkpoint dir>        speed against the base model through vLLM where it serves the
+                                                    format (profiles/cpu-smoke.yaml)
+  quantbench evaluate <run id> --engine vllm        also the suite's tasks scored on the checkpoint served by vLLM
+  quantbench doctor                                 which engines and servers this machine has
   quantbench compare                                all candidates, Pareto frontier (quality vs speed)
   quantbench noise builtin:smollm2-135m-instruct    the noise floor: the base model against itself
   quantbench gate <run id> --policy release         pass/fail; a pass moves the registry alias 'champion'
@@ -81,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("target", help="an MLflow run id (from quantize) or a checkpoint directory")
     e.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
+    e.add_argument("--engine", choices=["vllm"], default=None,
+                   help="also score the suite's lm-eval tasks on the checkpoint served by this engine (lm-eval "
+                   "local-completions against a vLLM server): task_engine/<task>/<metric> and quality/engine_flips_pct "
+                   "(items whose correctness differs between the engine and transformers)")
 
     b = sub.add_parser(
         "bench", parents=[_common("experiment", "base", "json")],
@@ -97,12 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "the model to speed up (a run id, checkpoint dir or model source; default the draft's base model)")
     b.add_argument("--draft", metavar="RUN_ID|DIR", help="measure speculative decoding with this draft model")
     b.add_argument("--profile", default=None, help="profiles/NAME.yaml (default: cpu-smoke)")
-    b.add_argument("--backend", default="hf", choices=["hf", "openai", "serve"],
-                   help="hf: in-process transformers generate; openai: streaming OpenAI-compatible endpoints "
-                   "(--endpoint, --base-endpoint); serve: starts a server (vLLM or transformers serve) for both on 127.0.0.1")
+    b.add_argument("--backend", default=None, choices=["auto", "vllm", "transformers", "hf", "openai", "serve"],
+                   help="auto (default): vLLM's server when vLLM serves the checkpoint's format on this device (its "
+                   "environment .venv-vllm is created on first use), else transformers serve, else hf; vllm, "
+                   "transformers: that server on 127.0.0.1 for both models; hf: in-process transformers generate (not a "
+                   "serving engine); openai: running endpoints (--endpoint, --base-endpoint); serve: --server picks")
     b.add_argument("--server", default="auto", choices=["auto", "vllm", "transformers"],
-                   help="with --backend serve: auto = vLLM where installed (here or $QUANTBENCH_VLLM_PYTHON), "
-                   "else transformers serve")
+                   help="with --backend serve: auto = vLLM where it serves the format, else transformers serve")
     b.add_argument("--endpoint", help="with --backend openai: the checkpoint's endpoint, e.g. http://127.0.0.1:8000/v1")
     b.add_argument("--base-endpoint", help="with --backend openai: the base model's endpoint")
 
@@ -195,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("recipes", parents=[_common("json")], help="list the shipped recipes")
 
+    d = sub.add_parser("doctor", parents=[_common("json")], help="which engines and servers this machine has",
+                       description="One line per engine and server: transformers (and transformers serve), vLLM (its "
+                       "version and environment), llm-compressor, bitsandbytes, GPTQModel, lm-eval, torch and CUDA, the "
+                       "CPU's vector extensions, and which checkpoint formats vLLM serves here. Starts nothing.")
+    d.add_argument("--vllm", action="store_true", help="create vLLM's environment first if it does not exist (`make vllm`)")
+
     gc = sub.add_parser("gc", parents=[_common("experiment", "json")],
                         help="end runs whose process died (SIGKILL, OOM) and remove what they left",
                         description="Mark RUNNING runs whose owner process on this host is gone as FAILED, with the "
@@ -255,6 +269,7 @@ def cmd_quantize(args) -> int:
         print(report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes))
     if result.bench is not None:
         print(report.bench_table(result.bench.metrics))
+        print(report.bench_engine(result.bench))
     print(f"checkpoint: {result.checkpoint}")
     print(f"mlflow run: {result.run_id}   log: {result.log}")
     print(report.metric_lines(result.metrics))
@@ -264,10 +279,13 @@ def cmd_quantize(args) -> int:
 def cmd_evaluate(args) -> int:
     from quantbench import pipeline, report
 
-    result = _run_stage("evaluate", pipeline.evaluate, args.target, suite=args.suite, base=args.base, experiment=args.experiment)
+    result = _run_stage("evaluate", pipeline.evaluate, args.target, suite=args.suite, base=args.base, experiment=args.experiment,
+                        engine=args.engine)
     if result is None:
         return 1
     print(report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes))
+    if result.engine_tasks is not None:
+        print(report.engine_table(result.engine_tasks.metrics, result.evaluation.metrics))
     reused = " (reused)" if result.evaluation.baseline_reused else " (scored now)"
     print(f"mlflow run: {result.run_id}   baseline run: {result.evaluation.baseline_run}{reused}")
     return _json(args, result.summary())
@@ -277,7 +295,7 @@ def cmd_bench(args) -> int:
     from quantbench import pipeline, report
 
     if args.draft:
-        if args.backend != "hf":
+        if args.backend not in (None, "hf"):
             raise UserError("--draft measures in-process (transformers assisted generation); drop --backend")
         result = _run_stage("bench", pipeline.speculative, args.draft, args.target, profile=args.profile,
                             experiment=args.experiment)
@@ -288,11 +306,12 @@ def cmd_bench(args) -> int:
         if not args.target:
             raise UserError("bench: give a run id or checkpoint directory (or --draft)")
         endpoints = (args.endpoint, args.base_endpoint) if args.backend == "openai" else None
-        result = _run_stage("bench", pipeline.bench, args.target, profile=args.profile, backend=args.backend,
+        result = _run_stage("bench", pipeline.bench, args.target, profile=args.profile, backend=args.backend or "auto",
                             server=args.server, base=args.base, experiment=args.experiment, endpoints=endpoints)
         if result is None:
             return 1
         print(report.bench_table(result.metrics))
+        print(report.bench_engine(result.bench))
     print(f"mlflow run: {result.run_id}")
     return _json(args, result.summary())
 
@@ -457,6 +476,18 @@ def cmd_recipes(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from quantbench import doctor
+
+    if args.vllm:
+        from quantbench import vllm_engine
+
+        vllm_engine.ensure("make vllm")
+    facts = doctor.facts()
+    print(doctor.text(facts))
+    return _json(args, {"engines": facts})
+
+
 def cmd_ui(args) -> int:
     """The MLflow UI as a child process group, stopped with this process: on Ctrl-C, and on
     SIGTERM / SIGHUP (a supervisor, a closed terminal), not left listening."""
@@ -487,5 +518,4 @@ def cmd_ui(args) -> int:
 
 COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "compare": cmd_compare,
             "noise": cmd_noise, "gate": cmd_gate, "sweep": cmd_sweep, "tune": cmd_tune, "validate": cmd_validate,
-            "recipes": cmd_recipes, "gc": cmd_gc,
-            "ui": cmd_ui}
+            "recipes": cmd_recipes, "gc": cmd_gc, "doctor": cmd_doctor, "ui": cmd_ui}

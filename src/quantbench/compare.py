@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 DEFAULT_QUALITY = "quality/kld_mean"
 DEFAULT_SPEED = "speedup/decode_tok_s"
 FALLBACK_SPEED = "model/compression_ratio"  # when no candidate has been benched yet
+NOT_SERVING = "not a serving engine"
 # (column header, metric or tag, format)
 COLUMNS = [
     ("size MB", "model/size_mb", "{:.1f}"),
@@ -57,6 +58,16 @@ class Candidate:
     @property
     def label(self) -> str:
         return self.tags.get(TAG + "recipe") or self.name
+
+    @property
+    def engine(self) -> str:
+        """What its speed was measured through: vllm, transformers, endpoint, or hf marked as not a
+        serving engine ("" when it was not benched)."""
+        served = catalogue.serving(self.tags)
+        if served is None:
+            return ""
+        name = self.tags.get(TAG + "bench_server") or ("hf" if not served else self.tags.get(TAG + "bench_backend", "?"))
+        return name if served else f"{name}: {NOT_SERVING}"
 
     def gates(self) -> str:
         prefix = TAG + "gate."
@@ -155,13 +166,13 @@ def build(candidates: list[Candidate], quality: str | None, speed: str | None,
 
 
 def rows(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
-    header = ["", "run", "recipe", "method", "scheme", "format"] + [h for h, _, _ in COLUMNS]
+    header = ["", "run", "recipe", "method", "scheme", "format", "speed via"] + [h for h, _, _ in COLUMNS]
     header += [t.removeprefix("task/").removesuffix("/acc") + " acc" for t in cmp.task_columns()] + ["gate"]
     body = []
     for c in cmp.candidates + cmp.noise:
         marker = "≈" if c in cmp.noise else "★" if c.frontier else ""
         row = [marker, c.run_id[:8], c.label, c.tags.get(TAG + "method", ""),
-               c.tags.get(TAG + "scheme", ""), c.tags.get(TAG + "format", "")]
+               c.tags.get(TAG + "scheme", ""), c.tags.get(TAG + "format", ""), c.engine or "—"]
         for _, key, fmt in COLUMNS:
             row.append(fmt.format(c.metrics[key]) if key in c.metrics else "—")
         row += [f"{c.metrics[t]:.3f}" if t in c.metrics else "—" for t in cmp.task_columns()]
@@ -176,7 +187,8 @@ def terminal(cmp: Comparison) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines) + f"\n★ Pareto frontier on {cmp.quality} ({catalogue.direction(cmp.quality)} is better) " \
-                              f"vs {cmp.speed} ({catalogue.direction(cmp.speed)} is better)" + \
+                              f"vs {cmp.speed} ({catalogue.direction(cmp.speed)} is better); 'speed via': the engine " \
+                              f"speed was measured through ({NOT_SERVING}: in-process transformers generate)" + \
         "".join("\n" + line for line in notes(cmp))
 
 
@@ -196,7 +208,8 @@ def notes(cmp: Comparison) -> list[str]:
 
 def markdown(cmp: Comparison, title: str) -> str:
     header, body = rows(cmp)
-    lines = [f"# {title}", "", f"Pareto frontier (★) on `{cmp.quality}` vs `{cmp.speed}`.", "",
+    lines = [f"# {title}", "", f"Pareto frontier (★) on `{cmp.quality}` vs `{cmp.speed}`. *speed via*: the engine the "
+             f"speed was measured through (hf: {NOT_SERVING}, in-process transformers generate).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     lines += [""] + [f"- {line}" for line in notes(cmp)] if notes(cmp) else []
@@ -227,15 +240,19 @@ def plot(cmp: Comparison, path: Path, title: str) -> Path:
 
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
     scored = [c for c in cmp.candidates if cmp.quality in c.metrics and cmp.speed in c.metrics]
+    speed_axis = cmp.speed.startswith(("speedup/", "speed/"))
     for c in scored:
         x, y = c.metrics[cmp.speed], c.metrics[cmp.quality]
         color = "tab:green" if c.frontier else "tab:gray"
-        ax.scatter([x], [y], s=60, color=color, zorder=3)
+        not_serving = speed_axis and catalogue.serving(c.tags) is False
+        # hollow: a speed measured in-process (hf), not through a serving engine
+        ax.scatter([x], [y], s=60, zorder=3, facecolors="none" if not_serving else color, edgecolors=color)
         xi, yi = interval_of(c.metrics, cmp.speed), interval_of(c.metrics, cmp.quality)
         if xi or yi:  # the 95 % intervals as error bars
             ax.errorbar([x], [y], xerr=[[x - xi[0]], [xi[1] - x]] if xi else None,
                         yerr=[[y - yi[0]], [yi[1] - y]] if yi else None, color=color, alpha=0.6, capsize=3, zorder=2)
-        ax.annotate(c.label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=9)
+        label = f"{c.label} [{c.engine}]" if speed_axis and c.engine else c.label
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=9)
     for n in cmp.noise:  # what measuring the base model against itself gives: a band on each axis
         label = f"noise floor ({n.run_id[:8]})"
         for metric, span, line in ((cmp.speed, ax.axvspan, ax.axvline), (cmp.quality, ax.axhspan, ax.axhline)):
@@ -281,7 +298,8 @@ def as_json(cmp: Comparison) -> dict:
         "candidates": [
             {"run_id": c.run_id, "name": c.name, "recipe": c.label, "status": c.status, "frontier": c.frontier,
              "method": c.tags.get(TAG + "method"), "scheme": c.tags.get(TAG + "scheme"), "format": c.tags.get(TAG + "format"),
-             "gates": c.gates(), "metrics": c.metrics}
+             "speed_engine": c.engine or None, "serving_engine": catalogue.serving(c.tags), "gates": c.gates(),
+             "metrics": c.metrics}
             for c in cmp.candidates
         ],
     }

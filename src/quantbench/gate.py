@@ -42,6 +42,7 @@ Stage = Literal["quantize", "evaluate", "bench"]
 # What shows that a stage ran to the end in a run: a metric it always logs.
 STAGE_EVIDENCE = {"quantize": "quantize/wall_s", "evaluate": "quality/kld_mean", "bench": "speedup/decode_tok_s"}
 NAME_FIELDS = ("base_model", "recipe", "method", "scheme")
+SPEED_FAMILIES = ("speedup/", "speed/", "base_speed/")
 
 
 class Register(Strict):
@@ -82,6 +83,7 @@ class Policy(Strict):
         recovery: {quality/ppl: 0.85}            # at least 85% of the base's score kept
         max: {quality/kld_mean: {value: 0.2, on: ci_high}, quality/flips_pct: 15}
         min: {speedup/decode_tok_s: {value: 1.0, on: ci_low}}
+        speed_engine: serving                    # speed measured through a serving engine only
         licenses: [apache-2.0, mit]
         registry: {model: "{base_model}", alias: champion}
     """
@@ -92,6 +94,9 @@ class Policy(Strict):
     min: dict[str, Limit] = Field(default_factory=dict, description="absolute lower limits (higher-is-better metrics)")
     max: dict[str, Limit] = Field(default_factory=dict, description="absolute upper limits (lower-is-better metrics)")
     licenses: list[str] | None = Field(None, description="allowed licences of the base model; null allows any")
+    # serving: a speed check (speedup/*, speed/*, base_speed/*) passes only on numbers measured
+    # through a serving engine (vLLM, transformers serve, an endpoint); any: in-process hf too
+    speed_engine: Literal["serving", "any"] = "serving"
     registry: Register = Register()
 
 
@@ -190,10 +195,17 @@ def evaluate_policy(policy: Policy, status: str, tags: dict[str, str], metrics: 
         checks.append(Check("licence", license_, " | ".join(policy.licenses), license_.lower() in allowed))
     for key, threshold in policy.recovery.items():
         checks.append(_bound(f"recovery/{key}", metrics, _limit(threshold), ">="))
-    for key, threshold in policy.min.items():
-        checks.append(_bound(key, metrics, _limit(threshold), ">="))
-    for key, threshold in policy.max.items():
-        checks.append(_bound(key, metrics, _limit(threshold), "<="))
+    limits = [_bound(k, metrics, _limit(t), ">=") for k, t in policy.min.items()]
+    limits += [_bound(k, metrics, _limit(t), "<=") for k, t in policy.max.items()]
+    served = catalogue.serving(tags)
+    for check in limits:
+        speed = check.check.startswith(SPEED_FAMILIES) and check.value is not None
+        if speed and policy.speed_engine == "serving" and served is False:
+            engine = tags.get(TAG + "bench_server", "hf")
+            check.passed = False
+            check.note = (f"measured through {engine}: not a serving engine (policy speed_engine: serving); "
+                          "`make bench RUN=<run id>` measures through vLLM or transformers serve")
+    checks += limits
     checkpoint = tags.get(TAG + "checkpoint")
     on_disk = bool(checkpoint) and (Path(checkpoint) / "config.json").is_file()
     checks.append(Check("checkpoint on disk", "present" if on_disk else "missing", "present", on_disk,

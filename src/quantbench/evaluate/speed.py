@@ -1,5 +1,7 @@
-"""Speed against the base model, in-process (`hf` backend): TTFT, decode and prefill tokens/s,
-inter-token and end-to-end latency, throughput at each concurrency level, peak memory.
+"""Speed against the base model: the profile, the A B A B loop, the in-process (`hf`)
+measurements and the summary. TTFT, decode and prefill tokens/s, inter-token and end-to-end
+latency, each load level's throughput and latency percentiles, peak memory. The server backends'
+measurements are in evaluate/serving.py.
 
 The candidate and the base model are measured with the same profile, interleaved (A B A B, one
 model loaded at a time) so machine drift hits both alike. Each repetition after the warm-up
@@ -8,7 +10,10 @@ max go to the JSON artifact.
 
 Metric names (docs/metrics.md): `speed/ttft_ms_p50`, `speed/ttft_ms_p95`, `speed/decode_tok_s`,
 `speed/itl_ms_p50`, `speed/prefill_tok_s`, `speed/e2e_ms_p50`, `speed/e2e_ms_p95`,
-`speed/c<N>/throughput_tok_s`, `speed/c<N>/requests_s`, `speed/peak_mem_mb`.
+`speed/peak_mem_mb`, and per load level (`c<N>`: N in flight, `r<R>`: R requests/s)
+`speed/c<N>/throughput_tok_s`, `.../requests_s`, and through a server `.../ttft_ms_p50|p95|p99`,
+`.../itl_ms_p50|p95|p99`, `.../e2e_ms_p50|p95` (over the level's requests in a repetition; the
+median over repetitions is the metric).
 `speedup/<metric>` is oriented so that above 1 is faster: candidate / base for rates,
 base / candidate for times and memory. With 3 or more repetitions each speedup also has a 95 %
 interval, `speedup/<metric>.ci_low` / `.ci_high`, from the paired repetitions
@@ -19,33 +24,59 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt
 
 from quantbench.errors import UserError
 from quantbench.processes import PeakRSS
 from quantbench.recipe import Strict, load_named
 
 DEFAULT_PROFILE = "cpu-smoke"
-LOWER_IS_FASTER = ("_ms_p50", "_ms_p95", "peak_mem_mb")
+LEVEL = re.compile(r"c\d+|r[0-9.]+")  # a load level's sample prefix: c4, r0.5
+LOWER_IS_FASTER = ("_ms_p50", "_ms_p95", "_ms_p99", "peak_mem_mb")
 
 
 class Profile(Strict):
     description: str = ""
     prompt_tokens: list[PositiveInt] = Field(default_factory=lambda: [128])
     output_tokens: PositiveInt = 32
+    # load levels: N requests in flight at once. Through a server each level sends
+    # `requests_per_level` requests (default 2 x N) and reports throughput and latency
+    # percentiles (speed/c<N>/...); in-process (hf) it is one batched generate of N prompts.
     concurrency: list[PositiveInt] = Field(default_factory=lambda: [1, 4])
+    # optional open-loop levels, servers only: requests/s with Poisson arrivals (speed/r<R>/...)
+    request_rates: list[PositiveFloat] = Field(default_factory=list)
+    requests_per_level: PositiveInt | None = None  # default: 2 x N at concurrency N, 8 at a request rate
     repetitions: PositiveInt = 3
     warmup: int = Field(1, ge=0)
     seed: int = 0
-    # the dtype the base model is measured in: on CPU float32 is its fastest plain path,
-    # on a GPU bfloat16 is what would be served
+    # the dtype the base model is measured in by the hf backend: on CPU float32 is its fastest
+    # plain path, on a GPU bfloat16 is what would be served
     base_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # vLLM's --dtype for candidate and base: auto is vLLM's own choice (a float32 checkpoint is
+    # served in bfloat16), what a deployment runs; the dtype it ran in is recorded in the run
+    serve_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # vLLM compiles its graphs at start-up (its default, what a deployment runs; 1-2 min per
+    # server on CPU here). false: --enforce-eager, ~3x faster start-up but ~35% more CPU per
+    # decoded token on CPU, which narrows speedups; the tests' profiles use it
+    compile: bool = True
+
+    def level_requests(self, concurrency: int | None) -> int:
+        """Requests a load level sends per repetition."""
+        if self.requests_per_level:
+            return self.requests_per_level
+        return 2 * concurrency if concurrency else 8
+
+    @property
+    def max_requests(self) -> int:
+        return max([max(self.concurrency)] + [self.level_requests(n) for n in self.concurrency]
+                   + [self.level_requests(None) for _ in self.request_rates])
 
 
 def profiles_dir() -> Path:
@@ -165,7 +196,7 @@ def bench_pair(measurers: dict, token_ids: list[int], profile: Profile) -> Speed
     """Measure "candidate" and "base" with `profile`, interleaved A B A B; the warm-up dropped."""
     from tqdm import tqdm
 
-    count = max(profile.concurrency) + profile.repetitions + profile.warmup
+    count = profile.max_requests + profile.repetitions + profile.warmup
     prompt_sets = {length: prompts(token_ids, length, count, profile.seed) for length in profile.prompt_tokens}
     samples: dict[str, dict[str, list[float]]] = {"candidate": {}, "base": {}}
     total = (profile.warmup + profile.repetitions) * 2
@@ -243,7 +274,7 @@ def summarize(samples: dict[str, list[float]], profile: Profile) -> dict[str, fl
     if pooled("/decode_tok_s"):
         out["decode_tok_s"] = statistics.median(pooled("/decode_tok_s"))
         out["itl_ms_p50"] = statistics.median(pooled("/itl_ms"))
-    for n in profile.concurrency:
-        out[f"c{n}/throughput_tok_s"] = statistics.median(samples[f"c{n}/throughput_tok_s"])
-        out[f"c{n}/requests_s"] = statistics.median(samples[f"c{n}/requests_s"])
+    for key, values in samples.items():  # load levels: c<N>/... and r<R>/..., medians over repetitions
+        if LEVEL.fullmatch(key.split("/", 1)[0]):
+            out[key] = statistics.median(values)
     return out

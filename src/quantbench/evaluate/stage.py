@@ -256,3 +256,69 @@ def recovery(metrics: dict[str, float], baseline: dict[str, float]) -> dict[str,
         if base and value and RECOVERABLE.fullmatch(key):
             out[f"recovery/{key}"] = base / value if direction(key) == "lower" else value / base
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Quality through the serving engine (`evaluate --engine vllm`)
+
+
+@dataclass
+class EnginePlan:
+    engine: object  # vllm_engine.Engine
+    checkpoint: Path
+    dtype: str  # --dtype: the dtype transformers loads the checkpoint in, so that only the engine differs
+    max_len: int
+
+
+@dataclass
+class EngineTasks:
+    """The suite's tasks scored on the served checkpoint: task_engine/<task>/<metric> and
+    quality/engine_flips_* against transformers on the same checkpoint."""
+
+    metrics: dict[str, float]
+    tags: dict[str, str]
+    report: dict  # evaluation_engine.json
+    logs: list[Path]
+
+
+def prepare_engine(name: str, checkpoint: Path, p: Plan) -> EnginePlan:
+    """Every check before the run: tasks to score, a format the engine serves here, the engine's
+    environment (created if missing). UserError otherwise."""
+    from quantbench import vllm_engine
+
+    if not p.suite.suite.tasks:
+        raise UserError(f"--engine {name}: suite '{p.suite.name}' has no lm-eval tasks to score through the engine")
+    problem = vllm_engine.unserved(checkpoint)
+    if problem:
+        raise UserError(f"--engine {name}: vLLM does not serve {checkpoint} here: {problem}")
+    engine = vllm_engine.ensure(f"--engine {name}")
+    config = json.loads((checkpoint / "config.json").read_text())
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "auto").removeprefix("torch.")
+    limit = vllm_engine.max_model_len(checkpoint) or 2048
+    return EnginePlan(engine, checkpoint, dtype if dtype in ("float32", "bfloat16", "float16") else "auto", min(limit, 4096))
+
+
+def engine_tasks(ep: EnginePlan, p: Plan, transformers_correct: dict[str, dict[int, bool]], logs: list[Path]) -> EngineTasks:
+    """Serve the checkpoint with vLLM (eager: start-up time matters here, not decode speed) and score
+    the suite's tasks through lm-eval's local-completions model against it. The server's log is
+    appended to `logs` before it starts (the caller keeps it whatever happens)."""
+    from quantbench.evaluate.serving import ServerSpec, model_server
+    from quantbench.evaluate.tasks import score, served_lm
+
+    spec = p.suite.suite
+    directory = Path(tempfile.mkdtemp(prefix="qb-engine-"))
+    logs.append(directory / "engine.log")
+    log.info("evaluate --engine vllm: serving %s with %s (%s) and scoring %s", ep.checkpoint, ep.engine.describe(), ep.dtype,
+             ", ".join(spec.tasks))
+    with model_server(ep.checkpoint, logs[-1], ServerSpec("vllm", ep.max_len, compiled=False, dtype=ep.dtype,
+                                                          engine=ep.engine)) as (url, name, _):
+        # max_tokens 1 is generated after the echoed prompt: the prompt gets one token less
+        lm = served_lm(url, name, str(ep.checkpoint), max_length=ep.max_len - 1, batch_size=spec.task_batch_size)
+        tasks = score(lm, spec.tasks, p.tasks_dir, limit=spec.task_limit)
+    metrics = {"task_engine/" + k.removeprefix("task/"): v for k, v in tasks.metrics.items()}
+    metrics |= flips(transformers_correct, tasks.correct, prefix="quality/engine_flips")
+    tags = {TAG + "task_engine": f"{ep.engine.describe()} ({ep.dtype})"}
+    report = {"engine": ep.engine.describe(), "dtype": ep.dtype, "max_model_len": ep.max_len, "metrics": metrics,
+              "task_items_scored": tasks.counts, "lm_eval_results": tasks.raw,
+              "samples": {t: {str(k): v for k, v in items.items()} for t, items in tasks.correct.items()}}
+    return EngineTasks(metrics, tags, report, list(logs))

@@ -186,11 +186,27 @@ def run_tasks(model, tokenizer, tasks: list[str], suite_dir: Path, *, limit: int
     """Score `tasks` on the already-loaded model through lm-eval's HFLM."""
     if not tasks:
         return TaskResults({}, {}, {}, {})
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the offline suite reads local JSONL
-    from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(next(model.parameters()).device))
+    return score(lm, tasks, suite_dir, limit=limit)
+
+
+def served_lm(url: str, model: str, tokenizer: str, *, max_length: int, batch_size: int):
+    """lm-eval's `local-completions` model against a running OpenAI-compatible server (vLLM):
+    log-probabilities of the very token ids lm-eval sends (echo), batched."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    return LocalCompletionsAPI(base_url=url.rstrip("/") + "/completions", model=model, tokenizer=tokenizer,
+                               tokenizer_backend="huggingface", tokenized_requests=True, batch_size=batch_size,
+                               max_length=max_length, num_concurrent=1, max_retries=1, timeout=300)
+
+
+def score(lm, tasks: list[str], suite_dir: Path, *, limit: int | None) -> TaskResults:
+    """Score `tasks` with any lm-eval model: metrics task/<task>/<metric> and per-item correctness."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the offline suite reads local JSONL
+    from lm_eval import simple_evaluate
+
     out = simple_evaluate(
         model=lm,
         tasks=list(tasks),
@@ -234,9 +250,10 @@ def _paired_flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bo
             for doc_id, was_right in sorted(base_items.items()) if doc_id in cand.get(task, {})]
 
 
-def flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]]) -> dict[str, float]:
-    """Answers that changed between right and wrong, over the items both scored, and McNemar's
-    exact test of whether they changed more often one way than the other."""
+def flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]], prefix: str = "quality/flips") -> dict[str, float]:
+    """Answers that changed between right and wrong, over the items both scored, and (for the
+    candidate against the base) McNemar's exact test of whether they changed more often one way
+    than the other."""
     from quantbench.intervals import mcnemar_p
 
     pairs = _paired_flips(base, cand)
@@ -245,13 +262,15 @@ def flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]]) ->
     wrong_to_right = sum(now and not was for was, now in pairs)
     if total == 0:
         return {}
-    return {
-        "quality/flips_pct": 100.0 * (right_to_wrong + wrong_to_right) / total,
-        "quality/flips_right_to_wrong_pct": 100.0 * right_to_wrong / total,
-        "quality/flips_wrong_to_right_pct": 100.0 * wrong_to_right / total,
-        "quality/flips_items": float(total),
-        "quality/flips_p_value": mcnemar_p(right_to_wrong, wrong_to_right),
+    out = {
+        f"{prefix}_pct": 100.0 * (right_to_wrong + wrong_to_right) / total,
+        f"{prefix}_right_to_wrong_pct": 100.0 * right_to_wrong / total,
+        f"{prefix}_wrong_to_right_pct": 100.0 * wrong_to_right / total,
+        f"{prefix}_items": float(total),
     }
+    if prefix == "quality/flips":
+        out["quality/flips_p_value"] = mcnemar_p(right_to_wrong, wrong_to_right)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
