@@ -21,6 +21,7 @@ examples:
   quantbench compare                                all candidates, Pareto frontier (quality vs speed)
   quantbench gate <run id> --policy release         pass/fail; a pass moves the registry alias 'champion'
   quantbench sweep cpu-grid                         many jobs (sweeps/cpu-grid.yaml): resumable, timeouts, retries
+  quantbench sweep cpu-grid --ray HOST:PORT         the same jobs on a Ray cluster (docs/ray.md)
   quantbench validate recipes/*.yaml                check recipes (every error at once)
   quantbench recipes                                list the shipped recipes
   quantbench gc                                     end runs left RUNNING by a killed process, remove their leftovers
@@ -137,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a path to a .yaml file")
     s.add_argument("--force", action="store_true", help="run every job again, even those already FINISHED")
+    s.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run each attempt on a Ray cluster, on the node Ray places it with the resources the recipe or "
+                   "sweep asks for: ADDRESS is HOST:PORT of its head, ray://HOST:10001 (Ray Client) or auto; omitted, "
+                   "the cluster running here or else a local Ray for this sweep (docs/ray.md; needs "
+                   "pip install -e '.[ray]')")
 
     v = sub.add_parser("validate", parents=[exp_json], help="validate recipe files, reporting every error at once",
                        description="Check recipe files against the schema and against their model's layer "
@@ -274,7 +280,8 @@ def cmd_gate(args) -> int:
 def cmd_sweep(args) -> int:
     from quantbench.sweep import run
 
-    result = _run_stage("sweep", run, args.sweep, force=args.force, outputs=args.outputs, experiment=args.experiment)
+    result = _run_stage("sweep", run, args.sweep, force=args.force, outputs=args.outputs, experiment=args.experiment,
+                        ray=args.ray)
     if result is None:
         return 1
     print(result["table"])
