@@ -110,6 +110,7 @@ benchmarks: $(STAMP)
 	$(BIN)/python bench/decode_speed.py $(ARGS)
 	$(BIN)/python bench/sweep_overhead.py
 	$(BIN)/python bench/distill.py
+	$(BIN)/python bench/ray_overhead.py
 
 clean:
 	rm -rf outputs

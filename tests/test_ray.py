@@ -168,6 +168,27 @@ def test_the_driver_killed_then_resumed(cluster, workdir, recipes, capsys):
 
 
 @pytest.mark.slow
+def test_the_driver_interrupted_stops_its_jobs_on_their_nodes(cluster, workdir, recipes):
+    name = write_sweep(workdir, "stopped", {"recipes": ["any"], "retries": 0})
+    driver = subprocess.Popen([sys.executable, "-m", "quantbench", "sweep", name, "--ray", cluster["address"]], cwd=workdir,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline, victim = time.monotonic() + 120, None
+    while victim is None and time.monotonic() < deadline:
+        time.sleep(0.3)
+        victim = next((r for r in candidates() if r.info.status == "RUNNING"), None)
+    assert victim is not None, "the job never started"
+    driver.send_signal(signal.SIGTERM)  # as Ctrl-C
+    assert driver.wait(60) == 130, driver.stderr.read()[-3000:]
+    [job] = state(workdir, name)["jobs"].values()
+    assert job["status"] == "pending" and job["attempts"][0]["reason"] == "the sweep was interrupted"
+    assert job["attempts"][0]["pid"] == int(victim.data.tags["quantbench.owner"].split()[1])
+    assert not alive(job["attempts"][0]["pid"])
+    stopped = next(r for r in candidates() if r.info.run_id == victim.info.run_id)
+    assert stopped.info.status == "KILLED"  # the job was told, and said so itself
+    assert open(job["attempts"][0]["log"]).read().strip().endswith("interrupted")  # its log came back to the end
+
+
+@pytest.mark.slow
 def test_resources_no_node_has_fail_after_the_placement_timeout(cluster, workdir, recipes, capsys):
     name = write_sweep(workdir, "huge", {"recipes": ["any"], "set": ["resources.num_gpus=4"], "placement_timeout_s": 2,
                                          "retries": 2, "backoff_s": 0})

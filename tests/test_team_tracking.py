@@ -171,6 +171,13 @@ def test_a_ray_sweep_puts_the_checkpoint_in_the_bucket_and_evaluate_fetches_it(t
     fetched = Path(last_json(capsys.readouterr().out)["checkpoint"])
     assert fetched.parent == tmp_path / "cache" / "checkpoints" and content_sha(fetched) == tags["quantbench.checkpoint_sha"]
     assert models.resolve(f"run:{run_id}").path == fetched  # cached: the same copy, not a second download
+    (workdir / "policies").mkdir()
+    (workdir / "policies" / "team.yaml").write_text(yaml.safe_dump(
+        {"stages": ["quantize", "evaluate"], "max": {"quality/kld_mean": 100.0}, "registry": {"model": "tiny-team-ray"}}))
+    assert main(["gate", run_id, "--policy", "team", "--json"]) == 0  # registers the artifact: no local copy needed
+    report = last_json(capsys.readouterr().out)
+    assert next(c for c in report["checks"] if c["check"] == "checkpoint")["note"] == "the run's checkpoint/ artifact"
+    assert client.get_model_version_by_alias("tiny-team-ray", "champion").source == f"runs:/{run_id}/checkpoint"
 
     client.set_tag(run_id, "quantbench.checkpoint_sha", "0" * 64)  # the artifact no longer matches its hash
     shutil.rmtree(tmp_path / "cache")

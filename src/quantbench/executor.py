@@ -243,7 +243,8 @@ class Runner:
         for attempt in self.running:  # Ctrl-C or SIGTERM: no orphan jobs
             self.executor.stop(attempt.handle)
             attempt.job.status = "pending"
-            attempt.job.attempts[-1].update(ended=time.time(), reason=f"the {self.label} was interrupted")
+            attempt.job.attempts[-1].update(ended=time.time(), reason=f"the {self.label} was interrupted",
+                                            **_where(attempt.handle))
         self.running.clear()
         self.on_change()
 
@@ -273,8 +274,7 @@ class Runner:
         job.wall_s += elapsed
         log_path = Path(record["log"])
         result = _result(log_path) if outcome.code == 0 else None
-        record.update(ended=time.time(), exit=outcome.code, run_id=(result or {}).get("run_id"))
-        record.update({k: v for k, v in (("node", handle.node), ("host", handle.host), ("pid", handle.pid)) if v})
+        record.update(ended=time.time(), exit=outcome.code, run_id=(result or {}).get("run_id"), **_where(handle))
         where = f" on node {handle.node[:12]}" if handle.node else ""
         if outcome.code == 0 and result:
             job.status, job.run_id, job.metrics, job.reason = "finished", result["run_id"], result["metrics"], ""
@@ -316,6 +316,11 @@ class Runner:
             log.warning("could not look up the run of attempt %s: %s", attempt_id, exc)
             return None
         return found[0] if found else None
+
+
+def _where(handle: Handle) -> dict:
+    """Where an attempt ran, as far as its executor knows: Ray node id, host, pid of its process."""
+    return {k: v for k, v in (("node", handle.node), ("host", handle.host), ("pid", handle.pid)) if v}
 
 
 def _say(line: str) -> None:

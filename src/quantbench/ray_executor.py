@@ -242,7 +242,7 @@ class RayExecutor:
         except ray.exceptions.RayError as exc:
             log.warning("stopping the attempt on node %s: %s", attempt.node, _cause(exc))
         finally:
-            ray.kill(attempt.actor)
+            _kill(ray, attempt.actor)
 
     def close(self) -> None:
         import ray
@@ -261,7 +261,7 @@ class RayExecutor:
     def _end(self, ray, attempt: RayAttempt, ended: Ended) -> Ended:
         if ended.code is None:
             self._append(attempt, f"\n[quantbench] {ended.reason}\n".encode())
-        ray.kill(attempt.actor)
+        _kill(ray, attempt.actor)
         return ended
 
     def _lost(self, ray, attempt: RayAttempt, exc) -> Ended:
@@ -294,15 +294,15 @@ class RayExecutor:
 
 def _connect(ray, address: str) -> tuple[str | None, bool]:
     """Connect to the cluster `address` names; (the address, whether a local Ray was started)."""
-    target = address
+    target, given = address, address
     if address in ("", "auto"):
         target = _running_cluster(ray, address)
-        if target is None:
-            if address == "auto":
-                raise UserError("--ray auto: no Ray cluster is running on this machine (start one with `ray start --head`, "
-                                "or give its address: --ray HOST:PORT)")
+        if target is None and address == "auto":
+            raise UserError("--ray auto: no Ray cluster is running on this machine (start one with `ray start --head`, "
+                            "or give its address: --ray HOST:PORT)")
+        given = f"{address} (RAY_ADDRESS={target})" if os.environ.get("RAY_ADDRESS") else f"{address} (found {target})"
     if target is not None:
-        _check_reachable(target, address or "(found here)")
+        _check_reachable(target, given.strip())
     kwargs = {"log_to_driver": False, "logging_level": logging.WARNING}
     if target is None:
         kwargs.update(include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE)
@@ -345,10 +345,30 @@ def _check_reachable(address: str, given: str) -> None:
         raise UserError(f"--ray {given or address}: no Ray cluster answers at {address} "
                         f"({exc.strerror or exc.__class__.__name__}): is its head running (`ray start --head`), "
                         "and is the port open from here?") from None
+    # Something listens; Ray's GCS (and Ray Client) speak gRPC. ray.init would retry a port that
+    # does not for many minutes.
+    import grpc
+
+    channel = grpc.insecure_channel(target)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
+    except grpc.FutureTimeoutError:
+        raise UserError(f"--ray {given or address}: {address} accepts connections but does not speak gRPC as a Ray "
+                        "head does: is it the GCS port (6379 by default) or the Ray Client port (10001, ray://)?") from None
+    finally:
+        channel.close()
 
 
 # ---------------------------------------------------------------------------------------------
 # Nodes
+
+
+def _kill(ray, actor) -> None:
+    """End an attempt's actor (its process has ended, or its node is gone)."""
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:  # the cluster itself may be gone: nothing is left to end
+        log.debug("ray.kill: %s", exc)
 
 
 def _alive_nodes(ray) -> list[dict]:

@@ -203,8 +203,7 @@ def run(name_or_path: str, *, force: bool = False, outputs: Path = Path("outputs
                 raise
             finally:
                 bar.close()
-            summary = _finish(tracker, state, jobs, parent, directory, name)
-            summary["executor"] = executor.describe()
+            summary = _finish(tracker, state, jobs, parent, directory, name, executor.describe())
         finally:
             lock.close()
     finally:
@@ -262,7 +261,7 @@ def _parent_run(tracker: Tracker, state: State, name: str, sweep: Sweep) -> str:
     return run.run_id
 
 
-def _finish(tracker: Tracker, state: State, jobs: list[Job], parent: str, directory: Path, name: str) -> dict:
+def _finish(tracker: Tracker, state: State, jobs: list[Job], parent: str, directory: Path, name: str, where: dict) -> dict:
     rows = [f"{'job':44s} {'status':9s} {'tries':>5s} {'wall s':>7s} {'size MB':>8s} {'ppl ×':>7s} {'KLD':>7s} "
             f"{'decode ×':>8s}  run / reason"]
     for j in jobs:
@@ -273,7 +272,7 @@ def _finish(tracker: Tracker, state: State, jobs: list[Job], parent: str, direct
                     f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {j.run_id or j.reason}")
     table = "\n".join(rows)
     counts = {s: sum(j.status == s for j in jobs) for s in ("finished", "skipped", "failed")}
-    summary = {"sweep": name, "parent_run": parent, "counts": counts, "state": str(state.path),
+    summary = {"sweep": name, "parent_run": parent, "counts": counts, "state": str(state.path), "executor": where,
                "jobs": [asdict(j) for j in jobs], "table": table}
     run = tracker.resume_run(parent)
     with run:
