@@ -63,6 +63,7 @@ def recipes(workdir, tiny_model_dir):
     write_recipe(workdir, "gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n") +
                  "resources:\n  num_cpus: 2\n  num_gpus: 0\n")
     write_recipe(workdir, "any", tiny_recipe(tiny_model_dir, "method: fp8\n") + "resources:\n  num_gpus: 0\n")
+    runs()  # the store exists before a driver process and this one open it at once
     yield
     deadline = time.monotonic() + 30
     while sweep_children() and time.monotonic() < deadline:
@@ -242,3 +243,19 @@ def test_a_local_tracking_store_is_refused_when_nodes_are_elsewhere(workdir):
     assert "mlflow server --backend-store-uri" in message and "MLFLOW_TRACKING_URI=http://" in message
     executor.foreign = []
     executor.check_store(Tracker())  # every node is this machine: a local store will do
+
+
+def test_resources_come_from_the_recipe_then_the_sweep_then_the_method(workdir, tiny_model_dir):
+    from quantbench.recipe import load_recipe
+    from quantbench.sweep import load_sweep
+
+    write_recipe(workdir, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n") + "resources:\n  num_gpus: 1\n")
+    write_recipe(workdir, "gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n"))
+    write_sweep(workdir, "r", {"recipes": ["fp8", "gptq"], "resources": {"num_cpus": 4, "num_gpus": 0}})
+    _, _, jobs = load_sweep("r")
+    assert {j.id: j.resources for j in jobs} == {"fp8": {"num_cpus": 4, "num_gpus": 1, "memory_gb": None},
+                                                 "gptq": {"num_cpus": 4, "num_gpus": 0, "memory_gb": None}}
+    gptq = load_recipe(workdir / "recipes" / "gptq.yaml")
+    assert gptq.resources() == {"num_cpus": 1, "num_gpus": None, "memory_gb": None}  # the method's; GPU if the cluster has one
+    moved = load_recipe(workdir / "recipes" / "gptq.yaml", ["resources.memory_gb=32"])
+    assert moved.resources()["memory_gb"] == 32 and moved.sha == gptq.sha  # where it runs is not what it computes

@@ -27,6 +27,7 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -306,10 +307,15 @@ def _connect(ray, address: str) -> tuple[str | None, bool]:
     kwargs = {"log_to_driver": False, "logging_level": logging.WARNING}
     if target is None:
         kwargs.update(include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE)
+    previous = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=target or "local", **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise UserError(f"--ray {address or target or ''}: cannot connect to a Ray cluster at {target}: {exc}") from None
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        # ray.init installs a SIGTERM handler that aborts the process; SIGTERM stays what it was
+        # (the CLI's: an interrupt, so the attempts are stopped on their nodes and the state saved)
+        signal.signal(signal.SIGTERM, previous)
     return target, target is None
 
 
