@@ -266,7 +266,9 @@ class RayExecutor:
         return ended
 
     def _lost(self, ray, attempt: RayAttempt, exc) -> Ended:
-        node = f"Ray node {attempt.node[:12]}" + (f" ({attempt.host})" if attempt.host else "") if attempt.node else "its Ray node"
+        if attempt.node is None:  # its actor never came up (its node died first, or could not import quantbench)
+            return self._end(ray, attempt, Ended(None, f"could not start on a Ray node: {_cause(exc)}"))
+        node = f"Ray node {attempt.node[:12]}" + (f" ({attempt.host})" if attempt.host else "")
         return self._end(ray, attempt, Ended(None, f"lost with {node}: {_cause(exc)}"))
 
     def _placement(self, ray, attempt: RayAttempt, now: float) -> Ended | None:
