@@ -142,6 +142,7 @@ benchmarks: $(STAMP)
 	$(BIN)/python bench/distill.py
 	$(BIN)/python bench/stability.py
 	$(BIN)/python bench/serving_fidelity.py
+	$(BIN)/python bench/ray_overhead.py
 
 clean:
 	rm -rf outputs

@@ -128,3 +128,61 @@ def test_every_command_against_postgres_and_s3(team_server, workdir, tiny_model_
     with psycopg.connect(POSTGRES.rsplit("/", 1)[0] + f"/{team_server['database']}") as conn:
         statuses = dict(conn.execute("select status, count(*) from runs group by status").fetchall())
     assert statuses.get("RUNNING", 0) == 0 and statuses["FINISHED"] >= 4  # candidate, baseline, sweep parent, compare
+
+
+@pytest.mark.slow
+def test_a_ray_sweep_puts_the_checkpoint_in_the_bucket_and_evaluate_fetches_it(team_server, workdir, tiny_model_dir, tmp_path,
+                                                                              monkeypatch, capsys):
+    """A sweep on a Ray started for it logs each checkpoint into the object store; a machine that
+    has no outputs/ (here: the same one, outputs/ removed) evaluates the run by downloading it once,
+    verified by its content hash, and a `run:` source resolves to the same copy."""
+    pytest.importorskip("ray")  # tests/test_ray.py insists on it in CI
+    from mlflow.tracking import MlflowClient
+
+    from quantbench import models
+    from quantbench.checkpoint import content_sha
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", team_server["uri"])
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-ray")
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (workdir / "suites").mkdir()
+    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
+    write_recipe(workdir, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n"))
+    (workdir / "sweeps").mkdir()
+    (workdir / "sweeps" / "team.yaml").write_text(yaml.safe_dump({"recipes": ["fp8"], "retries": 0}))
+
+    assert main(["sweep", "team", "--ray", "--json"]) == 0  # no cluster running: a local Ray for the sweep
+    summary = last_json(capsys.readouterr().out)
+    assert summary["executor"]["started_local"] is True
+    [job] = summary["jobs"]
+    run_id = job["run_id"]
+    client = MlflowClient(team_server["uri"])
+    tags = client.get_run(run_id).data.tags
+    local = Path(tags["quantbench.checkpoint"])
+    assert tags["quantbench.checkpoint_sha"] == content_sha(local) and tags["quantbench.ray_node"]
+    keys = {o["Key"] for page in team_server["s3"].get_paginator("list_objects_v2").paginate(Bucket="mlflow")
+            for o in page.get("Contents", [])}
+    for name in (p.name for p in local.iterdir()):
+        assert any(k.endswith(f"/{run_id}/artifacts/checkpoint/{name}") for k in keys), name
+
+    import shutil
+
+    shutil.rmtree(workdir / "outputs")  # a fresh machine: the checkpoint is only in the bucket
+    assert main(["evaluate", run_id, "--suite", "tiny", "--json"]) == 0
+    fetched = Path(last_json(capsys.readouterr().out)["checkpoint"])
+    assert fetched.parent == tmp_path / "cache" / "checkpoints" and content_sha(fetched) == tags["quantbench.checkpoint_sha"]
+    assert models.resolve(f"run:{run_id}").path == fetched  # cached: the same copy, not a second download
+    (workdir / "policies").mkdir()
+    (workdir / "policies" / "team.yaml").write_text(yaml.safe_dump(
+        {"stages": ["quantize", "evaluate"], "max": {"quality/kld_mean": 100.0}, "registry": {"model": "tiny-team-ray"}}))
+    assert main(["gate", run_id, "--policy", "team", "--json"]) == 0  # registers the artifact: no local copy needed
+    report = last_json(capsys.readouterr().out)
+    assert next(c for c in report["checks"] if c["check"] == "checkpoint")["note"] == "the run's checkpoint/ artifact"
+    assert client.get_model_version_by_alias("tiny-team-ray", "champion").source == f"runs:/{run_id}/checkpoint"
+
+    client.set_tag(run_id, "quantbench.checkpoint_sha", "0" * 64)  # the artifact no longer matches its hash
+    shutil.rmtree(tmp_path / "cache")
+    assert main(["evaluate", run_id, "--suite", "tiny"]) == 2
+    assert "differs from the run's quantbench.checkpoint_sha" in capsys.readouterr().err
+    assert list((tmp_path / "cache" / "checkpoints").iterdir()) == []  # nothing unverified kept

@@ -1,17 +1,28 @@
 """A checkpoint directory and what quantbench knows about it, shared by every stage: the info file
 each quantize run writes into it (`quantbench.json`), which checkpoint a run id or a directory
 names, whether this machine can load its format, its size, and the sizes of a loaded model.
+
+A checkpoint also travels with its run: `upload` logs it as the run's `checkpoint/` artifact with
+a content hash (`quantbench.checkpoint_sha`), and `local_checkpoint` finds a run's checkpoint on
+this machine, or downloads that artifact once into the cache and verifies it against the hash, so
+`evaluate`, `bench` and `run:`/`recipe:` sources work on a machine other than the one that made it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import logging
+import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench.errors import UserError
+
+log = logging.getLogger(__name__)
 
 INFO = "quantbench.json"  # written by the quantize pipeline into every checkpoint
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -19,6 +30,7 @@ RUN_ID = re.compile(r"[0-9a-f]{32}")
 # quantization_config.quant_method -> the package transformers needs to load that format
 FORMAT_PACKAGES = {"compressed-tensors": "compressed_tensors", "bitsandbytes": "bitsandbytes", "gptq": "gptqmodel",
                    "awq": "gptqmodel"}
+ARTIFACT = "checkpoint"  # the run's artifact directory that holds the checkpoint
 
 
 def read_info(path: Path) -> dict:
@@ -73,10 +85,81 @@ def _resolve(target: str, tracker, base: str | None) -> Target:
     if run is None:
         raise UserError(f"MLflow run '{target}' does not exist at the tracking store ({tracking_uri()})")
     tags = run.data.tags
-    checkpoint = tags.get(TAG + "checkpoint")
-    if not checkpoint or not (Path(checkpoint) / "config.json").is_file():
-        raise UserError(f"MLflow run '{target}' has no checkpoint on this machine (tag {TAG}checkpoint: {checkpoint or 'none'})")
-    return Target(Path(checkpoint), target, base or tags[TAG + "base_model"], read_info(Path(checkpoint)))
+    checkpoint = local_checkpoint(run, tags)
+    if checkpoint is None:
+        raise UserError(f"MLflow run '{target}' has no checkpoint on this machine (tag {TAG}checkpoint: "
+                        f"{tags.get(TAG + 'checkpoint') or 'none'}) nor a {ARTIFACT}/ artifact to download")
+    return Target(checkpoint, target, base or tags[TAG + "base_model"], read_info(checkpoint))
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint that travels with its run
+
+
+def content_sha(path: Path) -> str:
+    """sha256 over every file of a checkpoint directory: of the lines `<sha256 of the file>  <path
+    relative to the directory>`, sorted by path (what `sha256sum` prints for each file)."""
+    lines = []
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(2**20), b""):
+                digest.update(block)
+        lines.append(f"{digest.hexdigest()}  {file.relative_to(path).as_posix()}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def upload(run, directory: Path) -> str:
+    """Log a checkpoint directory as the run's `checkpoint/` artifact and record its content hash
+    (`quantbench.checkpoint_sha`), against which every download is verified. Returns the hash."""
+    from quantbench.tracking import TAG
+
+    sha = content_sha(directory)
+    log.info("logging the checkpoint as the run's artifact %s/ (content sha %s)", ARTIFACT, sha[:12])
+    run.log_artifacts(directory, ARTIFACT)
+    run.set_tags({TAG + "checkpoint_sha": sha})
+    return sha
+
+
+def local_checkpoint(run, tags: dict[str, str]) -> Path | None:
+    """A run's checkpoint on this machine: the directory its `quantbench.checkpoint` tag names if
+    that is here; else its `checkpoint/` artifact, downloaded once into the cache
+    (QUANTBENCH_CACHE/checkpoints/) and verified against `quantbench.checkpoint_sha`; else None."""
+    from quantbench.models import cache_dir
+    from quantbench.tracking import TAG
+
+    named = tags.get(TAG + "checkpoint")
+    if named and (Path(named) / "config.json").is_file():
+        return Path(named)
+    if not run.has_artifact(f"{ARTIFACT}/config.json"):
+        return None
+    sha = tags.get(TAG + "checkpoint_sha")
+    root = cache_dir() / "checkpoints"
+    dest = root / f"{run.run_id}-{(sha or 'unverified')[:16]}"
+    if (dest / "config.json").is_file():
+        return dest  # renamed into place only once it was complete and verified
+    root.mkdir(parents=True, exist_ok=True)
+    partial = root / f".{dest.name}.{os.getpid()}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        log.info("run %s: its checkpoint is not on this machine (%s); downloading its %s/ artifact", run.run_id,
+                 named or "no path recorded", ARTIFACT)
+        downloaded = run.download(ARTIFACT, partial)
+        if sha is None:
+            log.warning("run %s has no %scheckpoint_sha: its checkpoint cannot be verified", run.run_id, TAG)
+        elif content_sha(downloaded) != sha:
+            raise UserError(f"MLflow run '{run.run_id}': the downloaded {ARTIFACT}/ artifact's content hash "
+                            f"{content_sha(downloaded)[:16]} differs from the run's {TAG}checkpoint_sha {sha[:16]}: "
+                            "the artifact changed after it was logged, or the download is incomplete; nothing was kept")
+        try:
+            os.rename(downloaded, dest)
+        except OSError:  # another process put it there first
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    log.info("run %s: checkpoint downloaded to %s", run.run_id, dest)
+    return dest
 
 
 def quant_method(checkpoint: Path) -> str | None:

@@ -26,6 +26,7 @@ examples:
   quantbench gate <run id> --policy release         pass/fail; a pass moves the registry alias 'champion'
   quantbench sweep cpu-grid                         many jobs (sweeps/cpu-grid.yaml): resumable, timeouts, retries
   quantbench tune --policy release                  the smallest mixed-precision checkpoint that passes a policy
+  quantbench sweep cpu-grid --ray HOST:PORT         the same jobs on a Ray cluster (docs/ray.md)
   quantbench validate recipes/*.yaml                check recipes (every error at once)
   quantbench recipes                                list the shipped recipes
   quantbench gc                                     end runs left RUNNING by a killed process, remove their leftovers
@@ -163,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a path to a .yaml file")
     s.add_argument("--force", action="store_true", help="run every job again, even those already FINISHED")
+    s.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run each attempt on a Ray cluster, on the node Ray places it with the resources the recipe or "
+                   "sweep asks for: ADDRESS is HOST:PORT of its head, ray://HOST:10001 (Ray Client) or auto; omitted, "
+                   "the cluster running here or else a local Ray for this sweep (docs/ray.md; needs "
+                   "pip install -e '.[ray]')")
 
     t = sub.add_parser(
         "tune", parents=[_common("experiment", "outputs", "json")],
@@ -363,7 +369,8 @@ def cmd_gate(args) -> int:
 def cmd_sweep(args) -> int:
     from quantbench.sweep import run
 
-    result = _run_stage("sweep", run, args.sweep, force=args.force, outputs=args.outputs, experiment=args.experiment)
+    result = _run_stage("sweep", run, args.sweep, force=args.force, outputs=args.outputs, experiment=args.experiment,
+                        ray=args.ray)
     if result is None:
         return 1
     print(result["table"])

@@ -3,9 +3,11 @@ pass promote its checkpoint in the MLflow Model Registry.
 
 Every check is computed on the raw logged values (rounding only for display) with the direction
 each metric has in the catalogue (`metrics.py`), and every check is reported, passed or not, in one
-table. On pass: the checkpoint is logged as the run's `checkpoint/` artifact, registered as a new
-version of the policy's registered model, and the policy's alias (`champion`) moved to it; the
-version it replaces keeps a second alias (`previous`). On fail nothing in the registry moves.
+table. On pass: the checkpoint is logged as the run's `checkpoint/` artifact (unless the job did so
+already, as it does against a tracking server; then the checkpoint need not be on this machine),
+registered as a new version of the policy's registered model, and the policy's alias (`champion`)
+moved to it; the version it replaces keeps a second alias (`previous`). On fail nothing in the
+registry moves.
 Either way the report is an artifact of the run (`gate/<policy>-<time>.json` and `.md`) and the
 outcome a run tag (`quantbench.gate.<policy>`).
 
@@ -31,7 +33,7 @@ from pydantic import Field, model_validator
 from quantbench import intervals
 from quantbench import metrics as catalogue
 from quantbench import models
-from quantbench.checkpoint import RUN_ID
+from quantbench.checkpoint import ARTIFACT, RUN_ID, upload
 from quantbench.errors import UserError
 from quantbench.recipe import Strict, load_named
 from quantbench.tracking import TAG, Registry, Tracker, tracking_uri
@@ -179,8 +181,10 @@ def _interval_problems(path: Path, section: str, key: str, name: str, limit: Lim
 # The checks
 
 
-def evaluate_policy(policy: Policy, status: str, tags: dict[str, str], metrics: dict[str, float]) -> list[Check]:
-    """Every check of the policy on one run's raw values; none is skipped when an earlier fails."""
+def evaluate_policy(policy: Policy, status: str, tags: dict[str, str], metrics: dict[str, float],
+                    stored: bool = False) -> list[Check]:
+    """Every check of the policy on one run's raw values; none is skipped when an earlier fails.
+    `stored`: the run has its checkpoint as an artifact (so it need not be on this machine)."""
     checks = [Check("run status", status, "FINISHED", status == "FINISHED")]
     for stage in policy.stages:
         evidence = STAGE_EVIDENCE[stage]
@@ -208,8 +212,10 @@ def evaluate_policy(policy: Policy, status: str, tags: dict[str, str], metrics: 
     checks += limits
     checkpoint = tags.get(TAG + "checkpoint")
     on_disk = bool(checkpoint) and (Path(checkpoint) / "config.json").is_file()
-    checks.append(Check("checkpoint on disk", "present" if on_disk else "missing", "present", on_disk,
-                        checkpoint if on_disk else f"{checkpoint or 'no checkpoint tag'}: needed to register it"))
+    found = on_disk or stored
+    note = checkpoint if on_disk else "the run's checkpoint/ artifact" if stored else \
+        f"{checkpoint or 'no checkpoint tag'}: not on this machine nor in the run's artifacts; needed to register it"
+    checks.append(Check("checkpoint", "present" if found else "missing", "present", found, note))
     return checks
 
 
@@ -286,7 +292,7 @@ def run(run_id: str, policy_name: str, *, experiment: str | None = None) -> dict
         raise UserError(f"MLflow run '{run_id}' is a {tags.get(TAG + 'role', 'non-quantbench')} run; gate a candidate run")
 
     try:
-        checks = evaluate_policy(loaded.policy, info.status, tags, metrics)
+        checks = evaluate_policy(loaded.policy, info.status, tags, metrics, stored=run_.has_artifact(f"{ARTIFACT}/config.json"))
     except MissingInterval as exc:
         why = ("fewer than 3 paired repetitions in its bench" if str(exc).startswith("speedup/")
                else "too few windows or items in its suite, or intervals off; evaluation.json lists why")
@@ -314,11 +320,10 @@ def _promote(loaded: LoadedPolicy, run_, tags: dict[str, str]) -> dict:
     registry = Registry()
     version = registry.version_for_run(name, run_.run_id)
     if version is None:
-        if not run_.has_artifact("checkpoint/config.json"):
-            log.info("gate: logging the checkpoint as the run's artifact checkpoint/")
-            run_.log_artifacts(Path(tags[TAG + "checkpoint"]), "checkpoint")
+        if not run_.has_artifact(f"{ARTIFACT}/config.json"):
+            upload(run_, Path(tags[TAG + "checkpoint"]))
         version = registry.register(
-            name, run_, "checkpoint",
+            name, run_, ARTIFACT,
             description=f"{tags.get(TAG + 'recipe', '?')} ({tags.get(TAG + 'method')} {tags.get(TAG + 'scheme')}) of "
                         f"{tags.get(TAG + 'base_model')}, passed policy {loaded.name}",
             tags={TAG + "recipe": tags.get(TAG + "recipe", ""), TAG + "run": run_.run_id,

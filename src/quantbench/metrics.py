@@ -149,6 +149,8 @@ TAGS: dict[str, str] = {
     "quantbench.deterministic": "what the produce step pinned for a repeatable checkpoint: seeds, deterministic algorithms, threads",
     "quantbench.noise_run": "on a noise run's recipe runs: the noise run they measure",
     "quantbench.noise_recipe": "on a noise run: the calibrated recipe whose seed-to-seed spread it measured",
+    "quantbench.checkpoint_sha": "sha256 over every file of the checkpoint (its sha256sum lines, sorted by path), set when "
+                                 "it is logged as the run's checkpoint/ artifact; a download is verified against it",
     "quantbench.staging": "the staging directory a running job writes (removed if it does not finish)",
     "quantbench.owner": "host, pid and start time of the process holding the run open (to reap dead ones)",
     "quantbench.error": "why a run FAILED or was KILLED",
@@ -169,6 +171,8 @@ TAGS: dict[str, str] = {
     "quantbench.resumed_from_step": "distillation: the training step an interrupted job resumed from",
     "quantbench.sweep": "the sweep that ran the job (on its runs and on the sweep's parent run)",
     "quantbench.sweep_job": "the job's id within its sweep",
+    "quantbench.attempt": "a unique id of the sweep attempt that ran the job (finds its run when the attempt's node is lost)",
+    "quantbench.ray_node": "sweep --ray: the id of the Ray node the job ran on",
     "quantbench.sweep_runs": "on a sweep's parent run: the runs of its jobs",
     "quantbench.tune": "the tune that made the candidate (on its runs and on the tune's parent run)",
     "quantbench.tune_policy": "the policy the tune searched for",
@@ -208,7 +212,8 @@ ARTIFACTS: dict[str, str] = {
     "servers/<name>.log": "the logs of the servers quantbench started (candidate, base; engine for evaluate --engine)",
     "gate/<policy>-<time>.json": "a gate report: every check, value, threshold, result",
     "gate/<policy>-<time>.md": "the same report as a table",
-    "checkpoint/": "the checkpoint, logged by a passing gate (the registered version's source)",
+    "checkpoint/": "the checkpoint: logged at the end of the job when the tracking store is a server with an artifact "
+                   "store, else by a passing gate (the registered version's source)",
     "compare/compare.{md,html,png,json}": "on a compare summary run: the table and the plot",
     "sweep.json": "on a sweep's parent run: every job, attempt and result",
     "sweep.txt": "on a sweep's parent run: the summary table",

@@ -9,7 +9,8 @@ recipe names the hub:
 - `hub:ORG/NAME`: downloaded from the Hugging Face hub, only when the hub is reachable;
 - `run:RUN_ID` or `recipe:NAME`: the checkpoint an earlier quantbench run wrote (for `recipe:`,
   the newest FINISHED run of that recipe in the experiment), e.g. to quantize a distilled student.
-  The run is the new run's lineage (`quantbench.parent_run`).
+  The run is the new run's lineage (`quantbench.parent_run`). Made on another machine, it is
+  downloaded from the run's `checkpoint/` artifact (cached, verified by its content hash).
 """
 
 from __future__ import annotations
@@ -226,6 +227,7 @@ def _classify(source: str, field: str) -> tuple[str, object]:
 
 def _run_checkpoint(source: str, field: str, experiment: str | None = None) -> tuple[str, Path, str]:
     """`run:ID` / `recipe:NAME` -> (run id, its checkpoint dir, a name for cards and run names)."""
+    from quantbench.checkpoint import local_checkpoint
     from quantbench.tracking import TAG, Tracker, tracking_uri
 
     tracker = Tracker(experiment)
@@ -242,11 +244,11 @@ def _run_checkpoint(source: str, field: str, experiment: str | None = None) -> t
     if run is None:
         raise UserError(f"{field}: '{source}': no such MLflow run at {tracking_uri()}")
     tags = run.data.tags
-    checkpoint = tags.get(TAG + "checkpoint")
-    if run.info.status != "FINISHED" or not checkpoint or not (Path(checkpoint) / "config.json").is_file():
+    checkpoint = local_checkpoint(run, tags) if run.info.status == "FINISHED" else None
+    if checkpoint is None:
         raise UserError(f"{field}: '{source}': run {run_id} ({run.info.status}) has no checkpoint on this machine "
-                        f"(tag {TAG}checkpoint: {checkpoint or 'none'})")
-    return run_id, Path(checkpoint), f"{tags.get(TAG + 'recipe', 'run')}-{run_id[:8]}"
+                        f"(tag {TAG}checkpoint: {tags.get(TAG + 'checkpoint') or 'none'}) nor a checkpoint/ artifact")
+    return run_id, checkpoint, f"{tags.get(TAG + 'recipe', 'run')}-{run_id[:8]}"
 
 
 def _builtin_gguf(name: str, field: str) -> Path:

@@ -10,7 +10,10 @@ run (through tracking.py) and the CLI prints.
 
 The checkpoint is written into a hidden staging directory and renamed into place only when every
 stage of the job has finished: a job that fails or is interrupted at any stage (its run ends
-FAILED or KILLED) leaves no checkpoint behind. Tuning and sweeps run this same pipeline.
+FAILED or KILLED) leaves no checkpoint behind. When the tracking store is a server with an
+artifact store, the checkpoint is also logged as the run's `checkpoint/` artifact (with its content
+hash) before that rename, so a later stage on another machine finds it. Tuning and sweeps run
+this same pipeline.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from pathlib import Path
 
 from quantbench import card, data, environment, models
 from quantbench.checkpoint import (Target, bits_per_weight, check_loadable, param_bytes, resolve_target, weights_sha,
-                                   weights_size_mb,
-                                   write_info)
+                                   weights_size_mb, write_info)
+from quantbench.checkpoint import upload as upload_checkpoint
 from quantbench.errors import UserError
 from quantbench.evaluate import bench as bench_stage
 from quantbench.evaluate import stage as evaluate_stage
@@ -260,6 +263,8 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
                 if evaluation is not None or bench is not None:
                     card.write(staging, final, info, metrics, sample)  # now with quality and speed
 
+                if run.shares_artifacts:  # a tracking server's artifact store: other machines fetch it from there
+                    upload_checkpoint(run, staging)
                 staging.rename(final)
                 run.set_tags({TAG + "checkpoint": final.resolve()})
                 shutil.rmtree(workdir, ignore_errors=True)  # done: nothing to resume

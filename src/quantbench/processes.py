@@ -1,5 +1,6 @@
 """Processes: a free loopback port, stopping a process group (SIGTERM, a grace period, then
-SIGKILL; the group killed even if its leader left), and a process's peak memory while a block runs."""
+SIGKILL; the group killed even if its leader left; or the whole tree of descendants), and a
+process's peak memory while a block runs."""
 
 from __future__ import annotations
 
@@ -28,6 +29,37 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    proc.wait()
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """stop_group, and every descendant of `proc` too, even one that left its group (a server
+    started in a session of its own): those seen before SIGTERM and before SIGKILL are killed."""
+    import psutil
+
+    def descendants() -> list:
+        try:
+            return psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    tree = descendants()
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    tree += descendants()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in tree:  # psutil checks the start time: a reused pid is not touched
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
     proc.wait()
 
 

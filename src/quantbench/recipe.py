@@ -66,6 +66,8 @@ class CalibrationSpec(Strict):
 
 
 class _QuantizeBase(Strict):
+    # CPUs a job of this method asks of a Ray node unless the recipe or sweep says (resources:)
+    JOB_CPUS: ClassVar[float] = 1
     # Module names (or "re:" patterns) left unquantized, as llm-compressor's `ignore`.
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
 
@@ -268,6 +270,8 @@ class DistillSpec(Strict):
     """Knowledge distillation: a smaller student learns the teacher's (the model's) next-token
     distribution; saved as a bf16 transformers checkpoint. Trained with transformers' Trainer."""
 
+    JOB_CPUS: ClassVar[float] = 2  # the Trainer's data loading beside the training loop
+
     method: Literal["distill"]
     scheme: Literal["BF16"] = "BF16"  # what the student is saved in
     student: StudentSpec = Field(default_factory=StudentSpec)
@@ -326,6 +330,16 @@ class BenchSpec(Strict):
     backend: Literal["auto", "vllm", "transformers", "hf", "serve"] = "auto"
 
 
+class ResourcesSpec(Strict):
+    """What one job asks of a Ray node (`quantbench sweep NAME --ray`); a local run ignores it.
+    Unset: num_cpus from the method, num_gpus 1 on a cluster with GPUs (0 without), no memory
+    reserved. Where a job runs does not change what it computes: these are not in the recipe's sha."""
+
+    num_cpus: float | None = Field(None, gt=0)
+    num_gpus: float | None = Field(None, ge=0)
+    memory_gb: float | None = Field(None, gt=0)
+
+
 class Recipe(Strict):
     description: str = ""
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -334,6 +348,7 @@ class Recipe(Strict):
     check: CheckSpec = Field(default_factory=CheckSpec)
     evaluate: EvaluateSpec | None = None  # no section: no evaluation
     bench: BenchSpec | None = None  # no section: no speed measurement
+    resources: ResourcesSpec | None = None  # asked of a Ray node; a sweep's resources: fill what is unset
 
 
 # method name -> its settings class, e.g. "gptq" -> GPTQSpec
@@ -361,9 +376,20 @@ class LoadedRecipe:
 
     @property
     def sha(self) -> str:
-        """Content hash of the resolved recipe (defaults filled in, overrides applied)."""
-        canonical = json.dumps(self.resolved, sort_keys=True, separators=(",", ":"))
+        """Content hash of the resolved recipe (defaults filled in, overrides applied), without
+        `resources:` (where a job runs, not what it computes)."""
+        resolved = {k: v for k, v in self.resolved.items() if k != "resources"}
+        canonical = json.dumps(resolved, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def resources(self, fallback: ResourcesSpec | None = None) -> dict[str, float | None]:
+        """What a job of this recipe asks of a Ray node: the recipe's resources:, then `fallback`
+        (a sweep's), then the method's CPUs; num_gpus None means "1 on a cluster with GPUs"."""
+        asked = {"num_cpus": self.recipe.quantize.JOB_CPUS, "num_gpus": None, "memory_gb": None}
+        for spec in (fallback, self.recipe.resources):
+            if spec is not None:
+                asked.update({k: v for k, v in spec.model_dump().items() if v is not None})
+        return asked
 
 
 def load_named(directory: Path, name: str, schema: type[BaseModel], field: str, kind: str) -> BaseModel:

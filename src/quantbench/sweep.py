@@ -1,12 +1,14 @@
-"""`quantbench sweep sweeps/NAME.yaml`: many quantize jobs, each in its own process, that lose
-nothing and do nothing twice.
+"""`quantbench sweep sweeps/NAME.yaml [--ray [ADDRESS]]`: many quantize jobs, each in its own process,
+that lose nothing and do nothing twice.
 
 - Jobs: shipped recipes by name and/or a matrix of overrides over a base recipe; every job is
   validated before any runs (all errors at once), and identified by its resolved recipe's sha.
-- Each attempt is a `quantbench quantize` child process in its own process group, with a log file,
-  a wall-clock timeout (the group is killed: SIGTERM, then SIGKILL) and bounded retries with
-  back-off. Bad input (exit 2) is not retried. If the sweep itself dies, its children get SIGTERM
-  (PR_SET_PDEATHSIG) and mark their runs KILLED.
+- Each attempt is a `quantbench quantize` process with a log file, a wall-clock timeout (its
+  process tree is killed: SIGTERM, then SIGKILL) and bounded retries with back-off; bad input
+  (exit 2) is not retried (executor.py). Without --ray the attempts are child processes of the
+  sweep, which get SIGTERM if the sweep dies (PR_SET_PDEATHSIG); with --ray each runs on the node of
+  a Ray cluster that Ray places it on, with the resources the recipe or sweep asks for
+  (ray_executor.py), and its log comes back here.
 - State (`outputs/sweeps/NAME/state.json`, rewritten atomically after every change) records each
   job's attempts, runs and result. Re-running the sweep resumes: jobs whose recipe sha already has
   a FINISHED run are skipped (unless --force), RUNNING runs left by a dead sweep are marked FAILED,
@@ -23,22 +25,22 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from pydantic import Field, PositiveInt
 
 from quantbench.errors import UserError, did_you_mean
-from quantbench.processes import stop_group
-from quantbench.recipe import Strict, load_recipe, resolve_recipe_path, validate_file
-from quantbench.tracking import ENV_PARENT, ENV_TAGS, OWNER, TAG, Tracker, owner_alive
+from quantbench.executor import HISTORY, Executor, Job, Limits, LocalExecutor, Runner
+from quantbench.recipe import ResourcesSpec, Strict, load_recipe, resolve_recipe_path, validate_file
+from quantbench.tracking import OWNER, TAG, Tracker, owner_alive
 
 log = logging.getLogger(__name__)
 
-KILL_GRACE_S = 20.0
+__all__ = ["Job", "Sweep", "load_sweep", "run"]
 
 
 class Matrix(Strict):
@@ -56,22 +58,12 @@ class Sweep(Strict):
     timeout_s: PositiveInt = 3600
     retries: int = Field(1, ge=0, le=10)  # attempts after the first
     backoff_s: float = Field(30.0, ge=0)  # wait before retry n: backoff_s * 2**(n-1)
-    concurrency: PositiveInt = 1
+    concurrency: PositiveInt = 1  # attempts in flight at once (with --ray: handed to Ray at once)
     experiment: str | None = None
-
-
-@dataclass
-class Job:
-    id: str
-    recipe_path: str
-    overrides: list[str]
-    sha: str
-    status: str = "pending"  # pending | running | finished | failed | skipped
-    attempts: list[dict] = field(default_factory=list)  # {n, started, ended, exit, reason, run_id, log}
-    run_id: str | None = None
-    reason: str = ""
-    wall_s: float = 0.0
-    metrics: dict = field(default_factory=dict)
+    # --ray: what each job asks of a node where its recipe's resources: does not say
+    resources: ResourcesSpec | None = None
+    # --ray: how long a job may wait when no node of the cluster has the resources it asks for
+    placement_timeout_s: PositiveInt = 600
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +102,8 @@ def load_sweep(name_or_path: str) -> tuple[Path, Sweep, list[Job]]:
             problems.append(f"{path}: job {job_id} is the same recipe as job {seen[loaded.sha]} (sha {loaded.sha[:12]})")
             continue
         seen[loaded.sha] = job_id
-        jobs.append(Job(job_id, str(loaded.path), overrides, loaded.sha))
+        jobs.append(Job(job_id, str(loaded.path), overrides, loaded.sha, tags={TAG + "sweep": path.stem, TAG + "sweep_job": job_id},
+                        resources=loaded.resources(sweep.resources)))
     if problems:
         raise UserError(problems)
     return path, sweep, jobs
@@ -130,9 +123,9 @@ class State:
             self.data = json.loads(self.path.read_text())
 
     def job(self, job: Job) -> Job:
-        """The recorded job with this sha (its history), or the new one."""
+        """The job with its recorded history (attempts, runs, result), if this sha has one."""
         saved = self.data["jobs"].get(job.sha)
-        return Job(**saved) if saved else job
+        return replace(job, **{k: saved[k] for k in HISTORY if k in saved}) if saved else job
 
     def save(self, jobs: list[Job] | None = None) -> None:
         if jobs is not None:
@@ -160,103 +153,70 @@ def _lock(directory: Path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Running one attempt
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the sweep process dies, whatever killed it (Linux prctl)."""
-    import ctypes
-
-    os.setsid()
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass
-class Attempt:
-    job: Job
-    proc: subprocess.Popen
-    log_path: Path
-    started: float
-
-
-def _start(job: Job, n: int, sweep_name: str, directory: Path, experiment: str, parent: str | None,
-           outputs: Path) -> Attempt:
-    log_path = directory / "logs" / f"{_safe(job.id)}.attempt{n}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "quantbench", "quantize", job.recipe_path, "--json", "--experiment", experiment,
-           "--outputs", str(outputs)]
-    for item in job.overrides:
-        cmd += ["--set", item]
-    tags = {TAG + "sweep": sweep_name, TAG + "sweep_job": job.id}
-    env = {**os.environ, ENV_TAGS: json.dumps(tags), **({ENV_PARENT: parent} if parent else {})}
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
-    return Attempt(job, proc, log_path, time.monotonic())
-
-
-def _safe(job_id: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_.=," else "_" for c in job_id)
-
-
-def _result(log_path: Path) -> dict | None:
-    for line in reversed(log_path.read_text(errors="replace").strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                return None
-    return None
-
-
-def _tail(log_path: Path) -> str:
-    lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower()]
-    return (errors or lines or ["(empty log)"])[-1][-300:]
-
-
-# ---------------------------------------------------------------------------------------------
 # The verb
 
 
-def run(name_or_path: str, *, force: bool = False, outputs: Path = Path("outputs"), experiment: str | None = None) -> dict:
+def run(name_or_path: str, *, force: bool = False, outputs: Path = Path("outputs"), experiment: str | None = None,
+        ray: str | None = None) -> dict:
+    """`ray`: None runs the jobs here; an address (or "" for a running cluster, else a local Ray
+    started for the sweep) runs each attempt on a Ray cluster."""
     from tqdm import tqdm
 
     path, sweep, jobs = load_sweep(name_or_path)
     name = path.stem
     experiment = experiment or sweep.experiment
-    tracker = Tracker(experiment)
-    directory = outputs / "sweeps" / name
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = _lock(directory)
+    executor = _executor(ray, sweep)  # before anything is written: a bad address leaves nothing behind
     try:
-        state = State(directory, name)
-        jobs = [state.job(j) for j in jobs]
-        _reap_stale_runs(tracker, name)
-        parent = _parent_run(tracker, state, name, sweep)
-        for job in jobs:  # resume: what is done stays done, the rest runs (again)
-            if job.status == "running":  # its attempt died with the previous sweep
-                job.attempts[-1].update(ended=time.time(), reason="the sweep died during this attempt")
-            done = tracker.find_runs({TAG + "recipe_sha": job.sha})
-            if done and not force:
-                if job.status != "finished":
-                    job.status, job.run_id, job.reason = "skipped", done[0], f"already FINISHED in run {done[0]}"
-            else:
-                job.status, job.reason = "pending", ""
-        state.save(jobs)
-        todo = [j for j in jobs if j.status == "pending"]
-        log.info("sweep %s: %d jobs, %d to run, %d done before", name, len(jobs), len(todo), len(jobs) - len(todo))
-        bar = tqdm(total=len(todo), desc=f"sweep {name}", unit="job", file=sys.stderr)
+        tracker = Tracker(experiment)
+        if ray is not None:
+            executor.check_store(tracker)
+        directory = outputs / "sweeps" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = _lock(directory)
         try:
-            _execute(todo, jobs, sweep, name, directory, tracker.experiment, parent, outputs, state, bar)
-        except BaseException:  # Ctrl-C / SIGTERM: the jobs were stopped; the parent run says so
-            tracker.fail_run(parent, "the sweep was interrupted; re-run it to resume", status="KILLED")
-            raise
+            state = State(directory, name)
+            jobs = [state.job(j) for j in jobs]
+            _reap_stale_runs(tracker, name)
+            parent = _parent_run(tracker, state, name, sweep)
+            for job in jobs:  # resume: what is done stays done, the rest runs (again)
+                if job.status == "running":  # its attempt died with the previous sweep
+                    job.attempts[-1].update(ended=time.time(), reason="the sweep died during this attempt")
+                done = tracker.find_runs({TAG + "recipe_sha": job.sha})
+                if done and not force:
+                    if job.status != "finished":
+                        job.status, job.run_id, job.reason = "skipped", done[0], f"already FINISHED in run {done[0]}"
+                else:
+                    job.status, job.reason = "pending", ""
+            state.save(jobs)
+            todo = [j for j in jobs if j.status == "pending"]
+            log.info("sweep %s: %d jobs, %d to run, %d done before (%s)", name, len(jobs), len(todo), len(jobs) - len(todo),
+                     executor.name)
+            limits = Limits(sweep.timeout_s, sweep.retries, sweep.backoff_s, sweep.concurrency)
+            runner = Runner(executor, limits, tracker=tracker, experiment=tracker.experiment, outputs=outputs,
+                            logs=directory / "logs", parent=parent, on_change=lambda: state.save(jobs), say=tqdm_write)
+            bar = tqdm(total=len(todo), desc=f"sweep {name}", unit="job", file=sys.stderr)
+            threading.Thread(target=_preload, name="preload", daemon=True).start()
+            try:
+                runner.run(todo, on_end=lambda job: bar.update(1))
+            except BaseException:  # Ctrl-C / SIGTERM: the jobs were stopped; the parent run says so
+                tracker.fail_run(parent, "the sweep was interrupted; re-run it to resume", status="KILLED")
+                raise
+            finally:
+                bar.close()
+            summary = _finish(tracker, state, jobs, parent, directory, name, executor.describe())
         finally:
-            bar.close()
-        summary = _finish(tracker, state, jobs, parent, directory, name)
+            lock.close()
     finally:
-        lock.close()
+        executor.close()
     return summary
+
+
+def _executor(ray: str | None, sweep: Sweep) -> Executor:
+    if ray is None:
+        return LocalExecutor()
+    from quantbench.ray_executor import RayExecutor
+
+    return RayExecutor(ray, placement_timeout_s=sweep.placement_timeout_s)
 
 
 def _preload() -> None:
@@ -267,78 +227,6 @@ def _preload() -> None:
     import matplotlib.pyplot  # noqa: F401
 
     from quantbench import compare  # noqa: F401
-
-
-def _execute(todo, jobs, sweep: Sweep, name, directory, experiment, parent, outputs, state: State, bar) -> None:
-    import threading
-
-    threading.Thread(target=_preload, name="preload", daemon=True).start()
-    queue = list(todo)
-    ready_at = {j.sha: 0.0 for j in queue}
-    tries = {j.sha: 0 for j in queue}  # attempts in this invocation: each re-run gets a fresh budget
-    running: list[Attempt] = []
-    try:
-        while queue or running:
-            now = time.monotonic()
-            while queue and len(running) < sweep.concurrency:
-                job = next((j for j in queue if ready_at[j.sha] <= now), None)
-                if job is None:
-                    break
-                queue.remove(job)
-                tries[job.sha] += 1
-                n = len(job.attempts) + 1
-                attempt = _start(job, n, name, directory, experiment, parent, outputs)
-                job.status = "running"
-                job.attempts.append({"n": n, "started": time.time(), "ended": None, "exit": None, "reason": "",
-                                     "run_id": None, "log": str(attempt.log_path)})
-                state.save(jobs)
-                tqdm_write(f"start  {job.id} (try {tries[job.sha]}/{sweep.retries + 1}) log: {attempt.log_path}")
-                running.append(attempt)
-            for attempt in list(running):
-                job, record = attempt.job, attempt.job.attempts[-1]
-                timed_out = time.monotonic() - attempt.started > sweep.timeout_s
-                if attempt.proc.poll() is None and not timed_out:
-                    continue
-                if timed_out and attempt.proc.poll() is None:
-                    stop_group(attempt.proc, KILL_GRACE_S)
-                    reason = f"timeout after {sweep.timeout_s} s"
-                else:
-                    reason = ""
-                running.remove(attempt)
-                code = attempt.proc.returncode
-                elapsed = time.monotonic() - attempt.started
-                job.wall_s += elapsed
-                result = _result(attempt.log_path) if code == 0 else None
-                record.update(ended=time.time(), exit=code, run_id=(result or {}).get("run_id"))
-                if code == 0 and result:
-                    job.status, job.run_id, job.metrics, job.reason = "finished", result["run_id"], result["metrics"], ""
-                    bar.update(1)
-                    tqdm_write(f"done   {job.id} in {elapsed:.0f} s: run {job.run_id}")
-                else:
-                    reason = reason or (f"bad input (exit 2): {_tail(attempt.log_path)}" if code == 2 else
-                                        f"exit {code}: {_tail(attempt.log_path)}" if code and code > 0 else
-                                        f"killed by signal {-code}" if code else "no result in the log")
-                    record["reason"] = reason
-                    retry = code != 2 and tries[job.sha] <= sweep.retries
-                    if retry:
-                        delay = sweep.backoff_s * 2 ** (tries[job.sha] - 1)
-                        ready_at[job.sha] = time.monotonic() + delay
-                        queue.append(job)
-                        job.status = "pending"
-                        tqdm_write(f"retry  {job.id} in {delay:.0f} s: {reason}")
-                    else:
-                        job.status, job.reason = "failed", reason
-                        bar.update(1)
-                        tqdm_write(f"FAILED {job.id} after {tries[job.sha]} tr{'y' if tries[job.sha] == 1 else 'ies'}: {reason}")
-                state.save(jobs)
-            time.sleep(0.2)
-    except BaseException:
-        for attempt in running:  # Ctrl-C or SIGTERM: no orphan jobs
-            stop_group(attempt.proc, KILL_GRACE_S)
-            attempt.job.status = "pending"
-            attempt.job.attempts[-1].update(ended=time.time(), reason="the sweep was interrupted")
-        state.save(jobs)
-        raise
 
 
 def tqdm_write(line: str) -> None:
@@ -373,7 +261,7 @@ def _parent_run(tracker: Tracker, state: State, name: str, sweep: Sweep) -> str:
     return run.run_id
 
 
-def _finish(tracker: Tracker, state: State, jobs: list[Job], parent: str, directory: Path, name: str) -> dict:
+def _finish(tracker: Tracker, state: State, jobs: list[Job], parent: str, directory: Path, name: str, where: dict) -> dict:
     rows = [f"{'job':44s} {'status':9s} {'tries':>5s} {'wall s':>7s} {'size MB':>8s} {'ppl ×':>7s} {'KLD':>7s} "
             f"{'decode ×':>8s}  run / reason"]
     for j in jobs:
@@ -384,7 +272,7 @@ def _finish(tracker: Tracker, state: State, jobs: list[Job], parent: str, direct
                     f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {j.run_id or j.reason}")
     table = "\n".join(rows)
     counts = {s: sum(j.status == s for j in jobs) for s in ("finished", "skipped", "failed")}
-    summary = {"sweep": name, "parent_run": parent, "counts": counts, "state": str(state.path),
+    summary = {"sweep": name, "parent_run": parent, "counts": counts, "state": str(state.path), "executor": where,
                "jobs": [asdict(j) for j in jobs], "table": table}
     run = tracker.resume_run(parent)
     with run:

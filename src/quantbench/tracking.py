@@ -52,6 +52,14 @@ def is_local_store(uri: str | None = None) -> bool:
     return not (uri or tracking_uri()).startswith(("http://", "https://", "databricks", "postgresql", "mysql"))
 
 
+def shares_artifacts(artifact_uri: str) -> bool:
+    """Whether artifacts at `artifact_uri` reach other machines (a tracking server's artifact
+    store, S3, ...) rather than being written to the disk of whichever machine logs them."""
+    from urllib.parse import urlparse
+
+    return urlparse(artifact_uri).scheme not in ("", "file")
+
+
 @contextmanager
 def _creation_lock(uri: str):
     """Two commands opening a fresh SQLite store at once race in MLflow's schema creation ("table
@@ -125,7 +133,7 @@ def owner_alive(owner: str) -> bool | None:
         return None
     try:
         proc = psutil.Process(pid_n)
-        # a killed process whose parent died too stays a zombie where PID 1 does not reap (containers)
+        # a zombie has exited: only its parent has not collected it yet (an orphan under an init that reaps late)
         return abs(proc.create_time() - started_f) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
@@ -207,7 +215,15 @@ class Run:
             self.log_dict(content, name)
 
     def has_artifact(self, path: str) -> bool:
-        return bool(self.client.list_artifacts(self.run_id, path))
+        """Whether the run has this artifact (a file or a directory). Its parent is listed: listing
+        a file itself answers nothing from a tracking server's artifact store."""
+        parent = path.rstrip("/").rpartition("/")[0] or None
+        return any(f.path == path.rstrip("/") for f in self.client.list_artifacts(self.run_id, parent))
+
+    @property
+    def shares_artifacts(self) -> bool:
+        """Its artifacts reach other machines (see shares_artifacts())."""
+        return shares_artifacts(self.info.artifact_uri)
 
     def download(self, artifact: str, dest: Path) -> Path:
         return Path(self.client.download_artifacts(self.run_id, artifact, str(dest)))
@@ -254,6 +270,11 @@ class Tracker:
             if found is None:
                 raise
             return found.experiment_id
+
+    def artifact_location(self) -> str | None:
+        """Where the experiment's runs keep their artifacts; None before it exists."""
+        found = self._experiment()
+        return None if found is None else found.artifact_location
 
     def search(self, tags: dict[str, str], status: str | None = "FINISHED", order_newest: bool = True) -> list:
         """Runs of this experiment carrying all `tags` (values compared exactly), in `status`."""
