@@ -35,9 +35,9 @@ check:
 
 def runs(experiment: str | None = None):
     """Every run of the test's experiment (tests may read MLflow directly)."""
-    from mlflow.tracking import MlflowClient
+    from quantbench.tracking import _client
 
-    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    client = _client()  # under the store-creation lock: a job may be creating the store right now
     exp = client.get_experiment_by_name(experiment or os.environ["MLFLOW_EXPERIMENT_NAME"])
     return [] if exp is None else client.search_runs([exp.experiment_id])
 

@@ -112,18 +112,21 @@ def test_a_crash_then_success_on_retry(workdir, recipes, tiny_model_dir, capsys,
 
     tensors = load_file(broken / "model.safetensors")
     save_file({k: v[:-1].clone() for k, v in tensors.items()}, broken / "model.safetensors", metadata={"format": "pt"})
-    write_recipe(workdir, "flaky", tiny_recipe(broken, "method: fp8\n"))
+    # no base check in prepare: the crash comes inside the job's run, which must record it
+    write_recipe(workdir, "flaky", tiny_recipe(broken, "method: fp8\n") + "  base_ppl_bound: false\n")
     name = write_sweep(workdir, "flaky", {"recipes": ["flaky"], "retries": 2, "backoff_s": 2})
 
     def repair() -> None:  # after the first attempt has failed, the file is whole again
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             path = workdir / "outputs" / "sweeps" / "flaky" / "state.json"
-            if path.exists():
+            try:  # the state file may be mid-write or not list the job yet
                 attempts = next(iter(json.loads(path.read_text())["jobs"].values()))["attempts"]
-                if attempts and attempts[0]["ended"]:
-                    (broken / "model.safetensors").write_bytes(good)
-                    return
+            except (OSError, ValueError, KeyError, StopIteration):
+                attempts = None
+            if attempts and attempts[0]["ended"]:
+                (broken / "model.safetensors").write_bytes(good)
+                return
             time.sleep(0.1)
 
     fixer = threading.Thread(target=repair)
