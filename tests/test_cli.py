@@ -49,4 +49,6 @@ def test_recipes_lists_shipped_recipes(monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     assert main(["recipes", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {"name": "awq-int4", "method": "awq", "scheme": "W4A16"}.items() <= rows[0].items()
+    by_name = {r["name"]: r for r in rows}
+    assert {"method": "awq", "scheme": "W4A16"}.items() <= by_name["awq-int4"].items()
+    assert by_name["autoround-w4a16"]["method"] == "autoround" and by_name["spinquant-w4a16"]["method"] == "spinquant"

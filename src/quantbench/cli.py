@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
     n.add_argument("--profile", default=None, help="profiles/NAME.yaml for the bench (default: cpu-smoke)")
     n.add_argument("--no-bench", action="store_true", help="skip the speed part")
+    n.add_argument("--backend", default="auto", choices=["auto", "vllm", "transformers", "hf"],
+                   help="the engine the speed part measures through, as for bench (default auto: vLLM where it "
+                   "serves the model, else transformers serve, else hf)")
     n.add_argument("--recipe", default=None, help="a calibrated recipe to run at two calibration seeds as well")
 
     g = sub.add_parser(
@@ -338,7 +341,7 @@ def cmd_noise(args) -> int:
     from quantbench import noise, report
 
     result = _run_stage("noise", noise.run, args.model, suite=args.suite, profile=args.profile, bench=not args.no_bench,
-                        recipe=args.recipe, experiment=args.experiment, outputs=args.outputs)
+                        backend=args.backend, recipe=args.recipe, experiment=args.experiment, outputs=args.outputs)
     if result is None:
         return 1
     speed = ("speed/", "base_speed/", "speedup/", "model/", "noise_seed/")

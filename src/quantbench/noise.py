@@ -46,7 +46,8 @@ class NoiseResult:
 
 
 def run(source: str, *, suite: str | None = None, profile: str | None = None, bench: bool = True,
-        recipe: str | None = None, experiment: str | None = None, outputs: Path = Path("outputs")) -> NoiseResult:
+        backend: str = "auto", recipe: str | None = None, experiment: str | None = None,
+        outputs: Path = Path("outputs")) -> NoiseResult:
     from transformers import AutoTokenizer
 
     from quantbench.evaluate import bench as bench_stage
@@ -59,8 +60,10 @@ def run(source: str, *, suite: str | None = None, profile: str | None = None, be
     base = models.resolve(source, field="model", experiment=experiment)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
     plan = evaluate_stage.prepare(loaded_suite, tokenizer)
-    bench_plan = bench_stage.prepare(profile or DEFAULT_PROFILE, tokenizer, field="--profile") if bench else None
     seeds = _check_recipe(recipe, base, experiment) if recipe else None
+    # the copy is the base re-saved: what serves the one serves the other
+    bench_plan = bench_stage.prepare(profile or DEFAULT_PROFILE, tokenizer, backend=backend, checkpoint=base.path,
+                                     base_path=base.path, field="--profile") if bench else None
 
     tracker = Tracker(experiment)
     tags = {TAG + "role": "noise", TAG + "base_model": source, TAG + "base_fingerprint": base.fingerprint,

