@@ -273,7 +273,7 @@ class Runner:
         elapsed = outcome.elapsed_s if outcome.elapsed_s is not None else time.monotonic() - attempt.started
         job.wall_s += elapsed
         log_path = Path(record["log"])
-        result = _result(log_path) if outcome.code == 0 else None
+        result = job_result(log_path) if outcome.code == 0 else None
         record.update(ended=time.time(), exit=outcome.code, run_id=(result or {}).get("run_id"), **_where(handle))
         where = f" on node {handle.node[:12]}" if handle.node else ""
         if outcome.code == 0 and result:
@@ -281,8 +281,8 @@ class Runner:
             self.say(f"done   {job.id} in {elapsed:.0f} s: run {job.run_id}{where}")
             return True
         code = outcome.code
-        reason = outcome.reason or (f"bad input (exit 2): {_tail(log_path)}" if code == 2 else
-                                    f"exit {code}: {_tail(log_path)}" if code and code > 0 else
+        reason = outcome.reason or (f"bad input (exit 2): {log_tail(log_path)}" if code == 2 else
+                                    f"exit {code}: {log_tail(log_path)}" if code and code > 0 else
                                     f"killed by signal {-code}" if code else "no result in the log")
         record["reason"] = reason
         run = self._run_of(record["attempt"])
@@ -333,7 +333,7 @@ def safe_name(job_id: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.=," else "_" for c in job_id)
 
 
-def _result(log_path: Path) -> dict | None:
+def job_result(log_path: Path) -> dict | None:
     """The JSON summary `quantbench quantize --json` printed as its last line."""
     for line in reversed(log_path.read_text(errors="replace").strip().splitlines()):
         if line.startswith("{"):
@@ -344,7 +344,7 @@ def _result(log_path: Path) -> dict | None:
     return None
 
 
-def _tail(log_path: Path) -> str:
+def log_tail(log_path: Path) -> str:
     lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
     errors = [ln for ln in lines if "error" in ln.lower()]
     return (errors or lines or ["(empty log)"])[-1][-300:]

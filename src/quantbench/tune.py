@@ -314,7 +314,7 @@ def run_quantize_jobs(jobs: list[QuantizeJob], *, experiment: str, outputs: Path
     (tracking.ENV_TAGS / ENV_PARENT), its output goes to `job.log`, and it dies with this process.
     Ctrl-C or SIGTERM stops the running child (its run ends KILLED) and propagates."""
     from quantbench.processes import stop_group
-    from quantbench.sweep import _die_with_parent, _result, _tail
+    from quantbench.executor import die_with_parent, job_result, log_tail
 
     outcomes = []
     for job in jobs:
@@ -324,15 +324,15 @@ def run_quantize_jobs(jobs: list[QuantizeJob], *, experiment: str, outputs: Path
         env = {**os.environ, ENV_TAGS: json.dumps(job.tags), **({ENV_PARENT: parent} if parent else {})}
         started = time.monotonic()
         with open(job.log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
         try:
             code = proc.wait()
         except BaseException:
             stop_group(proc, KILL_GRACE_S)
             raise
-        result = _result(job.log) if code == 0 else None
-        reason = "" if result else (f"bad input (exit 2): {_tail(job.log)}" if code == 2 else
-                                    f"exit {code}: {_tail(job.log)}" if code and code > 0 else
+        result = job_result(job.log) if code == 0 else None
+        reason = "" if result else (f"bad input (exit 2): {log_tail(job.log)}" if code == 2 else
+                                    f"exit {code}: {log_tail(job.log)}" if code and code > 0 else
                                     f"killed by signal {-code}" if code else "no result in the log")
         outcomes.append(JobOutcome(job, code, result, time.monotonic() - started, reason))
     return outcomes
