@@ -3,10 +3,10 @@
 - The client streams `/v1/completions` (greedy). A request's TTFT is the time to the first chunk
   that carries output tokens; its inter-token latencies (ITL) are the gaps between such chunks, as
   vLLM's own `vllm bench serve` counts them; its decode rate is the tokens after the first chunk
-  over the time from the first chunk to the last. Against vLLM each chunk says how many tokens
-  were generated so far (`stream_options.continuous_usage_stats`), so a chunk that carries
-  several tokens, or one whose text is empty (a byte of a character not complete yet), is counted
-  as it is; elsewhere a chunk with text counts as one token. Against vLLM every request asks for
+  over the time from the first chunk to the last. Against vLLM every chunk with a choice is
+  output (as `vllm bench serve` counts) and the server's total from its last usage chunk
+  (`stream_options.include_usage`) fixes the token count; elsewhere a chunk with text counts as
+  one token. Against vLLM every request asks for
   exactly `output_tokens` tokens (`ignore_eos`), so candidate and base generate the same amount.
 - A load level sends a fixed set of requests either with at most N in flight (concurrency N,
   closed loop: the next starts when one ends) or at Poisson arrivals of R requests/s (open loop,
@@ -96,9 +96,10 @@ class Stream:
 def request_body(kind: str, model: str, prompt: str, max_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
     if kind == "vllm":
-        # exactly max_tokens for every request; each chunk says how many tokens have been generated
-        # so far, so a chunk that carries several tokens (or none) is counted as such
-        body |= {"ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        # exactly max_tokens for every request, and the total in a last usage chunk (as `vllm bench
+        # serve` asks). Not continuous_usage_stats (a running count in every chunk): measured here, it
+        # cost the server ~7 % of its inter-token latency (bench/serving_fidelity.py, docs/speed.md)
+        body |= {"ignore_eos": True, "stream_options": {"include_usage": True}}
     return body
 
 
@@ -112,18 +113,19 @@ def http_client():
 
 
 def stream_one(url: str, body: dict, client=None) -> Stream:
-    """One streamed completion. A chunk carries output when the server's running token count
-    grew (vLLM; its text may be empty: a byte of a character not complete yet), else when it has
-    text."""
+    """One streamed completion. With a usage chunk asked for (vLLM) every chunk with a choice is
+    output, as `vllm bench serve` counts them (one whose text is empty holds a byte of a character
+    not complete yet), and the server's total corrects the count of the last one; otherwise a chunk
+    with text is one token."""
     import httpx
 
     own = client is None
     client = client or http_client()
+    usage_asked = bool((body.get("stream_options") or {}).get("include_usage"))
     start = time.perf_counter()
     times: list[float] = []
     counts: list[int] = []
-    generated = 0  # the server's running completion_tokens
-    counted = False
+    total = None  # the server's completion_tokens, from its last chunk
     finished = False
     try:
         with client.stream("POST", url.rstrip("/") + "/completions", json=body) as response:
@@ -138,17 +140,11 @@ def stream_one(url: str, body: dict, client=None) -> Stream:
                     break
                 now = time.perf_counter()
                 data = json.loads(payload)
-                usage = (data.get("usage") or {}).get("completion_tokens")
-                if not data.get("choices"):
-                    continue  # the final usage chunk
+                if not data.get("choices"):  # the usage chunk
+                    total = (data.get("usage") or {}).get("completion_tokens", total)
+                    continue
                 choice = data["choices"][0]
-                if usage is not None:
-                    counted = True
-                    if usage > generated:
-                        times.append(now - start)
-                        counts.append(usage - generated)
-                        generated = usage
-                elif choice.get("text"):
+                if usage_asked or choice.get("text"):
                     times.append(now - start)
                     counts.append(1)
                 if choice.get("finish_reason"):
@@ -161,6 +157,9 @@ def stream_one(url: str, body: dict, client=None) -> Stream:
     end = time.perf_counter() - start
     if not finished or not times:
         raise EndpointError(f"{url}: the stream ended before the completion finished")
+    counted = total is not None
+    if counted and total != sum(counts):  # a chunk held several tokens (or none): the server's total counts
+        counts[-1] = max(0, counts[-1] + total - sum(counts))
     return Stream(times[0], end, times, counts, counted)
 
 
