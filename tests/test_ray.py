@@ -260,3 +260,29 @@ def test_resources_come_from_the_recipe_then_the_sweep_then_the_method(workdir, 
     assert gptq.resources() == {"num_cpus": 1, "num_gpus": None, "memory_gb": None}  # the method's; GPU if the cluster has one
     moved = load_recipe(workdir / "recipes" / "gptq.yaml", ["resources.memory_gb=32"])
     assert moved.resources()["memory_gb"] == 32 and moved.sha == gptq.sha  # where it runs is not what it computes
+
+
+@pytest.mark.slow
+def test_tune_quantizes_its_candidates_on_the_cluster(cluster, workdir, tiny128_model_dir, capsys):
+    """`tune --ray`: the search stays here, each candidate runs through the sweep's attempt loop on a
+    Ray node, tagged with that node, as a child of the tune run."""
+    import yaml
+
+    from tests.conftest import TINY_SUITE
+
+    (workdir / "suites").mkdir()
+    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
+    write_recipe(workdir, "tiny-rtn", tiny_recipe(tiny128_model_dir, "method: rtn\ngroup_size: 64\n")
+                 + "evaluate:\n  suite: tiny\nresources:\n  num_gpus: 0\n")
+    (workdir / "policies").mkdir()
+    (workdir / "policies" / "loose.yaml").write_text(yaml.safe_dump({
+        "stages": ["quantize", "evaluate"], "max": {"quality/kld_mean": 1.0}, "registry": {"model": "tiny-{recipe}"}}))
+    args = ["tune", "--policy", "loose", "--from", "tiny-rtn", "--sensitivity-windows", "2", "--bits", "6",
+            "--budget-runs", "1", "--ray", cluster["address"], "--json"]
+    assert main(args) == 0
+    summary = last_json(capsys.readouterr().out)
+    [cand] = [r for r in candidates() if r.data.tags.get("quantbench.tune") == summary["tune"]]
+    assert cand.info.run_id == summary["best_run"] and cand.info.status == "FINISHED"
+    assert cand.data.tags["quantbench.ray_node"] in {n.node_id for n in cluster["nodes"].values()}
+    assert cand.data.tags["mlflow.parentRunId"] == summary["parent_run"]
+    assert summary["passed"] is True

@@ -201,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sensitivity", choices=["fisher", "kld"], default="fisher",
                    help="fisher: the second-order proxy, one backward pass per window (default; about a minute on the "
                    "default model on 2 cores); kld: measured exactly per layer and scheme (about 25 minutes there)")
+    t.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="quantize, evaluate and bench each candidate on a Ray cluster node (as sweep --ray: HOST:PORT, "
+                   "ray://HOST:10001 or auto; omitted, the cluster running here or else a local Ray); the search and "
+                   "the sensitivity stay here (docs/ray.md)")
     t.add_argument("--sensitivity-windows", type=int, default=4, metavar="N",
                    help="held-back calibration windows of 256 tokens the sensitivity is measured on (default 4)")
 
@@ -387,7 +391,8 @@ def cmd_tune(args) -> int:
     request = tune.Request(policy=args.policy, bits=args.bits, max_size_mb=args.max_size_mb,
                            schemes=args.schemes or list(schemes.DEFAULT_TUNE_SCHEMES), budget_runs=args.budget_runs,
                            template=args.templates[0], alternatives=args.templates[1:],
-                           sensitivity=sensitivity.Settings(method=args.sensitivity, windows=args.sensitivity_windows))
+                           sensitivity=sensitivity.Settings(method=args.sensitivity, windows=args.sensitivity_windows),
+                           ray=args.ray)
     result = _run_stage("tune", tune.run, request, outputs=args.outputs, experiment=args.experiment)
     if result is None:
         return 1

@@ -318,6 +318,17 @@ class Runner:
         return found[0] if found else None
 
 
+def make(ray: str | None, placement_timeout_s: float = 600.0) -> Executor:
+    """Where attempts run: here (`ray` None), or on a Ray cluster (an address; "" for the cluster
+    running here, else a local Ray). Connects at once: a bad address is a UserError before
+    anything is written."""
+    if ray is None:
+        return LocalExecutor()
+    from quantbench.ray_executor import RayExecutor
+
+    return RayExecutor(ray, placement_timeout_s=placement_timeout_s)
+
+
 def _where(handle: Handle) -> dict:
     """Where an attempt ran, as far as its executor knows: Ray node id, host, pid of its process."""
     return {k: v for k, v in (("node", handle.node), ("host", handle.host), ("pid", handle.pid)) if v}

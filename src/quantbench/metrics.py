@@ -172,7 +172,7 @@ TAGS: dict[str, str] = {
     "quantbench.sweep": "the sweep that ran the job (on its runs and on the sweep's parent run)",
     "quantbench.sweep_job": "the job's id within its sweep",
     "quantbench.attempt": "a unique id of the sweep attempt that ran the job (finds its run when the attempt's node is lost)",
-    "quantbench.ray_node": "sweep --ray: the id of the Ray node the job ran on",
+    "quantbench.ray_node": "sweep --ray, tune --ray: the id of the Ray node the job ran on",
     "quantbench.sweep_runs": "on a sweep's parent run: the runs of its jobs",
     "quantbench.tune": "the tune that made the candidate (on its runs and on the tune's parent run)",
     "quantbench.tune_policy": "the policy the tune searched for",

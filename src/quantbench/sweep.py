@@ -212,11 +212,9 @@ def run(name_or_path: str, *, force: bool = False, outputs: Path = Path("outputs
 
 
 def _executor(ray: str | None, sweep: Sweep) -> Executor:
-    if ray is None:
-        return LocalExecutor()
-    from quantbench.ray_executor import RayExecutor
+    from quantbench import executor
 
-    return RayExecutor(ray, placement_timeout_s=sweep.placement_timeout_s)
+    return executor.make(ray, sweep.placement_timeout_s)
 
 
 def _preload() -> None:

@@ -31,8 +31,6 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,14 +40,14 @@ import yaml
 from quantbench import allocate, gate, models, schemes, sensitivity
 from quantbench.errors import UserError
 from quantbench.recipe import LoadedRecipe, load_recipe, recipes_dir, resolve_recipe_path
-from quantbench.tracking import ENV_PARENT, ENV_TAGS, TAG, Tracker
+from quantbench.tracking import TAG, Tracker
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TEMPLATE = "gptq-w4a16"
 MIXED_METHODS = ("gptq", "rtn", "autoround", "spinquant")
 TOLERANCE_BITS = 0.05  # the search stops when passing and failing candidates are this close (bits per weight)
-KILL_GRACE_S = 30
+CANDIDATE_TIMEOUT_S = 6 * 3600  # one candidate's quantize + evaluate + bench, at most
 # Checks more bits cannot fix: the search bisects on the others (quality), the answer reports all.
 NOT_QUALITY = ("run status", "licence", "checkpoint on disk")
 
@@ -66,6 +64,9 @@ class Request:
     # also made with each, and the best measured one wins
     alternatives: list[str] = field(default_factory=list)
     sensitivity: sensitivity.Settings = field(default_factory=sensitivity.Settings)
+    # where candidates are quantized: None here; a Ray address ("" for the cluster running here,
+    # else a local Ray) runs each on a Ray node with the resources its recipe asks for
+    ray: str | None = None
 
 
 @dataclass
@@ -308,33 +309,28 @@ class JobOutcome:
     reason: str = ""
 
 
-def run_quantize_jobs(jobs: list[QuantizeJob], *, experiment: str, outputs: Path, parent: str | None) -> list[JobOutcome]:
-    """Run `quantbench quantize RECIPE --json` for each job, one after the other, as child
-    processes (like a sweep's jobs): each child's run carries `job.tags` and the parent run id
-    (tracking.ENV_TAGS / ENV_PARENT), its output goes to `job.log`, and it dies with this process.
-    Ctrl-C or SIGTERM stops the running child (its run ends KILLED) and propagates."""
-    from quantbench.processes import stop_group
-    from quantbench.executor import die_with_parent, job_result, log_tail
+def run_quantize_jobs(jobs: list[QuantizeJob], *, executor, tracker: Tracker, outputs: Path,
+                      parent: str | None) -> list[JobOutcome]:
+    """Run `quantbench quantize RECIPE --json` for each job, one after the other, through the
+    sweep's attempt loop (`executor.Runner`): here as a child process, or on a Ray node
+    (`executor`), each child's run carrying `job.tags` and the parent run id, its output into
+    `job.log`'s directory. One attempt each (a candidate that fails is a measured outcome, not
+    retried). Ctrl-C or SIGTERM stops the running attempt (its run ends KILLED) and propagates."""
+    from quantbench.executor import Job, Limits, Runner
 
     outcomes = []
     for job in jobs:
         job.log.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "quantbench", "quantize", str(job.recipe), "--json", "--experiment", experiment,
-               "--outputs", str(outputs)]
-        env = {**os.environ, ENV_TAGS: json.dumps(job.tags), **({ENV_PARENT: parent} if parent else {})}
-        started = time.monotonic()
-        with open(job.log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
-        try:
-            code = proc.wait()
-        except BaseException:
-            stop_group(proc, KILL_GRACE_S)
-            raise
-        result = job_result(job.log) if code == 0 else None
-        reason = "" if result else (f"bad input (exit 2): {log_tail(job.log)}" if code == 2 else
-                                    f"exit {code}: {log_tail(job.log)}" if code and code > 0 else
-                                    f"killed by signal {-code}" if code else "no result in the log")
-        outcomes.append(JobOutcome(job, code, result, time.monotonic() - started, reason))
+        task = Job(job.name, str(job.recipe), [], job.name, tags=job.tags,
+                   resources=load_recipe(job.recipe).resources())
+        runner = Runner(executor, Limits(timeout_s=CANDIDATE_TIMEOUT_S, retries=0, backoff_s=0, concurrency=1),
+                        tracker=tracker, experiment=tracker.experiment, outputs=outputs, logs=job.log.parent,
+                        parent=parent, label="tune")
+        runner.run([task])
+        attempt = task.attempts[-1]
+        Path(attempt["log"]).replace(job.log)  # the candidate's log where the tune's state names it
+        result = {"run_id": task.run_id, "metrics": task.metrics} if task.status == "finished" else None
+        outcomes.append(JobOutcome(job, attempt.get("exit"), result, task.wall_s, task.reason))
     return outcomes
 
 
@@ -344,8 +340,8 @@ def run_quantize_jobs(jobs: list[QuantizeJob], *, experiment: str, outputs: Path
 
 class Search:
     def __init__(self, plan: Plan, tracker: Tracker, sens: sensitivity.Sensitivity, parent, experiment: str,
-                 outputs: Path, state: dict):
-        self.plan, self.tracker, self.sens, self.parent = plan, tracker, sens, parent
+                 outputs: Path, state: dict, executor):
+        self.plan, self.tracker, self.sens, self.parent, self.executor = plan, tracker, sens, parent, executor
         self.experiment, self.outputs, self.state = experiment, outputs, state
         self.problem = allocate.problem(sens, plan.request.schemes, plan.dtype_bits, plan.fixed_bytes, plan.unquantized)
         self.candidates: list[Candidate] = []
@@ -451,7 +447,8 @@ class Search:
             job = QuantizeJob(name, path, self.plan.directory / "logs" / f"{name}.log",
                               {TAG + "tune": self.plan.tune_id, TAG + "tune_policy": self.plan.policy.name})
             self._save(status=f"running {name}")
-            outcome = run_quantize_jobs([job], experiment=self.experiment, outputs=self.outputs, parent=self.parent.run_id)[0]
+            outcome = run_quantize_jobs([job], executor=self.executor, tracker=self.tracker, outputs=self.outputs,
+                                        parent=self.parent.run_id)[0]
             cand.wall_s = outcome.wall_s
             if outcome.result is None:
                 cand.status, cand.reason = "failed", outcome.reason
@@ -651,16 +648,24 @@ def answer(candidates: list[Candidate]) -> tuple[Candidate | None, list[dict]]:
 
 
 def run(request: Request, *, outputs: Path = Path("outputs"), experiment: str | None = None) -> dict:
+    from quantbench import executor as executors
+
     plan = prepare(request, outputs, experiment)
-    tracker = Tracker(experiment)
-    lock = _lock(plan.directory)
+    executor = executors.make(request.ray)  # a bad Ray address fails here, before anything is written
     try:
-        return _run(plan, tracker, outputs)
+        tracker = Tracker(experiment)
+        if request.ray is not None:
+            executor.check_store(tracker)
+        lock = _lock(plan.directory)
+        try:
+            return _run(plan, tracker, outputs, executor)
+        finally:
+            lock.close()
     finally:
-        lock.close()
+        executor.close()
 
 
-def _run(plan: Plan, tracker: Tracker, outputs: Path) -> dict:
+def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
     request = plan.request
     state = _read_state(plan.directory)
     _reap_children(tracker, plan.tune_id)
@@ -684,7 +689,7 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path) -> dict:
                                       "schemes": ",".join(request.schemes), "bits": request.bits,
                                       "max_size_mb": request.max_size_mb, "budget_runs": request.budget_runs,
                                       "sensitivity": request.sensitivity.method}})
-        search = Search(plan, tracker, sens, run_, tracker.experiment, outputs, state)
+        search = Search(plan, tracker, sens, run_, tracker.experiment, outputs, state, executor)
         search.budgets()
         search.alternatives()
         best, unmet = answer(search.candidates)
