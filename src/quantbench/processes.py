@@ -1,6 +1,6 @@
 """Processes: a free loopback port, stopping a process group (SIGTERM, a grace period, then
-SIGKILL; the group killed even if its leader left; or the whole tree of descendants), and a
-process's peak memory while a block runs."""
+SIGKILL; the group killed even if its leader left; or the whole tree of descendants), a process's
+peak memory while a block runs, and a lock file that keeps a second driver out."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import threading
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -19,17 +20,24 @@ def free_port() -> int:
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """Stop the process group led by `proc` (started with start_new_session=True); reaped either way."""
+    _term_then_kill(proc, grace_s)
+    proc.wait()
+
+
+def _term_then_kill(proc: subprocess.Popen, grace_s: float, between=lambda: None) -> None:
+    """SIGTERM to the group, `grace_s` for its leader to end, `between()`, then SIGKILL to whatever
+    is left of the group (the leader after its grace, or children it left behind)."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=grace_s)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
-    try:  # whatever is left of the group: the leader after its grace, or children it left behind
+    between()
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    proc.wait()
 
 
 def stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -44,17 +52,7 @@ def stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             return []
 
     tree = descendants()
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    tree += descendants()
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    _term_then_kill(proc, grace_s, between=lambda: tree.extend(descendants()))
     for child in tree:  # psutil checks the start time: a reused pid is not touched
         try:
             child.kill()
@@ -106,3 +104,26 @@ class PeakRSS:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def hold_lock(directory: Path, what: str, hint: str = "wait for it"):
+    """An exclusive lock on `directory`/lock holding this process's pid, for as long as the
+    returned handle is open; UserError naming the holder when another process has it."""
+    import fcntl
+
+    from quantbench.errors import UserError
+
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / "lock", "a+")  # not "w": that would erase the holder's pid before the check
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise UserError(f"{what} is already running (pid {holder}, lock {directory / 'lock'}); {hint}") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle

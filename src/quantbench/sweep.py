@@ -19,7 +19,6 @@ that lose nothing and do nothing twice.
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import json
 import logging
@@ -136,20 +135,9 @@ class State:
 
 
 def _lock(directory: Path):
-    handle = open(directory / "lock", "a+")  # not "w": that would erase the holder's pid before the check
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "?"
-        handle.close()
-        raise UserError(f"this sweep is already running (pid {holder}, lock {directory / 'lock'}); "
-                        "wait for it, or run another sweep") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
+    from quantbench.processes import hold_lock
+
+    return hold_lock(directory, "this sweep", "wait for it, or run another sweep")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ and reuses every candidate that already has a FINISHED run (found by recipe sha)
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -511,20 +510,9 @@ def _write_state(directory: Path, state: dict) -> None:
 
 
 def _lock(directory: Path):
-    directory.mkdir(parents=True, exist_ok=True)
-    handle = open(directory / "lock", "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "?"
-        handle.close()
-        raise UserError(f"this tune is already running (pid {holder}, lock {directory / 'lock'}); wait for it") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
+    from quantbench.processes import hold_lock
+
+    return hold_lock(directory, "this tune")
 
 
 # ---------------------------------------------------------------------------------------------
