@@ -162,7 +162,10 @@ def test_the_driver_killed_then_resumed(cluster, workdir, recipes, capsys):
 
     assert main(["sweep", name, "--ray", cluster["address"], "--json"]) == 0
     summary = last_json(capsys.readouterr().out)
-    assert {j["id"]: j["status"] for j in summary["jobs"]} == {"fp8": "finished", "gptq": "finished"}
+    statuses = {j["id"]: j["status"] for j in summary["jobs"]}
+    assert statuses[victim.data.tags["quantbench.recipe"]] == "finished"  # the killed job ran again
+    # the other one may have FINISHED before the driver was killed (then it is skipped now)
+    assert set(statuses) == {"fp8", "gptq"} and set(statuses.values()) <= {"finished", "skipped"}
     assert all(r.info.status != "RUNNING" for r in runs())
     assert next(r for r in candidates() if r.info.run_id == victim.info.run_id).info.status in ("KILLED", "FAILED")
     finished = [r.data.tags["quantbench.recipe_sha"] for r in candidates() if r.info.status == "FINISHED"]
