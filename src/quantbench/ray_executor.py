@@ -50,6 +50,10 @@ POLL_S = 1.0  # how often the driver asks an attempt for its state and its log
 CHUNK = 4 * 2**20  # log bytes handed back per poll
 LOST_S = 120.0  # an actor that does not answer for this long is taken for lost
 LOCAL_OBJECT_STORE = 128 * 2**20  # a Ray started for a sweep moves only logs and small results
+# Ray SIGKILLs a worker's child processes when the worker exits (its owner died, ray.kill): the
+# job could not end its run. Without that, the job gets SIGTERM (PR_SET_PDEATHSIG) and ends its
+# run as KILLED, its staging directory removed, like a job whose sweep was interrupted.
+ACTOR_ENV = {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "false"}}
 ENV_PASSED = ("MLFLOW_TRACKING_URI", "QUANTBENCH_RECIPES")  # the driver's settings a job needs on any node
 
 
@@ -183,7 +187,7 @@ class RayExecutor:
         if asked.get("memory_gb"):
             options["memory"] = int(asked["memory_gb"] * 2**30)
         request = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], "memory": options.get("memory", 0)}
-        actor = self.actor_class.options(**options).remote()
+        actor = self.actor_class.options(**options, runtime_env=ACTOR_ENV).remote()
         started = actor.start.remote(argv, {**self.env, **env}, os.getcwd(), timeout_s, self.grace_s)
         log_path.write_bytes(b"")  # the node's log is appended here as it comes
         return RayAttempt(actor, started, {k: v for k, v in request.items() if v}, log_path)
