@@ -32,6 +32,72 @@ def test_ctrl_c_marks_killed(workdir):
     assert runs()[0].info.status == "KILLED"
 
 
+@pytest.fixture
+def sigterm_interrupts():
+    """SIGTERM handled as the commands that own runs handle it (processes.interrupt)."""
+    import signal
+
+    from quantbench.processes import interrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def sigterm_self() -> None:
+    """SIGTERM to this process, its Python handler run before this returns."""
+    import os
+    import signal
+    import time
+
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(100):  # the handler runs at the main thread's next check
+        time.sleep(0.001)
+
+
+def test_an_interrupt_is_held_back_for_a_block_then_handed_over(sigterm_interrupts):
+    import signal
+
+    from quantbench.processes import interrupts_held
+
+    with interrupts_held() as held:
+        sigterm_self()
+        assert held == [signal.SIGTERM]  # noted, not raised inside the block
+    with pytest.raises(KeyboardInterrupt):
+        sigterm_self()  # outside a block: an interrupt at once
+
+
+def test_an_interrupt_while_the_run_is_created_leaves_it_killed_not_running(workdir, sigterm_interrupts):
+    tracker = Tracker()
+    create = tracker.client.create_run
+
+    def create_then_signalled(*args, **kwargs):  # SIGTERM lands after the run exists, before start_run returns
+        run = create(*args, **kwargs)
+        sigterm_self()
+        return run
+
+    tracker.client.create_run = create_then_signalled
+    with pytest.raises(KeyboardInterrupt):
+        tracker.start_run("r", {})
+    [found] = runs()
+    assert found.info.status == "KILLED"
+    assert found.data.tags["quantbench.error"] == "interrupted while the run was being created"
+
+
+def test_an_interrupt_while_the_run_is_ended_still_ends_it(workdir, sigterm_interrupts):
+    tracker = Tracker()
+    with pytest.raises(KeyboardInterrupt):
+        with tracker.start_run("r", {}) as run:
+            terminate = run.client.set_terminated
+
+            def signalled_then_terminate(*args, **kwargs):  # a second Ctrl-C while the status is written
+                sigterm_self()
+                return terminate(*args, **kwargs)
+
+            run.client.set_terminated = signalled_then_terminate
+    assert runs()[0].info.status == "FINISHED"  # the work was done; the command stops after it
+
+
 def test_default_store_is_sqlite_in_the_working_dir(workdir, monkeypatch):
     from quantbench.tracking import tracking_uri
 

@@ -251,17 +251,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _terminate_as_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def _run_stage(name: str, fn, *args, **kwargs) -> dict | None:
     """Run a stage that owns an MLflow run; None (exit 1) if it failed after starting."""
     import signal
 
+    from quantbench.processes import interrupt
+
     # `kill` (a timeout, a scheduler) ends a stage like Ctrl-C: its MLflow run is marked KILLED
-    # and any staging directory removed, never left RUNNING.
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    # and any staging directory removed, never left RUNNING (not even when the signal comes while
+    # the run is being created or ended: tracking holds it back for that moment).
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     try:
         return fn(*args, **kwargs)
     except UserError:
@@ -509,7 +509,7 @@ def cmd_ui(args) -> int:
     import signal
     import subprocess
 
-    from quantbench.processes import stop_group
+    from quantbench.processes import interrupt, stop_group
     from quantbench.tracking import Tracker, tracking_uri
 
     uri = tracking_uri()
@@ -523,7 +523,7 @@ def cmd_ui(args) -> int:
     sys.stdout.flush()
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host, "--port", str(args.port)]
     for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _terminate_as_interrupt)
+        signal.signal(signum, interrupt)
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         return proc.wait()

@@ -1,6 +1,7 @@
-"""Processes: a free loopback port, stopping a process group (SIGTERM, a grace period, then
-SIGKILL; the group killed even if its leader left; or the whole tree of descendants), a process's
-peak memory while a block runs, and a lock file that keeps a second driver out."""
+"""Processes: Ctrl-C and SIGTERM as an interrupt that a short block may hold back, a free loopback
+port, stopping a process group (SIGTERM, a grace period, then SIGKILL; the group killed even if its
+leader left; or the whole tree of descendants), a process's peak memory while a block runs, and a
+lock file that keeps a second driver out."""
 
 from __future__ import annotations
 
@@ -9,7 +10,36 @@ import signal
 import socket
 import subprocess
 import threading
+from contextlib import contextmanager
 from pathlib import Path
+
+_held: list[int] | None = None  # signals that arrived while interrupts were held
+
+
+def interrupt(signum, frame) -> None:
+    """The handler for SIGINT and SIGTERM in a command that owns runs: KeyboardInterrupt, so the
+    run is marked KILLED and staging removed; inside `interrupts_held()`, noted for later."""
+    if _held is not None:
+        _held.append(signum)
+        return
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def interrupts_held():
+    """A block that an interrupt must not cut in half (an MLflow run being created, or its status
+    written): Ctrl-C and SIGTERM that arrive meanwhile are collected in the list this yields, for
+    the caller to act on after the block. Only the main thread (where handlers run) holds them,
+    and only where `interrupt` is the handler; nested blocks share the outer one's list."""
+    global _held
+    if _held is not None or threading.current_thread() is not threading.main_thread():
+        yield [] if _held is None else _held
+        return
+    _held = []
+    try:
+        yield _held
+    finally:
+        _held = None
 
 
 def free_port() -> int:

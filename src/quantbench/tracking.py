@@ -159,16 +159,21 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.client.set_terminated(self.run_id, "FINISHED")
-            return
-        status = "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
-        try:
-            message = f"{exc_type.__name__}: {exc}"
-            self.client.set_tag(self.run_id, TAG + "error", message[:5000])
-            self.client.log_text(self.run_id, "".join(traceback.format_exception(exc_type, exc, tb)), "error.txt")
-        finally:
-            self.client.set_terminated(self.run_id, status)
+        from quantbench.processes import interrupts_held
+
+        with interrupts_held() as held:  # a second Ctrl-C must not leave the run RUNNING
+            if exc_type is None:
+                self.client.set_terminated(self.run_id, "FINISHED")
+            else:
+                status = "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
+                try:
+                    message = f"{exc_type.__name__}: {exc}"
+                    self.client.set_tag(self.run_id, TAG + "error", message[:5000])
+                    self.client.log_text(self.run_id, "".join(traceback.format_exception(exc_type, exc, tb)), "error.txt")
+                finally:
+                    self.client.set_terminated(self.run_id, status)
+        if held and not (exc_type and issubclass(exc_type, KeyboardInterrupt)):
+            raise KeyboardInterrupt(f"signal {held[0]}")  # the run is ended; the command still stops
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
@@ -328,9 +333,19 @@ class Tracker:
         self.client.set_terminated(run_id, status)
 
     def start_run(self, run_name: str, tags: dict[str, Any]) -> Run:
+        from quantbench.processes import interrupts_held
+
         tags = {OWNER: owner_tag(), **tags}
-        run = self.client.create_run(self.experiment_id(), run_name=run_name, tags={k: str(v) for k, v in tags.items()})
-        return Run(self.client, run.info.run_id)
+        experiment_id = self.experiment_id()
+        with interrupts_held() as held:  # an interrupt now would leave a RUNNING run nobody ends
+            run_id = self.client.create_run(experiment_id, run_name=run_name,
+                                            tags={k: str(v) for k, v in tags.items()}).info.run_id
+            if held:
+                self.client.set_tag(run_id, TAG + "error", "interrupted while the run was being created")
+                self.client.set_terminated(run_id, "KILLED")
+        if held:
+            raise KeyboardInterrupt(f"signal {held[0]}")
+        return Run(self.client, run_id)
 
     def reap(self) -> list[dict]:
         """Runs of this experiment left RUNNING by a process of this host that is gone: FAILED with
