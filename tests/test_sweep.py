@@ -142,7 +142,13 @@ def test_a_crash_then_success_on_retry(workdir, recipes, tiny_model_dir, capsys,
     assert statuses == ["FAILED", "FINISHED"]  # the crash is recorded, not lost
 
 
-def test_sweep_killed_mid_job_resumes_and_reaps_the_stale_run(workdir, recipes, capsys):
+def test_sweep_killed_mid_job_resumes_and_reaps_the_stale_run(workdir, recipes, tiny_model_dir, capsys):
+    from tests.conftest import TINY_SUITE
+
+    # gptq evaluates as well: RUNNING for seconds, not the 1-2 s of the quantize stage alone
+    (workdir / "suites").mkdir()
+    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
+    write_recipe(workdir, "gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n") + "evaluate:\n  suite: tiny\n")
     name = write_sweep(workdir, "killed", {"recipes": ["fp8", "gptq"], "retries": 0})
     sweep = subprocess.Popen([sys.executable, "-m", "quantbench", "sweep", name], cwd=workdir, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
