@@ -30,10 +30,10 @@ def interrupts_held():
     """A block that an interrupt must not cut in half (an MLflow run being created, or its status
     written): Ctrl-C and SIGTERM that arrive meanwhile are collected in the list this yields, for
     the caller to act on after the block. Only the main thread (where handlers run) holds them,
-    and only where `interrupt` is the handler; nested blocks share the outer one's list."""
+    and only where `interrupt` is the handler; inside another such block, the outer one collects."""
     global _held
     if _held is not None or threading.current_thread() is not threading.main_thread():
-        yield [] if _held is None else _held
+        yield []
         return
     _held = []
     try:

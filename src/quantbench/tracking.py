@@ -341,8 +341,7 @@ class Tracker:
             run_id = self.client.create_run(experiment_id, run_name=run_name,
                                             tags={k: str(v) for k, v in tags.items()}).info.run_id
             if held:
-                self.client.set_tag(run_id, TAG + "error", "interrupted while the run was being created")
-                self.client.set_terminated(run_id, "KILLED")
+                self.fail_run(run_id, "interrupted while the run was being created", status="KILLED")
         if held:
             raise KeyboardInterrupt(f"signal {held[0]}")
         return Run(self.client, run_id)

@@ -5,6 +5,7 @@ config_groups entry per scheme, the recipe's own scheme last on every other Line
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from quantbench import schemes
 from quantbench.quantize import Inputs, Produced, calibration_card, group_size_problem
 from quantbench.recipe import AutoRoundSpec, AWQSpec, FP8Spec, GPTQSpec, RTNSpec, SmoothQuantSpec, SpinQuantSpec
+
+log = logging.getLogger(__name__)
 
 MIXED = (GPTQSpec, RTNSpec, AutoRoundSpec, SpinQuantSpec)  # the specs with `layers:`
 
@@ -123,7 +126,8 @@ class LLMCompressorBackend:
         with cpu_safe_pinning():
             oneshot(model=model, recipe=self.modifiers(), **kwargs)
         if isinstance(self.spec, AutoRoundSpec):
-            carry_autoround_zero_points(model)
+            log.info("AutoRound: zero points of %d asymmetric layers carried into the checkpoint",
+                     carry_autoround_zero_points(model))
 
     def save(self, model, tokenizer, dest: Path) -> None:
         model.save_pretrained(dest, save_compressed=True)
