@@ -29,12 +29,14 @@ class CheckResult:
     tokenizer: object
 
 
-def reload_check(path: Path, spec, token_ids: list[int], base_ppl: float, trained_ppl: float | None = None) -> CheckResult:
+def reload_check(path: Path, spec, token_ids: list[int], base_ppl: float, trained_ppl: float | None = None, *,
+                 dtype: str | None = None) -> CheckResult:
     """Reload `path`, score it on `token_ids` and generate; CheckpointCheckFailed if it is broken.
-    `spec` is the recipe's `check:` section."""
+    `spec` is the recipe's `check:` section; `dtype` the dtype to compute in (None: as saved)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": getattr(torch, dtype)} if dtype else {}))
     tokenizer = AutoTokenizer.from_pretrained(path)
     reload_ppl = perplexity(model, token_ids, spec.window)
     sample, new_tokens = greedy_text(model, tokenizer, spec.prompt, spec.generate_tokens)

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("recipe", help="a recipe name (recipes/NAME.yaml) or a path to a .yaml file")
     q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set calibration.samples=8 (repeatable; VALUE is YAML)")
+    q.add_argument("--strict-budget", action="store_true",
+                   help="refuse (exit 2, nothing written) when the produce step's estimate on this machine is over the "
+                   "recipe's budget_minutes; without it the job says so and goes on")
 
     e = sub.add_parser(
         "evaluate", parents=[_common("experiment", "base", "json")],
@@ -275,7 +278,7 @@ def cmd_quantize(args) -> int:
     from quantbench import pipeline, report
 
     result = _run_stage("quantize", pipeline.quantize, args.recipe, overrides=tuple(args.overrides), outputs=args.outputs,
-                        experiment=args.experiment)
+                        experiment=args.experiment, strict_budget=args.strict_budget)
     if result is None:
         return 1
     if result.evaluation is not None:

@@ -11,6 +11,8 @@ import platform
 import sys
 from importlib import metadata
 
+from quantbench import hardware
+
 
 def _version(dist: str) -> str | None:
     try:
@@ -35,9 +37,8 @@ def facts() -> list[dict]:
                      if cuda else "no CUDA in this build or no GPU: everything runs on the CPU"))
     gpu = vllm_engine.cuda_gpu()
     out.append(_line("NVIDIA GPU", gpu is not None, None, gpu or "none (nvidia-smi -L does not answer)"))
-    flags = vllm_engine.cpu_flags()
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16") if f in flags]
-    out.append(_line("CPU", True, None, f"{_cpu()}; {len(isa) and ', '.join(isa) or 'no AVX2/AVX-512/AMX'}"))
+    out.append(_line("CPU", True, None, f"{_cpu()}; {hardware.cpu().describe()}"))
+    out.append(_line("compute dtype", True, None, compute_line(cuda)))
     out.append(_line("transformers", _version("transformers") is not None, _version("transformers"),
                      "loads every format quantbench writes (hf backend, evaluate)"))
     serve = transformers_serve_available()
@@ -63,14 +64,27 @@ def facts() -> list[dict]:
     return out
 
 
+def compute_line(cuda: bool) -> str:
+    """What `model.compute_dtype: auto` picks here, and why."""
+    saved_bf16 = hardware.compute_dtype("auto", "bfloat16", on_cuda=cuda)
+    if cuda:
+        return f"auto: a bfloat16 recipe computes in {saved_bf16} on the GPU"
+    cpu = hardware.cpu()
+    why = "native on this CPU" if cpu.native("bfloat16") else f"bfloat16 is emulated on {cpu.klass} (no AMX or AVX512-BF16)"
+    return f"auto: a bfloat16 recipe computes in {saved_bf16} ({why}); checkpoints are saved in the recipe's dtype"
+
+
 def serves_here() -> str:
     from quantbench import vllm_engine
 
     if vllm_engine.device() == "cuda":
         return "unquantized, compressed-tensors (W4A16, W8A16, W8A8, FP8), GPTQ, AWQ, bitsandbytes, FP8 KV cache"
-    kv = "FP8 KV cache" if {"avx512f", "amx_tile"} & vllm_engine.cpu_flags() else "no FP8 KV cache (needs AVX-512)"
-    return ("unquantized, compressed-tensors W4A16 (4-bit integer weights), W8A8 INT8, FP8 (a slow fallback on CPU), "
-            f"GPTQ and AWQ 4-bit, {kv}; not bitsandbytes or 8-bit weight-only (GPU kernels)")
+    cpu = hardware.cpu()
+    kv = "FP8 KV cache" if cpu.avx512 else "no FP8 KV cache (needs AVX-512)"
+    int4 = ("compressed-tensors W4A16 (4-bit integer weights), GPTQ and AWQ 4-bit, " if cpu.avx512 else "")
+    no_int4 = "" if cpu.avx512 else ", or 4-bit weights (its CPUWNA16 kernel needs AVX-512)"
+    return (f"on {cpu.klass}: unquantized, {int4}W8A8 INT8, FP8 (a slow fallback on CPU), {kv}; not bitsandbytes or "
+            f"8-bit weight-only (GPU kernels){no_int4}")
 
 
 def _cpu() -> str:

@@ -21,6 +21,7 @@ Direction = Literal["higher", "lower"]
 FIXED: dict[str, Direction | None] = {
     "quantize/wall_s": "lower",
     "quantize/peak_rss_mb": "lower",
+    "quantize/estimate_s": None,
     "model/size_mb": "lower",
     "model/base_size_mb": None,
     "model/compression_ratio": "higher",
@@ -140,6 +141,7 @@ TAGS: dict[str, str] = {
     "quantbench.format": "the checkpoint format (compressed-tensors, bitsandbytes, gptq, awq, safetensors-bf16)",
     "quantbench.loaders": "which runtimes load the format, with the writer's version",
     "quantbench.kv_cache": "fp8 when the checkpoint carries FP8 KV-cache scales, else none",
+    "quantbench.compute_dtype": "the dtype the job computed in (model.compute_dtype resolved on this device)",
     "quantbench.base_model": "the base model's source as the recipe named it",
     "quantbench.base_fingerprint": "sha256 over the base model's config and weights",
     "quantbench.license": "the base model's licence",

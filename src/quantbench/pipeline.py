@@ -25,14 +25,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantbench import card, data, environment, models
+from quantbench import card, data, environment, hardware, models
 from quantbench.checkpoint import (Target, bits_per_weight, check_loadable, param_bytes, resolve_target, weights_sha,
                                    weights_size_mb, write_info)
 from quantbench.checkpoint import upload as upload_checkpoint
 from quantbench.errors import UserError
 from quantbench.evaluate import bench as bench_stage
 from quantbench.evaluate import stage as evaluate_stage
-from quantbench.quantize import Backend, Inputs
+from quantbench.quantize import Backend, Inputs, estimate
 from quantbench.recipe import LoadedRecipe, load_recipe, resolve_recipe_path
 from quantbench.tracking import STAGING, TAG, Tracker, inherited_tags
 
@@ -54,6 +54,8 @@ class Job:
     text_shas: dict[str, str]
     evaluation: evaluate_stage.Plan | None  # the recipe's evaluate: section, prepared
     bench: bench_stage.Plan | None  # the recipe's bench: section, prepared
+    compute_dtype: str = "float32"  # model.compute_dtype resolved on this device (quantbench.hardware)
+    produce_estimate: estimate.Estimate | None = None  # the produce step's expected wall time here, when it depends on data
 
 
 @dataclass
@@ -72,8 +74,8 @@ class JobResult:
 
 
 def quantize(recipe: str, *, overrides: tuple[str, ...] = (), outputs: Path = Path("outputs"),
-             experiment: str | None = None) -> JobResult:
-    job = prepare(recipe, overrides, experiment=experiment, outputs=outputs)
+             experiment: str | None = None, strict_budget: bool = False) -> JobResult:
+    job = prepare(recipe, overrides, experiment=experiment, outputs=outputs, strict_budget=strict_budget)
     return execute(job, outputs=outputs, experiment=experiment)
 
 
@@ -82,7 +84,7 @@ def quantize(recipe: str, *, overrides: tuple[str, ...] = (), outputs: Path = Pa
 
 
 def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | None = None,
-            outputs: Path = Path("outputs")) -> Job:
+            outputs: Path = Path("outputs"), strict_budget: bool = False) -> Job:
     from transformers import AutoConfig, AutoTokenizer
 
     from quantbench.evaluate.suite import load_suite
@@ -110,7 +112,8 @@ def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | N
         text_shas["calibration"] = data.text_sha(text)
     eval_text = data.python_docs("evaluation")
     text_shas["evaluation"] = data.text_sha(eval_text)
-    check_ids = tokenizer(eval_text)["input_ids"][: spec.check.ppl_tokens]
+    eval_ids = tokenizer(eval_text)["input_ids"]
+    check_ids = eval_ids[: spec.check.ppl_tokens]
     if spec.check.base_ppl_bound:
         with _prefixed(where):
             check_base(base, tokenizer, check_ids, spec.check.window, "model.source")
@@ -122,7 +125,46 @@ def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | N
             bench = bench_stage.prepare(spec.bench.profile, tokenizer, backend=spec.bench.backend,
                                         checkpoint=_expected_config(base.path / "config.json", backend, spec.quantize),
                                         base_path=base.path, field="bench.profile", backend_field="bench.backend")
-    return Job(loaded, base, tokenizer, backend, calibration, check_ids, text_shas, evaluation, bench)
+    compute_dtype = spec.model.computes_in()
+    produce_estimate = _estimate(loaded, base, backend, calibration, eval_ids, compute_dtype, strict_budget)
+    return Job(loaded, base, tokenizer, backend, calibration, check_ids, text_shas, evaluation, bench, compute_dtype,
+               produce_estimate)
+
+
+def _estimate(loaded: LoadedRecipe, base: models.ResolvedModel, backend: Backend, calibration: list[list[int]] | None,
+              eval_ids: list[int], dtype: str, strict: bool) -> estimate.Estimate | None:
+    """Time a few forward passes, say how long the produce step will take, and hold it to the
+    recipe's budget_minutes (refused with `strict`: exit 2, before any run exists)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec, q = loaded.recipe, loaded.recipe.quantize
+    if not (backend.calibrates or backend.trains) or estimate.passes(q, 1, 1) is None:
+        return None
+    if calibration is not None:
+        windows = calibration
+    else:  # a trained model: windows of its training length, from held-out text (only timed, never learnt)
+        length = getattr(q, "seq_len", spec.calibration.seq_len)
+        windows = [eval_ids[i: i + length] for i in range(0, min(len(eval_ids), 3 * length), length)]
+    layers = AutoConfig.from_pretrained(base.path).num_hidden_layers
+    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=getattr(torch, dtype)).eval()
+    found = estimate.estimate(q, model, windows, layers, dtype)
+    del model
+    if found is None:
+        return None
+    log.info("estimate: the produce step will take ~%.1f min here (%s; %s)", found.minutes(), found.basis,
+             hardware.device_line())
+    if found.over(spec.budget_minutes):
+        message = (f"{loaded.path}: budget_minutes: the produce step is estimated at {found.minutes():.1f} min on this "
+                   f"machine ({hardware.device_line()}), over the recipe's budget of {spec.budget_minutes:g} min. "
+                   "Options: fewer calibration windows (--set calibration.samples=N) or shorter ones "
+                   "(--set calibration.seq_len=N)" + (", fewer grid points (--set quantize.n_grid=N)" if q.method == "awq" else "")
+                   + (", fewer steps (--set quantize.steps=N)" if q.method == "distill" else "")
+                   + f", or a larger budget (--set budget_minutes={max(1, round(found.minutes() * 1.2))}).")
+        if strict:
+            raise UserError(message + " Refused: --strict-budget.")
+        log.warning("%s Going on (--strict-budget refuses instead).", message)
+    return found
 
 
 def _expected_config(config_path: Path, backend: Backend, q) -> dict:
@@ -217,7 +259,8 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
                 run.log_params(loaded.resolved)
                 log.info("run %s: recipe %s (%s %s), base %s", run.run_id, loaded.name, q.method, q.scheme, job.base.path)
 
-                model = AutoModelForCausalLM.from_pretrained(job.base.path, dtype=getattr(torch, spec.model.dtype))
+                log.info("computing in %s, saving in %s (%s)", job.compute_dtype, spec.model.dtype, hardware.device_line())
+                model = AutoModelForCausalLM.from_pretrained(job.base.path, dtype=getattr(torch, job.compute_dtype))
                 base_size_mb = param_bytes(model) / 2**20
                 log.info("base model perplexity on %d held-out tokens", len(job.check_ids))
                 base_ppl = perplexity(model, job.check_ids, spec.check.window)
@@ -232,12 +275,15 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
 
                 step("reload check")
                 log.info("reloading the saved checkpoint from disk and checking it")
-                check = reload_check(staging, spec.check, job.check_ids, base_ppl, produced.reference_ppl)
+                check = reload_check(staging, spec.check, job.check_ids, base_ppl, produced.reference_ppl,
+                                     dtype=job.compute_dtype)
                 sha = weights_sha(staging)  # same recipe, same seed, same engine versions -> same hash
                 log.info("weights sha256 %s (%s)", sha, produced.pinned)
                 run.set_tags({TAG + "weights_sha": sha or "none", TAG + "deterministic": produced.pinned})
                 write_info(staging, {**_checkpoint_info(job, run.run_id), "weights_sha": sha})
                 size_mb = weights_size_mb(staging)
+                if job.produce_estimate is not None:
+                    produced.metrics["quantize/estimate_s"] = job.produce_estimate.seconds
                 metrics = {**produced.metrics, "model/size_mb": size_mb, "model/base_size_mb": base_size_mb,
                            "model/compression_ratio": base_size_mb / size_mb, **check.metrics}
                 bits = bits_per_weight(staging)
@@ -303,6 +349,7 @@ def _candidate_tags(job: Job) -> dict[str, str]:
         TAG + "format": job.backend.format,
         TAG + "loaders": job.backend.loaders(),
         TAG + "kv_cache": getattr(q, "kv_cache", None) or "none",
+        TAG + "compute_dtype": job.compute_dtype,
         TAG + "license": job.base.license,
         **{TAG + k: v for k, v in environment.describe().items()},
         **({TAG + "parent_run": job.base.parent_run} if job.base.parent_run else {}),
@@ -321,7 +368,7 @@ def _resolved_record(job: Job) -> dict:
     return {"recipe": job.loaded.resolved, "recipe_file": str(job.loaded.path), "overrides": list(job.loaded.overrides),
             "recipe_sha": job.loaded.sha, "base_model": {"source": job.base.source, "path": str(job.base.path),
             "license": job.base.license, "fingerprint": job.base.fingerprint}, "text_sha256": job.text_shas,
-            "environment": environment.describe()}
+            "compute_dtype": job.compute_dtype, "environment": environment.describe()}
 
 
 def _checkpoint_info(job: Job, run_id: str) -> dict:
@@ -417,7 +464,7 @@ def evaluate(target: str, *, suite: str | None = None, base: str | None = None, 
     engine_plan = evaluate_stage.prepare_engine(engine, tgt.checkpoint, plan) if engine else None
     engine_result = None
     with target_run(tracker, tgt, base_model, "evaluate") as run:
-        model = AutoModelForCausalLM.from_pretrained(tgt.checkpoint)
+        model = AutoModelForCausalLM.from_pretrained(tgt.checkpoint, dtype=hardware.compute_dtype_of(tgt.checkpoint))
         evaluation = evaluate_stage.evaluate(model, tokenizer, base_model, plan, tracker)
         run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
         metrics = dict(evaluation.metrics)

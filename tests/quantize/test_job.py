@@ -135,7 +135,7 @@ def test_a_failure_after_the_run_started_marks_it_failed_and_leaves_no_checkpoin
     with the error, no checkpoint and no staging directory remain, the log is kept."""
     from quantbench.quantize.llmcompressor import LLMCompressorBackend
 
-    def full_disk(self, model, tokenizer, dest):
+    def full_disk(self, model, tokenizer, dest, dtype):
         (dest / "model.safetensors").write_bytes(b"half a file")
         raise OSError(28, "No space left on device")
 

@@ -62,3 +62,42 @@ def test_the_same_recipe_at_the_same_seed_writes_the_same_weights(workdir, tiny_
     assert len(shas[0]) == 64 and shas[0] == shas[1] != shas[2]
     assert made[0]["metrics"]["check/reload_ppl"] == made[1]["metrics"]["check/reload_ppl"]
     assert read_info(Path(made[0]["checkpoint"]))["weights_sha"] == shas[0]
+
+
+def test_computed_in_float32_or_bfloat16_the_checkpoint_is_the_same(workdir, tiny_model_dir, capsys):
+    """model.compute_dtype changes what the job computes in, not what it saves: the same RTN recipe
+    (saved in bfloat16) computed in float32 and in bfloat16 writes the same tensors in the same
+    dtypes, its integer weights equal but for values that sit on a rounding boundary, and its scales
+    within bfloat16's rounding. The run records the dtype it computed in; the estimate is logged."""
+    from safetensors.torch import load_file
+
+    from quantbench.cli import main
+    from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+
+    body = tiny_recipe(tiny_model_dir, "method: rtn\ngroup_size: 32\nsymmetric: true\n").replace(
+        "  dtype: float32\n", "  dtype: bfloat16\n")
+    write_recipe(workdir, "rtn", body)
+    made = {}
+    for dtype in ("float32", "bfloat16"):
+        assert main(["quantize", "rtn", "--set", f"model.compute_dtype={dtype}", "--json"]) == 0
+        made[dtype] = last_json(capsys.readouterr().out)
+    tags = {r.info.run_id: r.data.tags for r in runs()}
+    assert [tags[made[d]["run_id"]]["quantbench.compute_dtype"] for d in made] == ["float32", "bfloat16"]
+    f32, bf16 = (load_file(str(Path(made[d]["checkpoint"]) / "model.safetensors")) for d in made)
+    assert sorted(f32) == sorted(bf16)
+    packed = 0
+    for name, tensor in f32.items():
+        other = bf16[name]
+        assert tensor.dtype == other.dtype and tensor.shape == other.shape, name
+        if tensor.is_floating_point():
+            assert tensor.dtype == torch.bfloat16, name  # saved in the recipe's dtype either way
+            assert torch.allclose(tensor.float(), other.float(), rtol=2 ** -7, atol=1e-6), name
+        elif name.endswith(("weight_packed", "weight_zero_point")):
+            packed += name.endswith("weight_packed")
+            nibbles = lambda t: torch.stack([(t.to(torch.int64) >> (4 * i)) & 15 for i in range(8)])  # noqa: E731
+            step = (nibbles(tensor) - nibbles(other)).abs()
+            assert step.max() <= 1, f"{name}: 4-bit values {step.max()} steps apart"
+            assert step.float().mean() < 0.05, f"{name}: {step.float().mean():.2%} of 4-bit values one step apart"
+        else:
+            assert torch.equal(tensor, other), name
+    assert packed == 14  # 7 Linear layers in each of 2 blocks

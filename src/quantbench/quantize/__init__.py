@@ -46,7 +46,7 @@ class Inputs:
     workdir: Path  # state that must survive an interrupted job (training checkpoints), keyed by the recipe
     held_out: tuple[list[int], int]  # (token ids, window) of the reload check's text
     run: Any  # tracking.Run, for curves logged while the engine works (training loss)
-    model: Any = None  # the base model, loaded in the recipe's dtype; take it with take_model()
+    model: Any = None  # the base model, loaded in the job's compute dtype; take it with take_model()
 
     def take_model(self):
         """The loaded base model, handed over: the pipeline keeps no reference, so an engine that

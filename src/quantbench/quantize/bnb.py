@@ -2,10 +2,11 @@
 the weights are quantized as the model loads, and the checkpoint is a transformers checkpoint
 with bitsandbytes serialization (loads wherever transformers and bitsandbytes run).
 
-Trap (bitsandbytes 0.50.2, measured here): a 4-bit model saved *after* any forward pass reloads
-as garbage (perplexity ~5e7) while the in-memory model looks fine. So this backend loads the
-quantized model and saves it before anything runs it; the quantize stage's reload check scores
-the checkpoint from disk, never the in-memory model. `test_bnb.py` reproduces the trap.
+Trap (bitsandbytes 0.50.2, measured on an AMX machine; it did not reproduce on an AVX2-only one):
+a 4-bit model saved *after* any forward pass reloads as garbage (perplexity ~5e7) while the
+in-memory model looks fine. So this backend loads the quantized model and saves it before anything
+runs it, which is safe on both; the quantize stage's reload check scores the checkpoint from disk,
+never the in-memory model. `test_bnb.py` checks the order and reports which this CPU does.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ class DistillBackend:
             warmup_steps=spec.warmup_steps,
             weight_decay=spec.weight_decay,
             lr_scheduler_type="linear",
-            bf16=spec.bf16,
+            bf16=spec.autocasts(),
             logging_steps=spec.log_steps,
             save_steps=spec.save_steps,
             save_total_limit=2,

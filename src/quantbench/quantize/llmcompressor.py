@@ -56,7 +56,7 @@ class LLMCompressorBackend:
     def produce(self, inputs: Inputs) -> Produced:
         model = inputs.take_model()
         self.quantize(model, inputs.calibration)
-        self.save(model, inputs.tokenizer, inputs.staging)
+        self.save(model, inputs.tokenizer, inputs.staging, inputs.loaded.recipe.model.dtype)
         return Produced(card=calibration_card(inputs))
 
     def modifiers(self) -> list:
@@ -129,7 +129,12 @@ class LLMCompressorBackend:
             log.info("AutoRound: zero points of %d asymmetric layers carried into the checkpoint",
                      carry_autoround_zero_points(model))
 
-    def save(self, model, tokenizer, dest: Path) -> None:
+    def save(self, model, tokenizer, dest: Path, dtype: str) -> None:
+        """Saved in the recipe's dtype (`model.dtype`), whatever dtype the job computed in: unquantized
+        tensors and scales are cast, then the weights are compressed against the cast scales."""
+        saved = getattr(torch, dtype)
+        if model.dtype != saved:
+            model.to(saved)
         model.save_pretrained(dest, save_compressed=True)
         tokenizer.save_pretrained(dest)
 

@@ -1,0 +1,121 @@
+"""What this machine computes natively: the CPU's class (the ISA features that matter here), whether
+bfloat16 is native, and so the dtype work is computed in.
+
+Machines of one size differ in CPU: some have AMX (native bfloat16 matrix units), some AVX-512
+with AVX512-BF16, many only AVX2, where a bfloat16 matmul is emulated (measured ~7x slower than
+float32 on an AVX2-only EPYC). The dtype a checkpoint is *saved* in is the recipe's (what a GPU
+serves); the dtype a job *computes* in is chosen here (`model.compute_dtype: auto`). Nothing here
+imports torch at module load: `doctor` and `--help` stay light.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+# The features that decide speed and which engine kernels run, in the order doctor prints them
+FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+            "amx_fp16")
+
+
+@dataclass(frozen=True)
+class CPU:
+    """A CPU by its /proc/cpuinfo flags (or any set of flags: tests ask about other classes)."""
+
+    flags: frozenset[str]
+
+    @property
+    def klass(self) -> str:
+        """AMX | AVX512-BF16 | AVX-512 | AVX2 | baseline: the name said beside every figure."""
+        if "amx_bf16" in self.flags:
+            return "AMX"
+        if "avx512_bf16" in self.flags:
+            return "AVX512-BF16"
+        if "avx512f" in self.flags:
+            return "AVX-512"
+        if "avx2" in self.flags:
+            return "AVX2"
+        return "baseline"
+
+    @property
+    def avx512(self) -> bool:
+        return "avx512f" in self.flags
+
+    def native(self, dtype: str) -> bool:
+        """Whether matmuls in `dtype` run on native instructions (else they are emulated, slowly)."""
+        if dtype == "float32":
+            return True
+        if dtype == "bfloat16":
+            return bool({"amx_bf16", "avx512_bf16"} & self.flags)
+        if dtype == "float16":
+            return bool({"amx_fp16", "avx512_fp16"} & self.flags)
+        raise ValueError(f"unknown dtype {dtype!r}")
+
+    def features(self) -> list[str]:
+        return [f for f in FEATURES if f in self.flags]
+
+    def describe(self) -> str:
+        """e.g. 'AVX2 (avx2, fma, f16c): bfloat16 emulated' -- one line for doctor and the docs."""
+        bf16 = "native bfloat16" if self.native("bfloat16") else "bfloat16 emulated (slow): work computes in float32"
+        return f"{self.klass} ({', '.join(self.features()) or 'none of ' + ', '.join(FEATURES[:4])}): {bf16}"
+
+
+@cache
+def cpu() -> CPU:
+    """This machine's CPU."""
+    flags: frozenset[str] = frozenset()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return CPU(flags)
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def native(dtype: str, *, on_cuda: bool | None = None, on: CPU | None = None) -> bool:
+    """Whether this device (the GPU where torch has one, else the CPU) computes `dtype` natively."""
+    on_cuda = cuda() if on_cuda is None else on_cuda
+    if on_cuda:
+        import torch
+
+        return dtype != "bfloat16" or torch.cuda.is_bf16_supported()
+    return (on or cpu()).native(dtype)
+
+
+def compute_dtype(requested: str, saved: str, *, on_cuda: bool | None = None, on: CPU | None = None) -> str:
+    """The dtype a job computes in. `auto`: the saved dtype where the device runs it natively (a job
+    never computes in less precision than it saves), float32 otherwise. An explicit dtype is kept."""
+    if requested != "auto":
+        return requested
+    return saved if native(saved, on_cuda=on_cuda, on=on) else "float32"
+
+
+def compute_dtype_of(checkpoint: Path) -> str:
+    """The dtype to compute a saved checkpoint directory in on this device: its config's dtype where
+    native, float32 otherwise (quantized weights are de-quantized into it)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config = config.get("text_config") or config
+    saved = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    return compute_dtype("auto", saved if saved in DTYPES else "float32")
+
+
+def device_line() -> str:
+    """The device a job computes on, for its log: the GPU, or the CPU's class and what it computes natively."""
+    if cuda():
+        import torch
+
+        return f"CUDA GPU {torch.cuda.get_device_name(0)}"
+    return f"CPU {cpu().describe()}"

@@ -1,0 +1,96 @@
+"""How long the produce step will take here, said before it starts.
+
+A few forward passes of the base model over calibration windows are timed on this machine, in the
+dtype the job computes in (so an emulated bfloat16 shows up as the slow matmul it is), and scaled
+by how many such passes the method makes. The pass counts are a model of each algorithm's work,
+fitted once to measured produce times (the `FIT` line of each method); every run logs its estimate
+beside its measured `quantize/wall_s`, so drift is visible in MLflow.
+
+Methods whose cost does not grow with data (RTN, FP8, bitsandbytes: seconds on the default model)
+get no estimate.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+TIMED_WINDOWS = 2  # forward passes timed, after one warm-up pass
+
+# Forward-pass equivalents (one pass = the whole model over one calibration window) per window and
+# per unit of the method's own knob, fitted to produce times of the default model measured with
+# `quantbench quantize RECIPE` (quantize/wall_s against the timed pass). A per-layer engine (the
+# sequential pipeline of llm-compressor) reruns each layer on every window at least twice.
+AWQ_BASE, AWQ_PER_GRID = 3.0, 1.1  # per window: calibration passes + each grid point of the scale search
+GPTQ_PASSES = 4.0  # per window: calibration passes + the Hessian; the per-layer solve is in GPTQ_SOLVE_S
+GPTQ_SOLVE_S = 0.5  # seconds per layer at the default model's widths
+AUTOROUND_PER_ITER = 3.0  # per window per tuning step: forward + backward of a block
+DISTILL_PER_STEP = 4.0  # per window of a batch: the teacher's forward, the student's forward and backward
+
+
+@dataclass(frozen=True)
+class Estimate:
+    seconds: float
+    basis: str  # how it was reached, for the log and the run
+
+    def minutes(self) -> float:
+        return self.seconds / 60
+
+    def over(self, budget_minutes: float | None) -> bool:
+        return budget_minutes is not None and self.minutes() > budget_minutes
+
+
+def forward_seconds(model, windows: list[list[int]]) -> float:
+    """Median seconds of one forward pass over one window, timed on up to TIMED_WINDOWS windows
+    after a warm-up pass."""
+    import torch
+
+    times = []
+    with torch.no_grad():
+        for i, window in enumerate(windows[: TIMED_WINDOWS + 1]):
+            ids = torch.tensor([window])
+            started = time.perf_counter()
+            model(ids)
+            if i:
+                times.append(time.perf_counter() - started)
+    if not times:  # a single window: the warm-up is all there is
+        ids = torch.tensor([windows[0]])
+        started = time.perf_counter()
+        with torch.no_grad():
+            model(ids)
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def passes(quantize, windows: int, layers: int) -> tuple[float, float, str] | None:
+    """(forward-pass equivalents, fixed seconds, how) for a method, or None where the cost does not
+    grow with data."""
+    method = quantize.method
+    if method == "awq":
+        n = windows * (AWQ_BASE + AWQ_PER_GRID * quantize.n_grid)
+        return n, 0.0, f"{windows} windows x ({AWQ_BASE:g} + {AWQ_PER_GRID:g} x n_grid {quantize.n_grid})"
+    if method in ("gptq", "smoothquant") or (method == "spinquant" and quantize.quantizer == "gptq"):
+        return (windows * GPTQ_PASSES, layers * GPTQ_SOLVE_S,
+                f"{windows} windows x {GPTQ_PASSES:g} + {layers} layers x {GPTQ_SOLVE_S:g} s")
+    if method == "autoround":
+        n = windows * AUTOROUND_PER_ITER * quantize.iters
+        return n, 0.0, f"{windows} windows x {AUTOROUND_PER_ITER:g} x iters {quantize.iters}"
+    if method == "distill":
+        n = quantize.steps * quantize.batch_size * DISTILL_PER_STEP
+        return n, 0.0, f"{quantize.steps} steps x batch {quantize.batch_size} x {DISTILL_PER_STEP:g}"
+    return None
+
+
+def estimate(quantize, model, windows: list[list[int]], layers: int, dtype: str) -> Estimate | None:
+    """The produce step's expected wall time for `quantize` (a recipe's section) on `model` (loaded
+    in the job's compute dtype `dtype`), or None for methods that take seconds whatever the data."""
+    work = passes(quantize, len(windows), layers)
+    if work is None:
+        return None
+    count, fixed, how = work
+    per_pass = forward_seconds(model, windows)
+    seconds = count * per_pass + fixed
+    return Estimate(seconds, f"{how} forward passes of {per_pass:.3f} s ({len(windows[0])} tokens, {dtype})")

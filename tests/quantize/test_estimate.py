@@ -1,0 +1,60 @@
+"""The produce step's time, estimated before it starts from forward passes timed here, and held to
+the recipe's budget_minutes: said and gone on, or refused with --strict-budget (exit 2, no run)."""
+
+import pytest
+
+from quantbench.cli import main
+from quantbench.quantize import estimate
+from quantbench.recipe import AWQSpec, DistillSpec, FP8Spec, GPTQSpec
+
+from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+
+
+def test_work_grows_with_the_methods_knobs():
+    few, many = (estimate.passes(AWQSpec(method="awq", n_grid=n), 16, 30)[0] for n in (5, 20))
+    assert many / few == pytest.approx((estimate.AWQ_BASE + 20 * estimate.AWQ_PER_GRID)
+                                       / (estimate.AWQ_BASE + 5 * estimate.AWQ_PER_GRID))
+    assert estimate.passes(AWQSpec(method="awq"), 32, 30)[0] == 2 * estimate.passes(AWQSpec(method="awq"), 16, 30)[0]
+    count, fixed, how = estimate.passes(GPTQSpec(method="gptq"), 8, 30)
+    assert count == 8 * estimate.GPTQ_PASSES and fixed == 30 * estimate.GPTQ_SOLVE_S and "30 layers" in how
+    assert estimate.passes(DistillSpec(method="distill", steps=10, batch_size=2), 0, 30)[0] == 20 * estimate.DISTILL_PER_STEP
+    assert estimate.passes(FP8Spec(method="fp8"), 8, 30) is None  # seconds whatever the data
+
+
+def test_a_forward_pass_is_timed(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    windows = [[5] * 64, [6] * 64, [7] * 64]
+    seconds = estimate.forward_seconds(model, windows)
+    assert 0 < seconds < 5
+    found = estimate.estimate(AWQSpec(method="awq", n_grid=4), model, windows, 2, "float32")
+    assert found.seconds == pytest.approx(3 * (estimate.AWQ_BASE + 4 * estimate.AWQ_PER_GRID) * seconds, rel=1.0)
+    assert "64 tokens, float32" in found.basis
+    assert found.over(found.minutes() / 2) and not found.over(found.minutes() * 2) and not found.over(None)
+
+
+def test_over_budget_is_said_and_the_job_goes_on(workdir, tiny_model_dir, capsys, caplog):
+    write_recipe(workdir, "awq", tiny_recipe(tiny_model_dir, "method: awq\ngroup_size: 32\nn_grid: 4\n")
+                 + "budget_minutes: 0.00001\n")
+    assert main(["quantize", "awq", "--json"]) == 0
+    result = last_json(capsys.readouterr().out)
+    assert 0 < result["metrics"]["quantize/estimate_s"] < 60
+    assert "budget_minutes: the produce step is estimated at" in caplog.text
+    assert "--set calibration.samples=N" in caplog.text and "--set quantize.n_grid=N" in caplog.text
+    assert "Going on (--strict-budget refuses instead)" in caplog.text
+    [run] = runs()
+    assert run.info.status == "FINISHED" and run.data.metrics["quantize/estimate_s"] == result["metrics"]["quantize/estimate_s"]
+
+
+def test_strict_budget_refuses_before_any_run(workdir, tiny_model_dir, capsys):
+    write_recipe(workdir, "awq", tiny_recipe(tiny_model_dir, "method: awq\ngroup_size: 32\nn_grid: 4\n")
+                 + "budget_minutes: 0.00001\n")
+    assert main(["quantize", "awq", "--strict-budget"]) == 2
+    err = capsys.readouterr().err
+    assert "recipes/awq.yaml: budget_minutes: the produce step is estimated at" in err
+    assert "over the recipe's budget of 1e-05 min" in err and "Refused: --strict-budget." in err
+    assert runs() == [] and not (workdir / "outputs" / "awq").exists()
+    # within budget, strict or not, the job runs
+    assert main(["quantize", "awq", "--strict-budget", "--set", "budget_minutes=30"]) == 0
