@@ -4,7 +4,6 @@ candidates' recipes and prepared by their jobs; a tune interrupted (SIGTERM, the
 nothing RUNNING and, re-run, resumes under the same parent run, measures candidates, bisects on
 their verdicts, answers (gated), and a further re-run measures nothing."""
 
-import json
 import os
 import shutil
 import signal

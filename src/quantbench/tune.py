@@ -30,7 +30,6 @@ import math
 import os
 import re
 import signal
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
