@@ -30,7 +30,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 5000
 NOTEBOOK_OUT ?= outputs/notebooks
 
-.PHONY: setup vllm doctor quantize evaluate bench compare noise gate sweep tune notebook validate recipes test test-fast gc ui benchmarks clean help
+.PHONY: setup vllm doctor quantize evaluate bench compare noise gate sweep tune notebook validate recipes lint test test-fast gc ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
@@ -47,6 +47,7 @@ help:
 	@echo "make doctor                     which engines and servers this machine has"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
+	@echo "make lint                       ruff over src/ and tests/, mypy over src/, import contracts (the fast tier runs them too)"
 	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
 	@echo "make test-fast                  the fast tier only: no servers, browser, database or real model (< 3 min)"
 	@echo "make gc                         end runs left RUNNING by a killed process, remove their staging dirs"
@@ -119,6 +120,11 @@ validate: $(STAMP)
 
 recipes: $(STAMP)
 	$(BIN)/quantbench recipes $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy src
+	$(BIN)/lint-imports
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)

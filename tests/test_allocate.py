@@ -97,7 +97,7 @@ class StandIn(tune.Search):
 def many_units(n=40) -> Sensitivity:
     rng = random.Random(1)
     kld = []
-    for i in range(n):
+    for _ in range(n):
         w4 = rng.uniform(0.001, 0.02)
         kld.append([w4, 0.8 * w4, 0.01 * w4, 0.0])
     return sensitivity(widths=(64,) * n, kld=kld)

@@ -6,7 +6,6 @@ PostgreSQL comes from the environment: QUANTBENCH_TEST_POSTGRES names a server w
 may create a database (`.ci/run` installs Debian's PostgreSQL, starts it and sets it). The tests
 create their own database, object store and MLflow server, and stop and drop them afterwards."""
 
-import json
 import os
 import subprocess
 import sys
@@ -44,7 +43,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 1
             return
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not come up:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"{url} did not come up:\n{log.read_text()[-3000:]}") from None
             time.sleep(0.5)
 
 

@@ -1,10 +1,11 @@
 """`quantbench tune` on the tiny model with real child processes and a real MLflow store: bad
-input refused before anything is written; a tune interrupted (SIGTERM, then SIGKILL) that leaves
+input refused before anything is written; the shipped release policy's bench stage added to the
+candidates' recipes and prepared by their jobs; a tune interrupted (SIGTERM, then SIGKILL) that leaves
 nothing RUNNING and, re-run, resumes under the same parent run, measures candidates, bisects on
 their verdicts, answers (gated), and a further re-run measures nothing."""
 
-import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,6 +56,40 @@ def test_bad_input_exits_2_and_writes_nothing(args, message, setup, tiny_model_d
     assert main(["tune", "--from", "tiny-rtn", *args]) == 2
     assert message in capsys.readouterr().err
     assert runs() == [] and not (setup / "outputs").exists()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+RELEASE = ROOT / "policies" / "release.yaml"
+
+
+def test_release_policy_gives_candidates_a_bench_stage(setup, tiny128_model_dir, monkeypatch, capsys):
+    """The shipped release policy needs a bench stage and the template has none: the candidate's
+    recipe gets `bench: {profile: cpu-smoke, backend: auto}` and its job prepares that stage. vLLM
+    serves the tiny model here (widths and head size multiples of 32), so auto picks it;
+    $QUANTBENCH_VLLM_PYTHON names a python that does not exist, so the job stops in its prepare
+    (exit 2, before quantizing) instead of creating vLLM's environment or starting a server."""
+    from quantbench import vllm_engine
+
+    assert vllm_engine.unserved(tiny128_model_dir) is None
+    (setup / "profiles").mkdir()
+    shutil.copy(ROOT / "profiles" / "cpu-smoke.yaml", setup / "profiles")  # as in the repository's root
+    missing = setup / "no-vllm" / "bin" / "python"
+    monkeypatch.setenv(vllm_engine.PYTHON_VAR, str(missing))
+    code = main(["tune", "--policy", str(RELEASE), "--from", "tiny-rtn", "--bits", "4.8", "--budget-runs", "1",
+                 "--sensitivity-windows", "2", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "tune failed" not in err, err
+    summary = last_json(out)
+    assert summary["policy"] == "release" and summary["best_run"] is None, out
+    [cand] = summary["candidates"]
+    recipe = yaml.safe_load(Path(cand["recipe"]).read_text())
+    assert recipe["bench"] == {"profile": "cpu-smoke", "backend": "auto"}
+    assert recipe["evaluate"]["suite"] == "tiny"  # the template's own section is kept
+    assert cand["status"] == "failed" and cand["reason"].startswith("bad input (exit 2)"), cand
+    assert f"bench.backend auto: vLLM: ${vllm_engine.PYTHON_VAR}={missing} is not a python with vLLM installed" \
+        in cand["reason"]
+    assert "no candidate was measured" in out
+    assert not list((setup / "outputs").glob("tiny-rtn-mixed-*/*/config.json"))  # nothing quantized
 
 
 def children(summary: dict) -> dict:

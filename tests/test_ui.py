@@ -43,7 +43,7 @@ def ui(scored_runs, tmp_path):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the MLflow UI did not start:\n{(tmp_path / 'ui.log').read_text()[-3000:]}")
+                    raise RuntimeError(f"the MLflow UI did not start:\n{(tmp_path / 'ui.log').read_text()[-3000:]}") from None
                 time.sleep(0.5)
         yield url
     finally:

@@ -3,7 +3,6 @@ it (token ids, BOS/EOS, logits) for every tokenizer family transformers converts
 that predicts worse than a unigram model of its own tokens is refused before anything runs."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    from quantbench.models import ResolvedModel
+    from quantbench.recipe import LoadedRecipe
 
 
 @dataclass
 class CardInfo:
-    loaded: object  # recipe.LoadedRecipe
-    base: object  # models.ResolvedModel
+    loaded: LoadedRecipe
+    base: ResolvedModel
     format: str
     loaders: str
     made: str  # how it was made: markdown list items from the engine

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from quantbench.errors import UserError
 
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _run_stage(name: str, fn, *args, **kwargs) -> dict | None:
+def _run_stage(name: str, fn, *args, **kwargs) -> Any | None:
     """Run a stage that owns an MLflow run; None (exit 1) if it failed after starting."""
     import signal
 

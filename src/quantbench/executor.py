@@ -110,6 +110,9 @@ class Executor(Protocol):
     def describe(self) -> dict:
         """Where the attempts ran, for the summary."""
 
+    def check_store(self, tracker: Tracker) -> None:
+        """UserError if the attempts cannot reach `tracker`'s store and artifacts."""
+
     def close(self) -> None: ...
 
 
@@ -161,6 +164,9 @@ class LocalExecutor:
 
     def describe(self) -> dict:
         return {"name": self.name}
+
+    def check_store(self, tracker: Tracker) -> None:
+        pass  # a child process here reaches the store this process uses
 
     def close(self) -> None:
         pass

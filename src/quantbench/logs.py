@@ -41,7 +41,7 @@ def configure_console(verbose: bool = False) -> None:
     if not any(getattr(h, "_quantbench_console", False) for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        handler._quantbench_console = True
+        handler._quantbench_console = True  # type: ignore[attr-defined]  # a marker, found again by getattr above
         root.addHandler(handler)
     root.setLevel(logging.INFO)
     logging.getLogger("quantbench").setLevel(logging.DEBUG if verbose else logging.INFO)

@@ -25,6 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from quantbench.checkpoint import WEIGHT_SUFFIXES
@@ -197,7 +198,7 @@ def _check_gguf(gguf: Path, field: str) -> None:
                         f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no detail'})") from None
 
 
-def _classify(source: str, field: str) -> tuple[str, object]:
+def _classify(source: str, field: str) -> tuple[str, Any]:  # (kind, a str or a Path by kind)
     if source.startswith(("run:", "recipe:")):
         return "run", source
     if source.startswith("builtin:"):

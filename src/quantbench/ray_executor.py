@@ -36,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from quantbench.errors import UserError
 from quantbench.executor import KILL_GRACE_S, Ended, Job, die_with_parent
@@ -115,15 +116,15 @@ class AttemptActor:
 
 @dataclass
 class RayAttempt:
-    actor: object
-    started_ref: object
+    actor: Any  # a Ray actor handle
+    started_ref: Any  # a Ray ObjectRef
     request: dict[str, float]  # Ray's resource names: CPU, GPU, memory
     log_path: Path
     node: str | None = None
     host: str | None = None
     pid: int | None = None
     offset: int = 0
-    poll_ref: object = None
+    poll_ref: Any = None
     polled: float = 0.0  # when the last poll was sent
     placement_checked: float = 0.0
     infeasible_since: float | None = None
@@ -187,7 +188,7 @@ class RayExecutor:
         if asked.get("memory_gb"):
             options["memory"] = int(asked["memory_gb"] * 2**30)
         request = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], "memory": options.get("memory", 0)}
-        actor = self.actor_class.options(**options, runtime_env=ACTOR_ENV).remote()
+        actor: Any = self.actor_class.options(**options, runtime_env=ACTOR_ENV).remote()
         started = actor.start.remote(argv, {**self.env, **env}, os.getcwd(), timeout_s, self.grace_s)
         log_path.write_bytes(b"")  # the node's log is appended here as it comes
         return RayAttempt(actor, started, {k: v for k, v in request.items() if v}, log_path)

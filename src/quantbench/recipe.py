@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
@@ -413,7 +413,10 @@ class LoadedRecipe:
         return asked
 
 
-def load_named(directory: Path, name: str, schema: type[BaseModel], field: str, kind: str) -> BaseModel:
+Settings = TypeVar("Settings", bound=BaseModel)
+
+
+def load_named(directory: Path, name: str, schema: type[Settings], field: str, kind: str) -> Settings:
     """A small settings file by name (suites/NAME.yaml, profiles/NAME.yaml), validated by `schema`."""
     path = directory / f"{name}.yaml"
     if not path.is_file():
@@ -422,7 +425,7 @@ def load_named(directory: Path, name: str, schema: type[BaseModel], field: str, 
     return validate_file(path, schema)
 
 
-def validate_file(path: Path, schema: type[BaseModel]) -> BaseModel:
+def validate_file(path: Path, schema: type[Settings]) -> Settings:
     """A settings file validated by `schema`; every problem as `file: field: message`."""
     try:
         text = path.read_text()

@@ -33,7 +33,7 @@ from pathlib import Path
 from pydantic import Field, PositiveInt
 
 from quantbench.errors import UserError, did_you_mean
-from quantbench.executor import HISTORY, Executor, Job, Limits, LocalExecutor, Runner
+from quantbench.executor import HISTORY, Executor, Job, Limits, Runner
 from quantbench.recipe import ResourcesSpec, Strict, load_recipe, resolve_recipe_path, validate_file
 from quantbench.tracking import OWNER, TAG, Tracker, owner_alive
 

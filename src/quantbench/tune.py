@@ -30,7 +30,6 @@ import math
 import os
 import re
 import signal
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -232,9 +231,9 @@ def write_recipe(plan: Plan, alloc: allocate.Allocation, units: list[sensitivity
     if "evaluate" in needed and doc.get("evaluate") is None:
         doc["evaluate"] = {"suite": "default"}
     if "bench" in needed and doc.get("bench") is None:
-        from quantbench.evaluate.serving import vllm_python
-
-        doc["bench"] = {"profile": "cpu-smoke", "backend": "serve" if vllm_python() else "hf"}
+        # auto, the choice a recipe's own bench section makes: vLLM where it serves the candidate
+        # here (its environment created on first use), else transformers serve, else in-process hf
+        doc["bench"] = {"profile": "cpu-smoke", "backend": "auto"}
     counts = ", ".join(f"{n} x {s}" for s, n in sorted(alloc.counts().items(), key=lambda x: -x[1]))
     name = f"{template.name}-mixed-{alloc.bits_per_weight:.3f}b"
     doc["description"] = (f"{template.name} with per-layer schemes by `quantbench tune --policy {plan.policy.name}`: "

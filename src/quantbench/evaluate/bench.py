@@ -22,12 +22,16 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quantbench import data, environment, models
 from quantbench.checkpoint import weights_size_mb
 from quantbench.errors import UserError
 from quantbench.evaluate.speed import PartialBench, Profile, bench_pair, hf_measurer, load_profile, prompts
 from quantbench.tracking import TAG
+
+if TYPE_CHECKING:
+    from quantbench.vllm_engine import Engine
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "vllm", "transformers", "hf", "openai", "serve")
@@ -46,7 +50,7 @@ class Plan:
     endpoints: tuple[str, str] | None = None  # backend openai: (checkpoint's, base model's)
     requested: str = "hf"  # what the user asked for: auto, vllm, transformers, hf, openai, serve
     why: str = ""  # why this engine
-    vllm: object | None = None  # vllm_engine.Engine when the server is vLLM
+    vllm: Engine | None = None  # when the server is vLLM
 
     @property
     def engine(self) -> str:

@@ -38,9 +38,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quantbench.errors import UserError
 from quantbench.processes import PeakRSS, free_port, stop_group
+
+if TYPE_CHECKING:
+    from quantbench.vllm_engine import Engine
 
 HEALTH_TIMEOUT_S = 180.0
 VLLM_HEALTH_TIMEOUT_S = 600.0  # vLLM-CPU compiling its graphs at start-up: 1-2 min here
@@ -293,7 +297,7 @@ class ServerSpec:
     max_len: int = 2048
     compiled: bool = True  # vLLM: compile graphs at start-up (its default); False: --enforce-eager
     dtype: str = "auto"  # vLLM --dtype
-    engine: object | None = None  # vllm_engine.Engine; found (or created) when None
+    engine: Engine | None = None  # found (or created) when None
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property

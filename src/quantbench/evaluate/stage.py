@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quantbench import data, intervals, models
 from quantbench.errors import UserError
@@ -26,6 +27,10 @@ from quantbench.evaluate.suite import BASELINE_FORMAT, LoadedSuite, suites_dir
 from quantbench.evaluate.tasks import Items, check_tasks, correct, flips, item_intervals, run_tasks, write_offline_suite
 from quantbench.metrics import RECOVERABLE, direction
 from quantbench.tracking import TAG, Tracker
+
+if TYPE_CHECKING:
+    from quantbench.quality import Reference
+    from quantbench.vllm_engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +68,10 @@ class Plan:
 class Baseline:
     run_id: str
     metrics: dict[str, float]
-    reference: object
+    reference: Reference
     items: Items  # the base model's per-item task values
     reused: bool
-    reference_ood: object = None
+    reference_ood: Reference | None = None
 
     @property
     def correct(self) -> dict[str, dict[int, bool]]:
@@ -264,7 +269,7 @@ def recovery(metrics: dict[str, float], baseline: dict[str, float]) -> dict[str,
 
 @dataclass
 class EnginePlan:
-    engine: object  # vllm_engine.Engine
+    engine: Engine
     checkpoint: Path
     dtype: str  # --dtype: the dtype transformers loads the checkpoint in, so that only the engine differs
     max_len: int

@@ -1,0 +1,48 @@
+"""Static checks in the fast tier, as `make lint` runs them (configured in pyproject.toml): ruff
+over src/ and tests/, mypy over src/, import-linter's contracts (quantize and evaluate do not
+import each other; only quantbench.tracking imports mlflow); and that mypy's settings still catch
+an import of a name a quantbench module no longer has (what shipped `tune.py` importing the
+removed `vllm_python`)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tool(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m TOOL ARGS` from this environment in the repository root (where its settings are)."""
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_ruff_is_clean():
+    done = tool("ruff", "check", "src", "tests")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_mypy_is_clean():
+    done = tool("mypy", "src")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_mypy_catches_an_import_of_a_removed_name(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def bench_backend() -> str:\n"
+                     "    from quantbench.evaluate.serving import vllm_python\n\n"
+                     "    return 'serve' if vllm_python() else 'hf'\n")
+    done = tool("mypy", "src", str(probe))
+    assert done.returncode == 1, done.stdout + done.stderr
+    # the file's name only: mypy's cache may replay the error under the path an earlier run's probe had
+    [error, count] = done.stdout.splitlines()
+    assert error.endswith('probe.py:2: error: Module "quantbench.evaluate.serving" has no attribute "vllm_python"  '
+                          '[attr-defined]') and count.startswith("Found 1 error in 1 file"), done.stdout
+
+
+def test_import_contracts_are_kept():
+    """lint-imports reads the package it imports: this tree's src/, whatever the environment installed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([str(Path(sys.executable).with_name("lint-imports"))], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "Contracts: 3 kept, 0 broken." in done.stdout, done.stdout + done.stderr
