@@ -132,6 +132,29 @@ def test_a_random_model_is_near_uniform_and_a_peaked_random_one_is_refused(tiny_
     assert verify.unigram_nll([1, 1, 2], [1], 3) == pytest.approx(-__import__("math").log(3 / 6))
 
 
+def test_the_base_check_measures_with_and_without_bos_and_judges_as_the_tokenizer_does(tiny_model_dir, tiny_tokenizer):
+    """Both perplexities once; the verdict and `ppl` are those of the windows the tokenizer makes."""
+    from transformers import AutoModelForCausalLM
+
+    from quantbench import data
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    text = data.text_ids(tiny_tokenizer, data.python_docs("evaluation"))
+    calibration = data.text_ids(tiny_tokenizer, data.python_docs("calibration")[:100_000])
+    with_bos = verify.check_perplexity(model, data.framed(text, 128, 1)[:512], calibration, 128, 512)
+    without = verify.check_perplexity(model, text[:512], calibration, 128, 512)
+    wants = verify.check_base_perplexity(model, text, calibration, 512, 128, 512, bos_token_id=1, wants_bos=True)
+    plain = verify.check_base_perplexity(model, text, calibration, 512, 128, 512, bos_token_id=1, wants_bos=False)
+    assert wants.bos and wants.ppl == with_bos.ppl and wants.unigram_ppl == with_bos.unigram_ppl
+    assert not plain.bos and plain.ppl == without.ppl
+    for result in (wants, plain):
+        assert (result.ppl_with_bos, result.ppl_without_bos) == (with_bos.ppl, without.ppl)
+    assert with_bos.ppl != without.ppl
+    assert f"with BOS, as the tokenizer encodes; without BOS: {without.ppl:.4g}" in wants.describe()
+    none = verify.check_base_perplexity(model, text, calibration, 512, 128, 512, bos_token_id=None, wants_bos=False)
+    assert not none.bos and none.ppl_with_bos is None and none.ppl == without.ppl
+
+
 def test_quantize_refuses_a_broken_base_before_any_run(workdir, tiny_tokenizer, capsys, monkeypatch):
     from tests.conftest import build_tiny
 
