@@ -153,6 +153,19 @@ def test_the_base_check_measures_with_and_without_bos_and_judges_as_the_tokenize
     assert f"with BOS, as the tokenizer encodes; without BOS: {without.ppl:.4g}" in wants.describe()
     none = verify.check_base_perplexity(model, text, calibration, 512, 128, 512, bos_token_id=None, wants_bos=False)
     assert not none.bos and none.ppl_with_bos is None and none.ppl == without.ppl
+    assert verify.bos_hint(wants) is None and verify.bos_hint(none) is None  # a random model: BOS hardly matters
+
+
+def test_a_model_far_better_with_the_other_bos_convention_is_pointed_out():
+    def check(bos, with_bos, without):
+        return verify.PerplexityCheck(with_bos if bos else without, 900.0, 3.0, 49152, "ok", bos, with_bos, without)
+
+    lost = verify.bos_hint(check(False, 45.0, 192.8))  # the defect: a tokenizer that lost add_bos_token
+    assert lost and "far better with a BOS" in lost and "perplexity 45)" in lost and "(192.8, without BOS)" in lost
+    assert verify.bos_hint(check(False, 14.74, 14.53)) is None  # SmolLM2: adds no BOS, and is no better with one
+    assert verify.bos_hint(check(True, 30.0, 45.0)) is None
+    assert verify.bos_hint(check(True, 30.0, 20.0))  # exactly BOS_HINT_RATIO (1.5x) better: pointed out
+    assert verify.bos_hint(check(True, 30.0, 20.0 + 1e-9)) is None
 
 
 def test_quantize_refuses_a_broken_base_before_any_run(workdir, tiny_tokenizer, capsys, monkeypatch):

@@ -189,6 +189,8 @@ def check_base(base: models.ResolvedModel, tokenizer, text_ids: list[int], token
              base.name, "n/a (no BOS token)" if result.ppl_with_bos is None else f"{result.ppl_with_bos:.4g}",
              result.ppl_without_bos, "with" if result.bos else "without",
              "adds one" if wants_bos else "adds none")
+    if hint := verify.bos_hint(result):
+        log.warning("%s: %s", base.name, hint)
     if result.verdict == "near-uniform":
         log.warning("the base model %s predicts nearly uniformly (%s): an untrained or random model; the perplexity "
                     "bound does not apply", base.name, result.describe())
