@@ -56,6 +56,9 @@ def test_the_saved_tokenizer_splits_like_the_gguf(converted):
 def test_bos_and_eos_are_the_files(converted):
     vocab, tok = converted["vocab"], converted["tok"]
     assert (tok("hi")["input_ids"][0] == vocab.bos_id) == bool(vocab.add_bos)  # tokenizer.ggml.add_bos_token
+    from quantbench.data import bos_id  # so every window of a job on it starts with that BOS, or with none
+
+    assert bos_id(tok) == (vocab.bos_id if vocab.add_bos else None)
     assert tok.eos_token == vocab.tokens[vocab.eos_id] and tok.bos_token == vocab.tokens[vocab.bos_id]
 
 
