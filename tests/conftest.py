@@ -29,6 +29,16 @@ def tiny_tokenizer():
                                    pad_token="</s>")
 
 
+@pytest.fixture(scope="session")
+def tiny_bos_tokenizer(tiny_tokenizer):
+    """The same tokenizer asking for BOS (`add_bos_token=True`, as Llama-2, Mistral and Gemma do):
+    it encodes text as <s> followed by the text's tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="</s>", add_bos_token=True)
+
+
 def build_tiny(path: Path, tokenizer, **overrides) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -46,6 +56,12 @@ def build_tiny(path: Path, tokenizer, **overrides) -> Path:
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     """A 2-layer Llama (hidden 96 = 3 x 32, so group 64 cannot divide it). Random weights, fixed seed."""
     return build_tiny(tmp_path_factory.mktemp("tiny-llama"), tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_bos_model_dir(tmp_path_factory, tiny_bos_tokenizer) -> Path:
+    """The tiny Llama's very weights with the tokenizer that asks for BOS (saved and reloaded from disk)."""
+    return build_tiny(tmp_path_factory.mktemp("tiny-llama-bos"), tiny_bos_tokenizer)
 
 
 @pytest.fixture(scope="session")

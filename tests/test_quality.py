@@ -82,3 +82,23 @@ def test_compare_refuses_a_reference_from_other_text(tiny):
     ref = reference(tiny, IDS, 64)
     with pytest.raises(ValueError, match="different text"):
         compare(tiny, IDS[: 64 * 3], 64, ref)
+
+
+def test_windows_that_start_with_bos_score_every_text_token_and_never_the_bos(tiny):
+    """framed ids (data.framed): each window of 64 is <s> + 63 text tokens; the 63 predictions scored
+    per window are exactly the text's tokens, in order, each seen after the BOS."""
+    from quantbench.data import framed
+    from quantbench.quality import _log_probs
+
+    text = IDS[:200]
+    ids = framed(text, 64, 1)
+    assert len(ids) == 3 * 64 and ids[::64] == [1, 1, 1]
+    targets = torch.cat([t for _, t in _log_probs(tiny, ids, 64, 2, "test")])
+    assert targets.tolist() == text[: 3 * 63]  # no BOS among the scored tokens; no text token left out
+    with torch.no_grad():
+        logits = tiny(input_ids=torch.tensor([[1] + text[k * 63 : (k + 1) * 63] for k in range(3)])).logits
+    logp = torch.log_softmax(logits.float(), -1)[:, :-1]
+    nll = -logp.gather(-1, torch.tensor([text[k * 63 : (k + 1) * 63] for k in range(3)]).unsqueeze(-1)).mean().item()
+    assert math.isclose(perplexity(tiny, ids, 64), math.exp(nll), rel_tol=1e-5)
+    m = compare(tiny, ids, 64, reference(tiny, ids, 64)).metrics()
+    assert m["quality/positions"] == 3 * 63 and m["quality/ppl"] == pytest.approx(math.exp(nll), rel=1e-5)

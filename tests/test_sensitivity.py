@@ -103,3 +103,33 @@ def test_stored_once_and_reused(workdir, tiny128_model_dir, tiny_tokenizer):
     assert other.run_id != first.run_id  # other settings: measured anew
     doc = json.loads(open(client.download_artifacts(run.info.run_id, "sensitivity/sensitivity.json", str(workdir))).read())
     assert doc["schemes"] == ["W4A16-G32", "BF16"] and len(doc["units"]) == 8
+
+
+@pytest.mark.parametrize("bos", [None, 1])
+def test_windows_start_like_the_calibration_windows_and_stay_held_back(bos, tiny_tokenizer, tiny_bos_tokenizer):
+    """With a tokenizer that asks for BOS every window is <s> + 63 text tokens, as the recipe's own
+    calibration windows are, and none of them shares text with those; without, as before."""
+    from quantbench import data
+
+    tokenizer = tiny_bos_tokenizer if bos else tiny_tokenizer
+    text = data.python_docs("calibration")[:60_000]
+    cal = CalibrationSpec(samples=8, seq_len=64, seed=0)
+    settings = S.Settings(windows=12, seq_len=64)
+    chosen = S.sensitivity_windows(tokenizer, text, cal, settings)
+    recipe = data.calibration_windows(data.text_ids(tokenizer, text), cal.samples, cal.seq_len, cal.seed, field="f", bos=bos)
+    assert len(chosen) == 12 and all(len(w) == 64 for w in chosen + recipe)
+    if bos is None:
+        ids = tiny_tokenizer(text)["input_ids"]  # the ids and windows sensitivity had before BOS framing
+        taken = S._recipe_windows(len(ids), cal)
+        assert chosen == S.held_back_windows(ids, 12, 64, settings.seed, taken)
+        assert all(1 not in w for w in chosen)
+    else:
+        assert all(w[0] == 1 and 1 not in w[1:] for w in chosen + recipe)
+    text_of = lambda w: tuple(w[1:] if bos else w)  # noqa: E731
+    assert not {text_of(w) for w in chosen} & {text_of(w) for w in recipe}
+
+
+def test_the_reuse_key_changes_with_bos_and_not_without():
+    a = S.key("fp", ["W4A16-G32"], "sha", S.Settings())
+    assert S.key("fp", ["W4A16-G32"], "sha", S.Settings(), None) == a  # stored results without BOS stay valid
+    assert S.key("fp", ["W4A16-G32"], "sha", S.Settings(), 1) != a

@@ -55,6 +55,9 @@ def test_the_saved_tokenizer_splits_like_the_gguf(converted):
 def test_bos_and_eos_are_the_files(converted):
     vocab, tok = converted["vocab"], converted["tok"]
     assert (tok("hi")["input_ids"][0] == vocab.bos_id) == bool(vocab.add_bos)  # tokenizer.ggml.add_bos_token
+    from quantbench.data import bos_id  # so every window of a job on it starts with that BOS, or with none
+
+    assert bos_id(tok) == (vocab.bos_id if vocab.add_bos else None)
     assert tok.eos_token == vocab.tokens[vocab.eos_id] and tok.bos_token == vocab.tokens[vocab.bos_id]
 
 
@@ -129,6 +132,42 @@ def test_a_random_model_is_near_uniform_and_a_peaked_random_one_is_refused(tiny_
     assert peaked.verdict == "refused" and peaked.ppl > peaked.unigram_ppl
     assert 50 < peaked.unigram_ppl < 512  # token frequencies alone beat uniform guessing
     assert verify.unigram_nll([1, 1, 2], [1], 3) == pytest.approx(-__import__("math").log(3 / 6))
+
+
+def test_the_base_check_measures_with_and_without_bos_and_judges_as_the_tokenizer_does(tiny_model_dir, tiny_tokenizer):
+    """Both perplexities once; the verdict and `ppl` are those of the windows the tokenizer makes."""
+    from transformers import AutoModelForCausalLM
+
+    from quantbench import data
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    text = data.text_ids(tiny_tokenizer, data.python_docs("evaluation"))
+    calibration = data.text_ids(tiny_tokenizer, data.python_docs("calibration")[:100_000])
+    with_bos = verify.check_perplexity(model, data.framed(text, 128, 1)[:512], calibration, 128, 512)
+    without = verify.check_perplexity(model, text[:512], calibration, 128, 512)
+    wants = verify.check_base_perplexity(model, text, calibration, 512, 128, 512, bos_token_id=1, wants_bos=True)
+    plain = verify.check_base_perplexity(model, text, calibration, 512, 128, 512, bos_token_id=1, wants_bos=False)
+    assert wants.bos and wants.ppl == with_bos.ppl and wants.unigram_ppl == with_bos.unigram_ppl
+    assert not plain.bos and plain.ppl == without.ppl
+    for result in (wants, plain):
+        assert (result.ppl_with_bos, result.ppl_without_bos) == (with_bos.ppl, without.ppl)
+    assert with_bos.ppl != without.ppl
+    assert f"with BOS, as the tokenizer encodes; without BOS: {without.ppl:.4g}" in wants.describe()
+    none = verify.check_base_perplexity(model, text, calibration, 512, 128, 512, bos_token_id=None, wants_bos=False)
+    assert not none.bos and none.ppl_with_bos is None and none.ppl == without.ppl
+    assert verify.bos_hint(wants) is None and verify.bos_hint(none) is None  # a random model: BOS hardly matters
+
+
+def test_a_model_far_better_with_the_other_bos_convention_is_pointed_out():
+    def check(bos, with_bos, without):
+        return verify.PerplexityCheck(with_bos if bos else without, 900.0, 3.0, 49152, "ok", bos, with_bos, without)
+
+    lost = verify.bos_hint(check(False, 45.0, 192.8))  # the defect: a tokenizer that lost add_bos_token
+    assert lost and "far better with a BOS" in lost and "perplexity 45)" in lost and "(192.8, without BOS)" in lost
+    assert verify.bos_hint(check(False, 14.74, 14.53)) is None  # SmolLM2: adds no BOS, and is no better with one
+    assert verify.bos_hint(check(True, 30.0, 45.0)) is None
+    assert verify.bos_hint(check(True, 30.0, 20.0))  # exactly BOS_HINT_RATIO (1.5x) better: pointed out
+    assert verify.bos_hint(check(True, 30.0, 20.0 + 1e-9)) is None
 
 
 def test_quantize_refuses_a_broken_base_before_any_run(workdir, tiny_tokenizer, capsys, monkeypatch):

@@ -15,6 +15,10 @@
 
 A user-supplied file is calibration text only: evaluation always scores the builtin evaluation
 split unless a later stage names its own corpus.
+
+Windows of token ids (calibration, sensitivity, the quality pass and the reload check) start the
+way the model expects: with its BOS token where its tokenizer adds one (`bos_id`), then the next
+window - 1 tokens of the text, so that a window keeps its length (`windows`).
 """
 
 from __future__ import annotations
@@ -118,9 +122,11 @@ def _hub_text(source: str, field: str, text_field: str, split: str) -> str:
     return "\n\n".join(rows[text_field])
 
 
-def calibration_windows(token_ids: list[int], samples: int, seq_len: int, seed: int, *, field: str) -> list[list[int]]:
-    """`samples` disjoint windows of `seq_len` tokens, chosen by `seed` from the tokenized text."""
-    available = len(token_ids) // seq_len
+def calibration_windows(token_ids: list[int], samples: int, seq_len: int, seed: int, *, field: str,
+                        bos: int | None = None) -> list[list[int]]:
+    """`samples` disjoint windows of `seq_len` tokens, chosen by `seed` from the tokenized text
+    (`text_ids`), each starting with `bos` when the tokenizer wants one (`bos_id`)."""
+    available = len(token_ids) // span(seq_len, bos)
     if available == 0:
         raise UserError(f"{field}: the text has {len(token_ids)} tokens, fewer than one window of seq_len={seq_len}")
     if samples > available:
@@ -129,7 +135,66 @@ def calibration_windows(token_ids: list[int], samples: int, seq_len: int, seed: 
             f"such windows ({len(token_ids)} tokens); lower calibration.samples or calibration.seq_len"
         )
     starts = sorted(random.Random(seed).sample(range(available), samples))
-    return [token_ids[i * seq_len : (i + 1) * seq_len] for i in starts]
+    return windows(token_ids, seq_len, bos, starts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Windows that start the way the model expects
+
+BOS_PROBE = "The Python interpreter"
+
+
+def bos_id(tokenizer) -> int | None:
+    """The BOS id every window must start with, or None when the tokenizer adds no BOS to what it encodes.
+
+    Asked of what the tokenizer does, not of its `add_bos_token` attribute: in transformers 5 that
+    flag lives only on the object built with it (save_pretrained leaves it out of the config and a
+    reload reads False), while the post-processor saved in tokenizer.json goes on adding the BOS.
+    So a GGUF's `tokenizer.ggml.add_bos_token` (carried into the converted tokenizer, verify.py),
+    a config's `add_bos_token` and a template post-processor all show here the same way."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    added = tokenizer(BOS_PROBE)["input_ids"]
+    plain = tokenizer(BOS_PROBE, add_special_tokens=False)["input_ids"]
+    return bos if added[:1] == [bos] and plain[:1] != [bos] else None
+
+
+def bos_tag(tokenizer, bos: int | None) -> str:
+    """What windows start with, as a run records it (the quantbench.bos tag): `<s> (id 1)`, or none."""
+    return "none" if bos is None else f"{tokenizer.convert_ids_to_tokens(bos)} (id {bos})"
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """The text's token ids with nothing added: a BOS belongs at the start of each window
+    (`windows`), not once at the start of the text."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def span(length: int, bos: int | None) -> int:
+    """How many of the text's tokens a window of `length` holds: one fewer when it starts with BOS."""
+    if bos is not None and length < 2:
+        raise ValueError(f"a window of {length} token cannot hold a BOS and a token to predict")
+    return length - (bos is not None)
+
+
+def windows(token_ids: list[int], length: int, bos: int | None, picks=None) -> list[list[int]]:
+    """Windows of exactly `length` tokens: `bos` (when not None) and then the next span of the text.
+    The text is cut into consecutive spans (`span`; a short tail is left out) and `picks` chooses
+    which, by index (default all). The BOS is context only: nothing scores a prediction of it."""
+    step = span(length, bos)
+    head = [] if bos is None else [bos]
+    picks = range(len(token_ids) // step) if picks is None else picks
+    return [head + token_ids[i * step : (i + 1) * step] for i in picks]
+
+
+def framed(token_ids: list[int], length: int, bos: int | None) -> list[int]:
+    """The text laid out as its `windows`, one after another, for the quality functions that cut a
+    flat list at every `length` tokens (quality.perplexity, reference, compare); without a BOS, the
+    text's ids themselves (unchanged)."""
+    if bos is None:
+        return token_ids
+    return [t for window in windows(token_ids, length, bos) for t in window]
 
 
 def text_sha(text: str) -> str:

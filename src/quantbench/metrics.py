@@ -158,7 +158,9 @@ TAGS: dict[str, str] = {
     "quantbench.error": "why a run FAILED or was KILLED",
     "quantbench.baseline_run": "the baseline run a candidate was scored against",
     "quantbench.suite": "the evaluation suite's name",
-    "quantbench.suite_sha": "fingerprint of the suite (settings, text, task data, lm-eval version)",
+    "quantbench.suite_sha": "fingerprint of the suite (settings, text, task data, lm-eval version, token ids scored)",
+    "quantbench.bos": "what every window (calibration, sensitivity, reload check, quality pass) starts with: "
+                    "the tokenizer's BOS token and id, or none",
     "quantbench.bench_backend": "hf | openai | serve: how speed was measured",
     "quantbench.bench_server": "vllm | transformers | hf | endpoint: the engine speed was measured through (hf: "
                                "in-process transformers generate, not a serving engine)",

@@ -102,21 +102,22 @@ def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | N
         raise UserError(problems)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
     text_shas = backend.prepare(loaded, base, tokenizer)
+    bos = data.bos_id(tokenizer)  # every window starts with it, where the tokenizer adds one
     calibration = None
     if backend.calibrates:
         cal = spec.calibration
         with _prefixed(where):
             text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
-            calibration = data.calibration_windows(tokenizer(text)["input_ids"], cal.samples, cal.seq_len, cal.seed,
-                                                   field="calibration.samples")
+            calibration = data.calibration_windows(data.text_ids(tokenizer, text), cal.samples, cal.seq_len, cal.seed,
+                                                   field="calibration.samples", bos=bos)
         text_shas["calibration"] = data.text_sha(text)
     eval_text = data.python_docs("evaluation")
     text_shas["evaluation"] = data.text_sha(eval_text)
-    eval_ids = tokenizer(eval_text)["input_ids"]
-    check_ids = eval_ids[: spec.check.ppl_tokens]
+    eval_ids = data.text_ids(tokenizer, eval_text)
+    check_ids = data.framed(eval_ids, spec.check.window, bos)[: spec.check.ppl_tokens]
     if spec.check.base_ppl_bound:
         with _prefixed(where):
-            check_base(base, tokenizer, check_ids, spec.check.window, "model.source")
+            check_base(base, tokenizer, eval_ids, spec.check.ppl_tokens, spec.check.window, "model.source")
     evaluation = bench = None
     with _prefixed(where):
         if spec.evaluate is not None:
@@ -200,23 +201,37 @@ def check_outputs(loaded: LoadedRecipe, outputs: Path) -> None:
                             "(move the file away, or pass --outputs DIR)")
 
 
-def check_base(base: models.ResolvedModel, tokenizer, token_ids: list[int], window: int, field: str) -> None:
-    """Refuse a base model that predicts held-out text worse than a unigram model of its own tokens
-    (verify.check_perplexity); computed once per (model, tokenizer, text) and cached."""
+def check_base(base: models.ResolvedModel, tokenizer, text_ids: list[int], tokens: int, window: int, field: str) -> None:
+    """Refuse a base model that predicts held-out text (`tokens` positions of `text_ids`) worse than a
+    unigram model of its own tokens (verify.check_base_perplexity: measured with and without a BOS
+    starting each window, judged as the tokenizer encodes); computed once per (model, tokenizer,
+    text) and cached."""
     from quantbench import verify
+
+    wants_bos = data.bos_id(tokenizer) is not None
 
     def compute():
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        log.info("checking the base model %s once: perplexity on held-out text against a unigram model", base.name)
-        calibration_ids = tokenizer(data.python_docs("calibration"))["input_ids"]
+        log.info("checking the base model %s once: perplexity on held-out text (with and without BOS) against "
+                 "a unigram model", base.name)
+        calibration_ids = data.text_ids(tokenizer, data.python_docs("calibration"))
         model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto").eval()
         vocab_size = AutoConfig.from_pretrained(base.path).vocab_size
-        return verify.check_perplexity(model, token_ids, calibration_ids, window, vocab_size)
+        return verify.check_base_perplexity(model, text_ids, calibration_ids, tokens, window, vocab_size,
+                                            tokenizer.bos_token_id, wants_bos)
 
-    key = {"model": base.fingerprint, "tokenizer": verify.tokenizer_sha(base.path), "ids": data.text_sha(str(token_ids)),
-           "window": window, "calibration": data.text_sha(data.python_docs("calibration")), "version": 1}
+    key = {"model": base.fingerprint, "tokenizer": verify.tokenizer_sha(base.path),
+           "ids": data.text_sha(str(text_ids[:tokens])), "tokens": tokens, "window": window,
+           "bos": [tokenizer.bos_token_id, wants_bos], "calibration": data.text_sha(data.python_docs("calibration")),
+           "version": 2}
     result = verify.cached_check(key, compute)
+    log.info("base model %s: perplexity %s with BOS, %.4g without; the check used the windows %s BOS (its tokenizer %s)",
+             base.name, "n/a (no BOS token)" if result.ppl_with_bos is None else f"{result.ppl_with_bos:.4g}",
+             result.ppl_without_bos, "with" if result.bos else "without",
+             "adds one" if wants_bos else "adds none")
+    if hint := verify.bos_hint(result):
+        log.warning("%s: %s", base.name, hint)
     if result.verdict == "near-uniform":
         log.warning("the base model %s predicts nearly uniformly (%s): an untrained or random model; the perplexity "
                     "bound does not apply", base.name, result.describe())
@@ -351,6 +366,7 @@ def _candidate_tags(job: Job) -> dict[str, str]:
         TAG + "kv_cache": getattr(q, "kv_cache", None) or "none",
         TAG + "compute_dtype": job.compute_dtype,
         TAG + "license": job.base.license,
+        TAG + "bos": data.bos_tag(job.tokenizer, data.bos_id(job.tokenizer)),  # what every window starts with
         **{TAG + k: v for k, v in environment.describe().items()},
         **({TAG + "parent_run": job.base.parent_run} if job.base.parent_run else {}),
         **inherited_tags(),

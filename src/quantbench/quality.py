@@ -15,7 +15,8 @@ def perplexity(model, token_ids: list[int], window: int, batch_size: int = 1) ->
     """Perplexity over consecutive, non-overlapping windows of `window` tokens.
 
     Every token after the first of each window is scored once; a short tail is dropped so all
-    windows are equal and batch cleanly."""
+    windows are equal and batch cleanly. Callers lay the ids out with data.framed, so that where
+    the tokenizer adds a BOS each window starts with it (and the BOS, first, is never scored)."""
     total_nll, total_tokens = 0.0, 0
     for log_probs, targets in _log_probs(model, token_ids, window, batch_size, "perplexity"):
         total_nll -= log_probs.gather(-1, targets[:, None]).double().sum().item()

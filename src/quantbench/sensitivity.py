@@ -20,7 +20,8 @@ Two measures:
   measures how well it ranks units against `kld`.
 
 Text: windows of the calibration split that the recipe's own calibration windows do not touch
-(held back), never the evaluation split. The result is stored once per (base fingerprint,
+(held back), never the evaluation split; each starts with the model's BOS where its tokenizer adds
+one, as the calibration windows do (data.windows). The result is stored once per (base fingerprint,
 schemes, calibration text sha, settings) in an MLflow run tagged `quantbench.role=sensitivity`
 with the table (`sensitivity/table.csv`, `sensitivity/sensitivity.json`) and a heat map
 (`sensitivity/heatmap.png`), and reused like the evaluation baseline.
@@ -109,9 +110,12 @@ class Sensitivity:
                    doc["kld"], doc["wall_s"], doc["key"], {k: doc[k] for k in ("replay", "windows_tokens") if k in doc})
 
 
-def key(base_fingerprint: str, scheme_names: list[str], text_sha: str, settings: Settings) -> str:
+def key(base_fingerprint: str, scheme_names: list[str], text_sha: str, settings: Settings,
+        bos: int | None = None) -> str:
     doc = {"base": base_fingerprint, "schemes": {n: asdict(schemes.get(n)) for n in sorted(scheme_names)},
            "text": text_sha, "settings": asdict(settings), "version": VERSION}
+    if bos is not None:  # windows that start with BOS; absent as before, so results stored without one stay valid
+        doc["bos"] = bos
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -125,7 +129,8 @@ def get(tracker: Tracker, base, tokenizer, scheme_names: list[str], calibration,
     text = data.load_text(calibration.source, field="calibration.source", text_field=calibration.text_field,
                           hub_split=calibration.split)
     text_sha = data.text_sha(text)
-    k = key(base.fingerprint, scheme_names, text_sha, settings)
+    bos = data.bos_id(tokenizer)
+    k = key(base.fingerprint, scheme_names, text_sha, settings, bos)
     found = tracker.find_runs({TAG + "role": "sensitivity", TAG + "sensitivity_key": k})
     if found:
         run = tracker.existing(found[0])
@@ -134,13 +139,12 @@ def get(tracker: Tracker, base, tokenizer, scheme_names: list[str], calibration,
         log.info("sensitivity: reusing run %s (%d units x %d schemes, measured in %.0f s)", run.run_id, len(doc["units"]),
                  len(doc["schemes"]), doc["wall_s"])
         return Sensitivity.from_json(doc, run.run_id)
-    ids = tokenizer(text)["input_ids"]
-    exclude = _recipe_windows(len(ids), calibration)
-    windows = held_back_windows(ids, settings.windows, settings.seq_len, settings.seed, exclude)
+    windows = sensitivity_windows(tokenizer, text, calibration, settings)
     from quantbench import environment, models
 
     tags = {TAG + "role": "sensitivity", TAG + "sensitivity_key": k, TAG + "base_model": base.source,
             TAG + "base_fingerprint": base.fingerprint, TAG + "sensitivity_method": settings.method,
+            TAG + "bos": data.bos_tag(tokenizer, bos),
             **{TAG + t: v for t, v in environment.describe().items()},
             "mlflow.note.content": f"Per-layer sensitivity of `{base.source}` to {', '.join(scheme_names)} "
                                    f"({settings.method}, {settings.windows} x {settings.seq_len} held-back calibration tokens)."}
@@ -162,28 +166,41 @@ def get(tracker: Tracker, base, tokenizer, scheme_names: list[str], calibration,
     return result
 
 
-def _recipe_windows(n_tokens: int, calibration) -> list[tuple[int, int]]:
-    """Token ranges the recipe's calibration windows take (so sensitivity holds them back)."""
-    available = n_tokens // calibration.seq_len
+def sensitivity_windows(tokenizer, text: str, calibration, settings: Settings) -> list[list[int]]:
+    """The windows sensitivity is measured on: held back from the recipe's calibration windows, and
+    started as they are (with the tokenizer's BOS where it adds one)."""
+    bos = data.bos_id(tokenizer)
+    ids = data.text_ids(tokenizer, text)
+    exclude = _recipe_windows(len(ids), calibration, bos)
+    return held_back_windows(ids, settings.windows, settings.seq_len, settings.seed, exclude, bos)
+
+
+def _recipe_windows(n_tokens: int, calibration, bos: int | None = None) -> list[tuple[int, int]]:
+    """Text token ranges the recipe's calibration windows take (so sensitivity holds them back);
+    the same choice as data.calibration_windows makes."""
+    step = data.span(calibration.seq_len, bos)
+    available = n_tokens // step
     if calibration.samples > available:
         return []
     import random
 
     starts = random.Random(calibration.seed).sample(range(available), calibration.samples)
-    return [(i * calibration.seq_len, (i + 1) * calibration.seq_len) for i in starts]
+    return [(i * step, (i + 1) * step) for i in starts]
 
 
 def held_back_windows(ids: list[int], count: int, seq_len: int, seed: int,
-                      exclude: list[tuple[int, int]]) -> list[list[int]]:
-    """`count` windows of `seq_len` tokens that overlap none of the `exclude` ranges, chosen by `seed`."""
+                      exclude: list[tuple[int, int]], bos: int | None = None) -> list[list[int]]:
+    """`count` windows of `seq_len` tokens whose text overlaps none of the `exclude` ranges, chosen by
+    `seed`, each starting with `bos` when the tokenizer wants one (data.windows)."""
     import random
 
-    free = [i for i in range(len(ids) // seq_len)
-            if not any(i * seq_len < end and start < (i + 1) * seq_len for start, end in exclude)]
+    step = data.span(seq_len, bos)
+    free = [i for i in range(len(ids) // step)
+            if not any(i * step < end and start < (i + 1) * step for start, end in exclude)]
     if len(free) < count:
         raise UserError(f"sensitivity: the calibration text holds {len(free)} windows of {seq_len} tokens beside the "
                         f"recipe's own calibration windows; asked for {count} (fewer windows, or a shorter seq_len)")
-    return [ids[i * seq_len : (i + 1) * seq_len] for i in sorted(random.Random(seed).sample(free, count))]
+    return data.windows(ids, seq_len, bos, sorted(random.Random(seed).sample(free, count)))
 
 
 # ---------------------------------------------------------------------------------------------

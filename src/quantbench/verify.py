@@ -6,7 +6,9 @@
 - a base model's perplexity on held-out text must not be worse than a unigram model's of the same
   tokens (`check_perplexity`): a model that predicts worse than token frequencies alone has a
   tokenizer, BOS convention or dtype that does not match its weights. A near-uniform model (an
-  untrained, random-init one, as tests build) is reported, not refused.
+  untrained, random-init one, as tests build) is reported, not refused. It is measured once with
+  and once without a BOS at the start of every window (`check_base_perplexity`); the verdict is
+  the one with what the tokenizer does (data.bos_id), and both values are kept.
 
 Why (measured, transformers 5.17): a Gemma-family GGUF converts into a checkpoint whose saved
 tokenizer splits text into single characters (GemmaTokenizer rebuilds a BPE without merges from a
@@ -32,6 +34,10 @@ SAMPLE_TEXT = (
 )
 LOGITS_RTOL = 1e-3  # of the reference's largest centred logit
 UNIFORM_SHARE = 0.9  # mean predictive entropy >= this x ln(vocab): a near-uniform (untrained) model
+# the other BOS convention predicting held-out text this many times better than the tokenizer's:
+# worth a warning (a lost add_bos_token measured 192.8 against 45 with BOS; SmolLM2, which adds
+# none, 14.53 without against 14.74 with its <|im_start|>)
+BOS_HINT_RATIO = 1.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,9 +148,15 @@ class PerplexityCheck:
     entropy: float  # the model's mean predictive entropy (nats)
     vocab_size: int
     verdict: str  # "ok" | "near-uniform" | "refused"
+    bos: bool = False  # the windows scored started with BOS (what the tokenizer does)
+    ppl_with_bos: float | None = None  # both measured by check_base_perplexity; None: not measured
+    ppl_without_bos: float | None = None  # (a tokenizer without a BOS token has only this one)
 
     def describe(self) -> str:
-        return (f"perplexity {self.ppl:.4g} on held-out text; a unigram model of the same tokens gets "
+        other = self.ppl_without_bos if self.bos else self.ppl_with_bos
+        framing = (f" (windows {'with' if self.bos else 'without'} BOS, as the tokenizer encodes; "
+                   f"{'without' if self.bos else 'with'} BOS: {other:.4g})" if other is not None else "")
+        return (f"perplexity {self.ppl:.4g} on held-out text{framing}; a unigram model of the same tokens gets "
                 f"{self.unigram_ppl:.4g}; mean predictive entropy {self.entropy:.2f} nats (uniform: "
                 f"{math.log(self.vocab_size):.2f})")
 
@@ -178,6 +190,36 @@ def check_perplexity(model, token_ids: list[int], calibration_ids: list[int], wi
     else:
         verdict = "refused" if nll > unigram else "ok"
     return PerplexityCheck(math.exp(nll), math.exp(unigram), entropy, vocab_size, verdict)
+
+
+def check_base_perplexity(model, text_ids: list[int], calibration_ids: list[int], tokens: int, window: int,
+                          vocab_size: int, bos_token_id: int | None, wants_bos: bool) -> PerplexityCheck:
+    """check_perplexity on the first `tokens` positions of `text_ids` laid out as windows of `window`,
+    once with a BOS at the start of every window and once without (one, when there is no BOS token):
+    the verdict is the framing the tokenizer uses (`wants_bos`), both perplexities are kept."""
+    from quantbench import data
+
+    results = {}
+    for with_bos in ([False, True] if bos_token_id is not None else [False]):
+        ids = data.framed(text_ids, window, bos_token_id if with_bos else None)[:tokens]
+        results[with_bos] = check_perplexity(model, ids, calibration_ids, window, vocab_size)
+    used = results[wants_bos and bos_token_id is not None]
+    used.bos = wants_bos and bos_token_id is not None
+    used.ppl_without_bos = results[False].ppl
+    used.ppl_with_bos = results[True].ppl if True in results else None
+    return used
+
+
+def bos_hint(result: PerplexityCheck) -> str | None:
+    """A warning when the model predicts far better with the other BOS convention than with its
+    tokenizer's (a tokenizer that lost its add_bos_token, or gained one), else None."""
+    other = result.ppl_without_bos if result.bos else result.ppl_with_bos
+    if other is None or other * BOS_HINT_RATIO > result.ppl:
+        return None
+    return (f"the base model predicts held-out text far better {'without' if result.bos else 'with'} a BOS starting each "
+            f"window (perplexity {other:.4g}) than as its tokenizer encodes ({result.ppl:.4g}, "
+            f"{'with' if result.bos else 'without'} BOS): check the tokenizer's add_bos_token (every window of the "
+            "job follows the tokenizer)")
 
 
 def cached_check(key: dict, compute) -> PerplexityCheck:

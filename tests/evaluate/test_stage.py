@@ -48,6 +48,7 @@ def test_quantize_evaluates_the_reloaded_checkpoint_and_reuses_the_baseline(work
         assert run.info.status == "FINISHED"
         assert run.data.tags["quantbench.baseline_run"] == baseline.info.run_id
         assert run.data.tags["quantbench.suite"] == "tiny"
+        assert run.data.tags["quantbench.bos"] == "none"  # its tokenizer adds no BOS: windows are the text itself
     assert baseline.data.tags["quantbench.suite_sha"] == candidates[first["run_id"]].data.tags["quantbench.suite_sha"]
     assert baseline.data.tags["quantbench.base_fingerprint"] == candidates[first["run_id"]].data.tags["quantbench.base_fingerprint"]
 
@@ -75,6 +76,7 @@ def test_quantize_evaluates_the_reloaded_checkpoint_and_reuses_the_baseline(work
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     report = json.loads(Path(client.download_artifacts(first["run_id"], "evaluation.json", str(workdir))).read_text())
     assert report["baseline_run"] == baseline.info.run_id and report["baseline_reused"] is False
+    assert report["bos"] == "none" and report["bos_id"] is None
     assert set(report["samples"]) == {"qb_pydoc_lastword", "qb_pydoc_continuation"}
     assert len(report["samples"]["qb_pydoc_lastword"]) == 6 and len(report["kld_per_position"]) == 630
     card = (Path(first["checkpoint"]) / "README.md").read_text()
@@ -160,6 +162,22 @@ def test_run_without_checkpoint(workdir, suite, capsys):
     with Tracker().start_run("no-checkpoint", {"quantbench.role": "candidate", "quantbench.base_model": "x"}) as run:
         pass
     assert f"MLflow run '{run.run_id}' has no checkpoint" in evaluate_error([run.run_id, "--suite", suite], capsys)
+
+
+def test_a_model_whose_tokenizer_asks_for_bos_is_scored_with_it_and_says_so(workdir, tiny_bos_model_dir, suite, capsys):
+    """Same window length and positions as without BOS; the run, its baseline and evaluation.json say <s>."""
+    from mlflow.tracking import MlflowClient
+
+    write_recipe(workdir, "b", tiny_recipe(tiny_bos_model_dir, "method: fp8\n") + f"evaluate:\n  suite: {suite}\n")
+    assert main(["quantize", "b", "--json"]) == 0
+    result = last_json(capsys.readouterr().out)
+    [baseline], [candidate] = by_role("baseline"), by_role("candidate")
+    assert candidate.data.tags["quantbench.bos"] == baseline.data.tags["quantbench.bos"] == "<s> (id 1)"
+    m = candidate.data.metrics
+    assert m["quality/positions"] == 10 * 63 and baseline.data.metrics["quality/positions"] == 10 * 63
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    report = json.loads(Path(client.download_artifacts(result["run_id"], "evaluation.json", str(workdir))).read_text())
+    assert report["bos"] == "<s> (id 1)" and report["bos_id"] == 1
 
 
 def test_text_shorter_than_one_window(workdir, tiny_model_dir, suite, capsys):

@@ -194,3 +194,16 @@ def test_draft_with_another_vocabulary_is_rejected(workdir, teacher_dir, tiny_mo
     assert main(["bench", "--draft", str(other), str(teacher_dir), "--profile", "spec"]) == 2
     assert "a draft must share the vocabulary" in capsys.readouterr().err
     assert runs() == []
+
+
+def test_training_windows_start_with_bos_where_the_tokenizer_adds_one():
+    import random
+
+    from quantbench.quantize.distill import training_windows
+
+    ids = list(range(3, 3 + 2000))
+    rng = random.Random(7)  # without BOS: the windows of before, offsets and all
+    before = [ids[s : s + 64] for s in [rng.randrange(0, len(ids) - 64 + 1) for _ in range(5)]]
+    assert [w["input_ids"].tolist() for w in training_windows(ids, 5, 64, 7)] == before
+    with_bos = [w["input_ids"].tolist() for w in training_windows(ids, 5, 64, 7, bos=1)]
+    assert all(len(w) == 64 and w[0] == 1 and w[1:] == list(range(w[1], w[1] + 63)) for w in with_bos)

@@ -3,6 +3,7 @@ and every kind of bad input."""
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,51 @@ def test_sigkill_mid_job_is_reaped_and_the_recipe_runs_again(workdir, tiny_model
     by_status = {r.info.status: r for r in runs()}
     assert set(by_status) == {"FAILED", "FINISHED"} and "died without ending it" in by_status["FAILED"].data.tags["quantbench.error"]
     assert not any(p.name.endswith(".partial") for p in (workdir / "outputs" / "k").iterdir())
+
+
+@pytest.mark.parametrize("asks_for_bos", [False, True])
+def test_every_window_starts_as_the_tokenizer_encodes(asks_for_bos, workdir, tiny_model_dir, tiny_bos_model_dir,
+                                                      monkeypatch, caplog):
+    """A tokenizer that asks for BOS: calibration, reload-check and quality windows are all <s> + the
+    next window - 1 tokens, of the same length, and the suite fingerprint is another. One that does
+    not (SmolLM2's): the very ids and windows of before BOS framing."""
+    import logging
+    import random
+
+    from transformers import AutoTokenizer
+
+    from quantbench import data
+    from quantbench.evaluate import stage
+    from quantbench.evaluate.suite import load_suite
+    from quantbench.pipeline import prepare
+    from tests.conftest import TINY_SUITE
+
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(workdir / "cache"))
+    (workdir / "suites").mkdir()
+    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
+    model_dir = tiny_bos_model_dir if asks_for_bos else tiny_model_dir
+    write_recipe(workdir, "g", tiny_recipe(model_dir, "method: gptq\ngroup_size: 32\n") + "evaluate:\n  suite: tiny\n")
+    with caplog.at_level(logging.INFO, logger="quantbench"):
+        job = prepare("g")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    plan = job.evaluation
+    cal_text, eval_text = data.python_docs("calibration"), data.python_docs("evaluation")
+    assert len(job.check_ids) == 512 and len(plan.token_ids) == 640 and len(plan.ood_ids) == 640
+    assert [len(w) for w in job.calibration] == [64] * 4
+    [line] = [r.getMessage() for r in caplog.records if "the check used the windows" in r.getMessage()]
+    if asks_for_bos:
+        assert all(w[0] == 1 for w in job.calibration)
+        for ids in (job.check_ids, plan.token_ids, plan.ood_ids):
+            assert ids[::64] == [1] * (len(ids) // 64) and 1 not in [t for k, t in enumerate(ids) if k % 64]
+        assert plan.bos == 1 and plan.bos_tag == "<s> (id 1)"
+        plain = stage.prepare(load_suite("tiny"), AutoTokenizer.from_pretrained(tiny_model_dir))
+        assert plan.fingerprint != plain.fingerprint  # a baseline scored without BOS is not reused
+        assert "the check used the windows with BOS (its tokenizer adds one)" in line
+    else:
+        ids = tokenizer(cal_text)["input_ids"]  # the windows as they were cut before BOS framing
+        starts = sorted(random.Random(0).sample(range(len(ids) // 64), 4))
+        assert job.calibration == [ids[i * 64 : (i + 1) * 64] for i in starts]
+        assert job.check_ids == tokenizer(eval_text)["input_ids"][:512]
+        assert plan.token_ids == tokenizer(eval_text)["input_ids"][:640] and plan.bos is None and plan.bos_tag == "none"
+        assert "the check used the windows without BOS (its tokenizer adds none)" in line
+    assert re.search(r"perplexity \d[\d.]* with BOS, \d[\d.]* without", line), line  # both measured, either way

@@ -50,11 +50,15 @@ class Plan:
     task_counts: dict[str, int]
     ood_ids: list[int] | None = None  # the out-of-domain text's tokens, when the suite has one
     ood_sha: str | None = None
+    bos: int | None = None  # the BOS id every window starts with (data.bos_id); None: the text's own tokens
+    bos_tag: str = "none"  # the same as the run's quantbench.bos tag says it (data.bos_tag)
 
     @property
     def fingerprint(self) -> str:
         """The texts and the very token ids scored: a tokenizer that splits the same text otherwise
-        (another conversion of the same weights) must not reuse a baseline scored on other ids."""
+        (another conversion of the same weights) must not reuse a baseline scored on other ids, nor
+        one scored with a BOS at the start of every window reuse one scored without (the ids are
+        laid out as their windows, BOS included: data.framed)."""
         ood = self.ood_sha and self.ood_sha + ":" + data.text_sha(str(self.ood_ids))
         return self.suite.fingerprint(self.text_sha + ":" + data.text_sha(str(self.token_ids)), ood)
 
@@ -102,10 +106,12 @@ def prepare(suite: LoadedSuite, tokenizer) -> Plan:
         text = data.load_text(spec.text, field="text", split="evaluation")
     except UserError as exc:
         raise UserError([f"{where}: {p}" for p in exc.problems]) from None
-    ids = tokenizer(text)["input_ids"][: spec.tokens]
+    bos = data.bos_id(tokenizer)
+    text_ids = data.text_ids(tokenizer, text)
+    ids = data.framed(text_ids, spec.window, bos)[: spec.tokens]
     if len(ids) < spec.window:
         raise UserError(
-            f"{where}: text: the evaluation text has {len(ids)} tokens, shorter than one window "
+            f"{where}: text: the evaluation text has {len(text_ids[: spec.tokens])} tokens, shorter than one window "
             f"(window={spec.window}); give a longer text or a smaller window"
         )
     ood_ids = ood_sha = None
@@ -114,15 +120,16 @@ def prepare(suite: LoadedSuite, tokenizer) -> Plan:
             ood = data.load_text(spec.ood_text, field="ood_text", split="evaluation")
         except UserError as exc:
             raise UserError([f"{where}: {p}" for p in exc.problems]) from None
-        ood_ids, ood_sha = tokenizer(ood)["input_ids"][: spec.tokens], data.text_sha(ood)
+        ood_text_ids, ood_sha = data.text_ids(tokenizer, ood), data.text_sha(ood)
+        ood_ids = data.framed(ood_text_ids, spec.window, bos)[: spec.tokens]
         if len(ood_ids) < spec.window:
-            raise UserError(f"{where}: ood_text: the out-of-domain text has {len(ood_ids)} tokens, shorter than one "
-                            f"window (window={spec.window}); give a longer text, a smaller window, or ood_text: null")
+            raise UserError(f"{where}: ood_text: the out-of-domain text has {len(ood_text_ids[: spec.tokens])} tokens, "
+                            f"shorter than one window (window={spec.window}); give a longer text, a smaller window, or ood_text: null")
     docs = data.python_docs("evaluation")
     tasks_dir = models.cache_dir() / "tasks" / data.text_sha(docs)[:16]
     counts = write_offline_suite(docs, tasks_dir)
     check_tasks(spec.tasks, tasks_dir)
-    return Plan(suite, ids, data.text_sha(text), tasks_dir, counts, ood_ids, ood_sha)
+    return Plan(suite, ids, data.text_sha(text), tasks_dir, counts, ood_ids, ood_sha, bos, data.bos_tag(tokenizer, bos))
 
 
 def evaluate(model, tokenizer, base: models.ResolvedModel, p: Plan, tracker: Tracker) -> Evaluation:
@@ -153,11 +160,14 @@ def evaluate(model, tokenizer, base: models.ResolvedModel, p: Plan, tracker: Tra
     metrics.update(bounds)
     for note in notes:
         log.info("evaluate: no interval for %s", note)
-    tags = {TAG + "baseline_run": baseline.run_id, TAG + "suite": p.suite.name, TAG + "suite_sha": p.fingerprint}
+    tags = {TAG + "baseline_run": baseline.run_id, TAG + "suite": p.suite.name, TAG + "suite_sha": p.fingerprint,
+            TAG + "bos": p.bos_tag}
     report = {
         "suite": p.suite.name,
         "suite_sha": p.fingerprint,
         "suite_settings": spec.model_dump(mode="json"),
+        # what every window of the quality pass starts with: the tokenizer's BOS, or none (the text itself)
+        "bos": p.bos_tag, "bos_id": p.bos,
         "task_items_available": p.task_counts,
         "task_items_scored": tasks.counts,
         "baseline_run": baseline.run_id,
@@ -222,6 +232,7 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys:
 
     spec = p.suite.suite
     tags = {**keys, TAG + "base_model": base.source, TAG + "license": base.license, TAG + "suite": p.suite.name,
+            TAG + "bos": p.bos_tag,
             **{TAG + k: v for k, v in environment.describe().items()}}
     log.info("evaluate: scoring the base model %s once for suite %s (baseline run)", base.name, p.suite.name)
     tags["mlflow.note.content"] = f"The base model `{base.source}` scored with suite `{p.suite.name}`; candidates reuse it."

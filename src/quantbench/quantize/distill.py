@@ -50,6 +50,7 @@ class DistillBackend:
     def __init__(self, spec: DistillSpec):
         self.spec = spec
         self.train_ids: list[int] = []
+        self.bos: int | None = None
         self.student_base: models.ResolvedModel | None = None
         self.keep: list[int] | None = None
         self.init = ""
@@ -102,7 +103,8 @@ class DistillBackend:
                                   hub_split=spec.data.split)  # builtin: the training split, never evaluation
         except UserError as exc:
             raise UserError([f"{where}: {p}" for p in exc.problems]) from None
-        self.train_ids = tokenizer(text)["input_ids"]
+        self.train_ids = data.text_ids(tokenizer, text)
+        self.bos = data.bos_id(tokenizer)  # training windows start as the model expects, like every other window
         if len(self.train_ids) <= spec.seq_len:
             raise UserError(f"{where}: {loaded.where('quantize', 'seq_len')}: {spec.seq_len} is longer than the "
                             f"training text ({len(self.train_ids)} tokens)")
@@ -155,7 +157,7 @@ class DistillBackend:
         counts.update({"distill/kld_before": before["quality/kld_mean"], "distill/ppl_before": before["quality/ppl"]})
         log.info("untrained student: KLD to the teacher %.3f, perplexity %.1f", before["quality/kld_mean"], before["quality/ppl"])
         run.log_metrics(counts)
-        windows = training_windows(self.train_ids, spec.steps * spec.batch_size, spec.seq_len, spec.seed)
+        windows = training_windows(self.train_ids, spec.steps * spec.batch_size, spec.seq_len, spec.seed, self.bos)
         resume = last_checkpoint(workdir)
         start_step = 0
         if resume is not None:
@@ -305,13 +307,16 @@ def prune_layers(teacher, keep: list[int]) -> torch.nn.Module:
     return student
 
 
-def training_windows(ids: list[int], count: int, seq_len: int, seed: int) -> list[dict]:
-    """`count` windows of `seq_len` tokens at seeded random offsets (the text is reused as needed)."""
+def training_windows(ids: list[int], count: int, seq_len: int, seed: int, bos: int | None = None) -> list[dict]:
+    """`count` windows of `seq_len` tokens at seeded random offsets (the text is reused as needed),
+    each starting with `bos` when the tokenizer wants one (data.span: the text then fills seq_len - 1)."""
     import random
 
     rng = random.Random(seed)
-    starts = [rng.randrange(0, len(ids) - seq_len + 1) for _ in range(count)]
-    return [{"input_ids": torch.tensor(ids[s : s + seq_len])} for s in starts]
+    step = data.span(seq_len, bos)
+    head = [] if bos is None else [bos]
+    starts = [rng.randrange(0, len(ids) - step + 1) for _ in range(count)]
+    return [{"input_ids": torch.tensor(head + ids[s : s + step])} for s in starts]
 
 
 def last_checkpoint(workdir: Path) -> Path | None:
