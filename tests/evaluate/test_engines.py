@@ -6,6 +6,7 @@ exit 2, no run."""
 import json
 import shutil
 
+import pytest
 
 from quantbench import hardware, vllm_engine
 from quantbench.cli import main
