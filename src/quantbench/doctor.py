@@ -48,7 +48,7 @@ def facts() -> list[dict]:
     if engine is not None:
         detail = f"{engine.describe()} in {engine.where}; serves here: {serves_here()}"
     else:
-        detail = f"{note}; would be {vllm_engine.build().describe()}"
+        detail = f"{note}; would be {vllm_engine.build().describe()}, serving here: {serves_here()}"
     out.append(_line("vLLM", engine is not None, engine.version if engine else None, detail))
     for name, dist, what in (("llm-compressor", "llmcompressor", "GPTQ, AWQ, FP8, SmoothQuant -> compressed-tensors"),
                              ("compressed-tensors", "compressed-tensors", "the format llm-compressor writes"),

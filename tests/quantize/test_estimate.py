@@ -5,7 +5,7 @@ import pytest
 
 from quantbench.cli import main
 from quantbench.quantize import estimate
-from quantbench.recipe import AWQSpec, DistillSpec, FP8Spec, GPTQSpec
+from quantbench.recipe import AutoRoundSpec, AWQSpec, DistillSpec, FP8Spec, GPTQSpec
 
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
@@ -18,6 +18,7 @@ def test_work_grows_with_the_methods_knobs():
     count, fixed, how = estimate.passes(GPTQSpec(method="gptq"), 8, 30)
     assert count == 8 * estimate.GPTQ_PASSES and fixed == 30 * estimate.GPTQ_SOLVE_S and "30 layers" in how
     assert estimate.passes(DistillSpec(method="distill", steps=10, batch_size=2), 0, 30)[0] == 20 * estimate.DISTILL_PER_STEP
+    assert estimate.passes(AutoRoundSpec(method="autoround", iters=50, batch_size=8), 4, 30)[0] == 4 * 3.0 * 50  # 4 windows: a batch of 4
     assert estimate.passes(FP8Spec(method="fp8"), 8, 30) is None  # seconds whatever the data
 
 

@@ -21,14 +21,16 @@ log = logging.getLogger(__name__)
 TIMED_WINDOWS = 2  # forward passes timed, after one warm-up pass
 
 # Forward-pass equivalents (one pass = the whole model over one calibration window) per window and
-# per unit of the method's own knob, fitted to produce times of the default model measured with
-# `quantbench quantize RECIPE` (quantize/wall_s against the timed pass). A per-layer engine (the
-# sequential pipeline of llm-compressor) reruns each layer on every window at least twice.
+# per unit of the method's own knob. A per-layer engine (llm-compressor's sequential pipeline) runs
+# each layer on every window to calibrate and again to pass the quantized output on; AWQ adds, per
+# grid point, the forward of the modules each scale feeds. AWQ's pair is fitted to the default
+# model's measured produce times (docs/results.md, "Produce-time estimates"); the others are the
+# work each algorithm does, not yet fitted: compare quantize/estimate_s with quantize/wall_s.
 AWQ_BASE, AWQ_PER_GRID = 3.0, 1.1  # per window: calibration passes + each grid point of the scale search
-GPTQ_PASSES = 4.0  # per window: calibration passes + the Hessian; the per-layer solve is in GPTQ_SOLVE_S
-GPTQ_SOLVE_S = 0.5  # seconds per layer at the default model's widths
-AUTOROUND_PER_ITER = 3.0  # per window per tuning step: forward + backward of a block
-DISTILL_PER_STEP = 4.0  # per window of a batch: the teacher's forward, the student's forward and backward
+GPTQ_PASSES = 4.0  # per window: calibration, Hessian accumulation, the quantized output passed on
+GPTQ_SOLVE_S = 0.5  # seconds per layer for the solve at the default model's widths
+AUTOROUND_PER_ITER = 3.0  # per window of a tuning step: forward + backward through a block, over every block
+DISTILL_PER_STEP = 2.5  # per window of a batch: the teacher's forward + the half-size student's forward and backward
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,10 @@ def passes(quantize, windows: int, layers: int) -> tuple[float, float, str] | No
     if method in ("gptq", "smoothquant") or (method == "spinquant" and quantize.quantizer == "gptq"):
         return (windows * GPTQ_PASSES, layers * GPTQ_SOLVE_S,
                 f"{windows} windows x {GPTQ_PASSES:g} + {layers} layers x {GPTQ_SOLVE_S:g} s")
-    if method == "autoround":
-        n = windows * AUTOROUND_PER_ITER * quantize.iters
-        return n, 0.0, f"{windows} windows x {AUTOROUND_PER_ITER:g} x iters {quantize.iters}"
+    if method == "autoround":  # each tuning step of a block runs one batch of windows, not all of them
+        batch = min(windows, quantize.batch_size)
+        n = batch * AUTOROUND_PER_ITER * quantize.iters
+        return n, 0.0, f"batch {batch} x {AUTOROUND_PER_ITER:g} x iters {quantize.iters}"
     if method == "distill":
         n = quantize.steps * quantize.batch_size * DISTILL_PER_STEP
         return n, 0.0, f"{quantize.steps} steps x batch {quantize.batch_size} x {DISTILL_PER_STEP:g}"
