@@ -26,7 +26,7 @@ TIMED_WINDOWS = 2  # forward passes timed, after one warm-up pass
 # grid point, the forward of the modules each scale feeds. AWQ's pair is fitted to the default
 # model's measured produce times (docs/results.md, "Produce-time estimates"); the others are the
 # work each algorithm does, not yet fitted: compare quantize/estimate_s with quantize/wall_s.
-AWQ_BASE, AWQ_PER_GRID = 3.0, 1.1  # per window: calibration passes + each grid point of the scale search
+AWQ_BASE, AWQ_PER_GRID = 6.0, 2.2  # per window: calibration passes + each grid point of the scale search
 GPTQ_PASSES = 4.0  # per window: calibration, Hessian accumulation, the quantized output passed on
 GPTQ_SOLVE_S = 0.5  # seconds per layer for the solve at the default model's widths
 AUTOROUND_PER_ITER = 3.0  # per window of a tuning step: forward + backward through a block, over every block
