@@ -53,3 +53,9 @@ def test_this_machine(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
     assert hardware.compute_dtype_of(tmp_path) == "float32"
     assert here.klass in hardware.device_line() or hardware.cuda()
+    # kernels with a dtype of their own: as saved, whatever this CPU is
+    for method in ("gptq", "awq", "bitsandbytes"):
+        (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16", "quantization_config": {"quant_method": method}}))
+        assert hardware.compute_dtype_of(tmp_path) == "bfloat16" == hardware.compute_dtype_of(tmp_path, "float32")
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16", "quantization_config": {"quant_method": "compressed-tensors"}}))
+    assert hardware.compute_dtype_of(tmp_path) == expected and hardware.compute_dtype_of(tmp_path, "float32") == "float32"

@@ -103,13 +103,23 @@ def compute_dtype(requested: str, saved: str, *, on_cuda: bool | None = None, on
     return saved if native(saved, on_cuda=on_cuda, on=on) else "float32"
 
 
-def compute_dtype_of(checkpoint: Path) -> str:
-    """The dtype to compute a saved checkpoint directory in on this device: its config's dtype where
-    native, float32 otherwise (quantized weights are de-quantized into it)."""
+# Formats whose kernels compute in a dtype of their own choosing (GPTQModel's AWQ kernels refuse
+# float32, bitsandbytes has its compute_dtype): loaded in the dtype they were saved in
+OWN_DTYPE_FORMATS = ("gptq", "awq", "bitsandbytes")
+
+
+def compute_dtype_of(checkpoint: Path, requested: str = "auto") -> str:
+    """The dtype to compute a saved checkpoint directory in on this device: `requested`, or for
+    `auto` its config's dtype where native and float32 otherwise (compressed-tensors weights are
+    de-quantized into it); formats with kernels of their own keep their saved dtype."""
     config = json.loads((checkpoint / "config.json").read_text())
-    config = config.get("text_config") or config
-    saved = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
-    return compute_dtype("auto", saved if saved in DTYPES else "float32")
+    method = str((config.get("quantization_config") or {}).get("quant_method") or "").lower()
+    text = config.get("text_config") or config
+    saved = str(text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+    saved = saved if saved in DTYPES else "float32"
+    if method in OWN_DTYPE_FORMATS:
+        return saved
+    return compute_dtype(requested, saved)
 
 
 def device_line() -> str:

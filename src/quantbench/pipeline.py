@@ -291,7 +291,7 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
                 step("reload check")
                 log.info("reloading the saved checkpoint from disk and checking it")
                 check = reload_check(staging, spec.check, job.check_ids, base_ppl, produced.reference_ppl,
-                                     dtype=job.compute_dtype)
+                                     dtype=hardware.compute_dtype_of(staging, job.compute_dtype))
                 sha = weights_sha(staging)  # same recipe, same seed, same engine versions -> same hash
                 log.info("weights sha256 %s (%s)", sha, produced.pinned)
                 run.set_tags({TAG + "weights_sha": sha or "none", TAG + "deterministic": produced.pinned})
