@@ -375,7 +375,7 @@ def _card_license(path: Path) -> str:
             from quantbench.recipe import parse_yaml
 
             try:
-                front = parse_yaml(text.split("---", 2)[1], str(card))[0] or {}
+                front = parse_yaml(text.split("---", 2)[1], str(card), unique_keys=False)[0] or {}
             except UserError:
                 front = {}
             if isinstance(front, dict) and front.get("license"):
