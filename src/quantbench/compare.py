@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench import metrics as catalogue
-from quantbench.errors import UserError
+from quantbench.errors import UserError, check_creatable_dir
 from quantbench.intervals import interval_of
 from quantbench.tracking import TAG, Tracker
 
@@ -311,6 +311,7 @@ def as_json(cmp: Comparison) -> dict:
 
 def run(*, experiment: str | None = None, run_ids: list[str] | None = None, quality: str | None = None,
         speed: str | None = None, outputs: Path = Path("outputs")) -> CompareResult:
+    check_creatable_dir(outputs / "compare", "pass --outputs DIR")
     tracker = Tracker(experiment)
     candidates = collect(tracker, run_ids)
     if not candidates:

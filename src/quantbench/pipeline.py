@@ -29,7 +29,7 @@ from quantbench import card, data, environment, models
 from quantbench.checkpoint import (Target, bits_per_weight, check_loadable, param_bytes, resolve_target, weights_sha,
                                    weights_size_mb, write_info)
 from quantbench.checkpoint import upload as upload_checkpoint
-from quantbench.errors import UserError
+from quantbench.errors import UserError, check_creatable_dir
 from quantbench.evaluate import bench as bench_stage
 from quantbench.evaluate import stage as evaluate_stage
 from quantbench.quantize import Backend, Inputs
@@ -148,14 +148,12 @@ def _prefixed(where: str):
 
 def check_outputs(loaded: LoadedRecipe, outputs: Path) -> None:
     """The recipe's name becomes a directory under `outputs`: it must be a plain name, and the
-    directories must be directories (or not exist yet)."""
+    directories must be directories (or can be created)."""
     if not SAFE_NAME.fullmatch(loaded.name):
         raise UserError(f"{loaded.path}: the file name '{loaded.name}' cannot name an output directory; rename the "
                         "recipe file (letters, digits, '.', '_', '+', '-'; not starting with '.')")
-    for path in (outputs, outputs / loaded.name):
-        if path.exists() and not path.is_dir():
-            raise UserError(f"{path}: exists and is not a directory; outputs go to {outputs / loaded.name}/ "
-                            "(move the file away, or pass --outputs DIR)")
+    check_creatable_dir(outputs / loaded.name, f"outputs go to {outputs / loaded.name}/ (move the file away, or "
+                        "pass --outputs DIR)")
 
 
 def check_base(base: models.ResolvedModel, tokenizer, token_ids: list[int], window: int, field: str) -> None:

@@ -231,6 +231,10 @@ def test_outputs_that_cannot_hold_the_checkpoint_are_bad_input(workdir, tiny_mod
     (workdir / "elsewhere").write_text("a file")
     code, out, err = quantize(["blocked", "--outputs", "elsewhere"], capsys)
     assert code == 2 and "elsewhere: exists and is not a directory" in err
+    # a directory that cannot be created under a file: refused in prepare, not a FAILED run
+    code, out, err = quantize(["blocked", "--outputs", "elsewhere/sub"], capsys)
+    assert code == 2 and "error: elsewhere: exists and is not a directory; outputs go to elsewhere/sub/blocked/" in err
+    assert "Traceback" not in err
     # a recipe file whose name is not a plain name (`...yaml` has the stem `..`) writes nothing
     (workdir / "...yaml").write_text(tiny_recipe(tiny_model_dir, METHODS["fp8"][0]))
     code, out, err = quantize(["...yaml"], capsys)
