@@ -118,11 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "compare", parents=[_common("experiment", "outputs", "json")],
         help="one table of candidates with the quality-vs-speed Pareto frontier; Markdown, HTML, PNG",
-        description="Compare the FINISHED candidate runs of an experiment (or --runs): size, recovery, KLD, "
+        description="Compare the FINISHED candidate runs of an experiment (or --runs, FINISHED candidates only): size, recovery, KLD, "
         "flips, task scores, speedups, memory, gate verdicts; mark the Pareto frontier on --quality vs --speed. "
         "Writes outputs/compare/<summary run>/compare.{md,html,png,json} and logs them to a summary run.",
     )
-    c.add_argument("--runs", nargs="+", metavar="RUN_ID", help="compare exactly these candidate runs")
+    c.add_argument("--runs", nargs="+", metavar="RUN_ID", help="compare exactly these candidate runs (each FINISHED)")
     c.add_argument("--quality", default=None, help="quality axis (default quality/kld_mean; e.g. recovery/quality/ppl)")
     c.add_argument("--speed", default=None, help="speed axis (default speedup/decode_tok_s, or model/compression_ratio "
                    "when no candidate has been benched)")
