@@ -52,3 +52,12 @@ def test_recipes_lists_shipped_recipes(monkeypatch, capsys):
     by_name = {r["name"]: r for r in rows}
     assert {"method": "awq", "scheme": "W4A16"}.items() <= by_name["awq-int4"].items()
     assert by_name["autoround-w4a16"]["method"] == "autoround" and by_name["spinquant-w4a16"]["method"] == "spinquant"
+
+
+def test_ui_refuses_a_non_loopback_host_unless_told_and_says_how_to_expose_it(workdir, capsys):
+    for host in ("0.0.0.0", "::", "192.168.1.10", "mlflow.example.org"):
+        assert main(["ui", "--host", host]) == 2  # no server started (the fast tier's guard would fail it)
+        err = capsys.readouterr().err
+        assert f"error: --host {host}: not a loopback address, and the MLflow UI has no login of its own" in err
+        assert "a reverse proxy with auth and TLS" in err and "docs/gate.md" in err and "--expose-unauthenticated" in err
+    assert sorted(p.name for p in workdir.iterdir()) == ["recipes"]  # nothing written
