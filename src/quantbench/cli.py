@@ -225,8 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc = sub.add_parser("gc", parents=[_common("experiment", "json")],
                         help="end runs whose process died (SIGKILL, OOM) and remove what they left",
                         description="Mark RUNNING runs whose owner process on this host is gone as FAILED, with the "
-                        "reason, and remove the staging directories they left. Every command does this for its "
-                        "experiment when it opens the store; gc does it on demand (--all: every experiment).")
+                        "reason, and remove the staging directories they left. Every command does this for the whole "
+                        "store when it opens it; gc does it on demand for one experiment (--all: every experiment).")
     gc.add_argument("--all", action="store_true", help="every experiment in the store, not only one")
 
     u = sub.add_parser("ui", help="start the MLflow UI on the tracking store")
@@ -406,13 +406,9 @@ def cmd_tune(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from quantbench.tracking import Tracker, all_experiments
+    from quantbench.tracking import Tracker
 
-    names = all_experiments() if args.all else [None]
-    done = []
-    for name in names:
-        tracker = Tracker(name, reap=False)
-        done += [{**d, "experiment": tracker.experiment} for d in tracker.reap()]
+    done = Tracker(args.experiment, reap=False).reap(everywhere=args.all)
     for d in done:
         print(f"marked FAILED: run {d['run_id']} ({d['name']}) in {d['experiment']}, owner {d['owner']} gone"
               + (f"; removed {d['removed']}" if d["removed"] else ""))
