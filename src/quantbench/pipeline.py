@@ -33,7 +33,7 @@ from quantbench.errors import UserError, check_creatable_dir
 from quantbench.evaluate import bench as bench_stage
 from quantbench.evaluate import stage as evaluate_stage
 from quantbench.quantize import Backend, Inputs
-from quantbench.recipe import LoadedRecipe, load_recipe, resolve_recipe_path
+from quantbench.recipe import LoadedRecipe, RecipeError, load_recipe, resolve_recipe_path
 from quantbench.tracking import STAGING, TAG, Tracker, inherited_tags
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,17 @@ def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | N
     from quantbench.evaluate.suite import load_suite
     from quantbench.quantize import make_backend
 
-    loaded = load_recipe(resolve_recipe_path(recipe), overrides)
+    try:
+        loaded = load_recipe(resolve_recipe_path(recipe), overrides)
+    except RecipeError as exc:  # with what the schema accepted, the checks that do not depend on the rest
+        found = exc.problems + (check_without_model(exc.partial, experiment, exc.invalid) if exc.partial else [])
+        raise UserError(found) from None
     spec = loaded.recipe
     where = str(loaded.path)
     check_outputs(loaded, outputs)
+    problems = check_without_model(loaded, experiment)  # every one at once, before the checks that load
+    if problems:
+        raise UserError(problems)
     with _prefixed(where):
         base = models.resolve(spec.model.source, experiment=experiment)
     backend = make_backend(spec.quantize)
@@ -144,6 +151,53 @@ def _prefixed(where: str):
         yield
     except UserError as exc:
         raise UserError([f"{where}: {p}" for p in exc.problems]) from None
+
+
+def check_without_model(loaded: LoadedRecipe, experiment: str | None = None, skip: frozenset[str] = frozenset()) -> list[str]:
+    """Every check of a recipe that loads no model, each on its own so that no problem hides another:
+    the model source, its files (whole safetensors, a readable GGUF) and its layer widths against the
+    scheme; the calibration text and its size in tokens (where the tokenizer is on disk already); the
+    suite and the profile. `skip`: sections whose schema problems are reported already. For
+    `quantbench validate`, and for `prepare` when the schema refused part of the recipe."""
+    from quantbench.evaluate.speed import load_profile
+    from quantbench.evaluate.suite import load_suite
+    from quantbench.quantize import make_backend
+
+    spec, where, problems = loaded.recipe, str(loaded.path), []
+
+    def attempt(fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            problems.extend(p if p.startswith(where) else f"{where}: {p}" for p in exc.problems)
+            return None
+
+    config = attempt(models.read_config, spec.model.source, experiment=experiment)
+    backend = make_backend(spec.quantize)
+    if config is not None:
+        attempt(models.check_files, spec.model.source)
+        problems.extend(backend.check(loaded, config))
+        if backend.calibrates and "calibration" not in skip:
+            attempt(_check_calibration, loaded, experiment)
+    if spec.evaluate is not None and "evaluate" not in skip:
+        attempt(load_suite, spec.evaluate.suite, "evaluate.suite")
+    if spec.bench is not None and "bench" not in skip:
+        attempt(load_profile, spec.bench.profile, "bench.profile")
+    return problems
+
+
+def _check_calibration(loaded: LoadedRecipe, experiment: str | None) -> None:
+    """The calibration text exists and holds the windows asked for (a hub dataset is not fetched)."""
+    from transformers import AutoTokenizer
+
+    cal = loaded.recipe.calibration
+    if cal.source.startswith("hub:"):
+        return
+    text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
+    tokenizer = models.tokenizer_dir(loaded.recipe.model.source, experiment)
+    if tokenizer is not None:
+        ids = AutoTokenizer.from_pretrained(tokenizer)(text)["input_ids"]
+        data.calibration_windows(ids, cal.samples, cal.seq_len, cal.seed, field="calibration.samples")
 
 
 def check_outputs(loaded: LoadedRecipe, outputs: Path) -> None:

@@ -528,9 +528,10 @@ class RecipeError(UserError):
     their defaults), or None when its model or quantize section has one. Checks of the model and its
     layers (validate, prepare) still run on it, so every problem is reported at once."""
 
-    def __init__(self, problems: list[str], partial: LoadedRecipe | None):
+    def __init__(self, problems: list[str], partial: LoadedRecipe | None, invalid: frozenset[str] = frozenset()):
         super().__init__(problems)
         self.partial = partial
+        self.invalid = invalid  # the top-level sections with a problem (at their defaults in `partial`)
 
 
 def load_recipe(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> LoadedRecipe:
@@ -557,20 +558,20 @@ def load_recipe(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         problems += [f"{path}: {line}" for line in _explain(exc, data, node, applied)]
-        raise RecipeError(problems, _partial(path, data, exc, overrides)) from None
+        invalid = frozenset(str(e["loc"][0]) if e["loc"] else "" for e in exc.errors())
+        raise RecipeError(problems, _partial(path, data, invalid, overrides), invalid) from None
     loaded = LoadedRecipe(name=path.stem, path=path, recipe=recipe, overrides=tuple(overrides))
     if problems:
         raise RecipeError(problems, loaded)
     return loaded
 
 
-def _partial(path: Path, data: dict, exc: ValidationError, overrides) -> LoadedRecipe | None:
+def _partial(path: Path, data: dict, invalid: frozenset[str], overrides) -> LoadedRecipe | None:
     """The recipe with every top-level section that has a problem dropped (see RecipeError)."""
-    bad = {str(e["loc"][0]) if e["loc"] else "" for e in exc.errors()}
-    if bad & {"", "model", "quantize"}:
+    if invalid & {"", "model", "quantize"}:
         return None
     try:
-        recipe = Recipe.model_validate({k: v for k, v in data.items() if k not in bad})
+        recipe = Recipe.model_validate({k: v for k, v in data.items() if k not in invalid})
     except ValidationError:
         return None
     return LoadedRecipe(name=path.stem, path=path, recipe=recipe, overrides=tuple(overrides))

@@ -302,3 +302,15 @@ def test_sigkill_mid_job_is_reaped_and_the_recipe_runs_again(workdir, tiny_model
     by_status = {r.info.status: r for r in runs()}
     assert set(by_status) == {"FAILED", "FINISHED"} and "died without ending it" in by_status["FAILED"].data.tags["quantbench.error"]
     assert not any(p.name.endswith(".partial") for p in (workdir / "outputs" / "k").iterdir())
+
+
+def test_a_schema_error_does_not_hide_the_model_checks(workdir, tiny_model_dir, capsys):
+    write_recipe(workdir, "three", f"model: {{source: {tiny_model_dir}}}\ncalibration: {{seed: x, source: missing.txt}}\n"
+                 "quantize: {method: gptq, group_size: 64}\nbench: {profile: nosuch}\n")
+    code, out, err = quantize(["three"], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(lines) == 3, err
+    assert lines[0].startswith("error: recipes/three.yaml: calibration.seed (line 2): Input should be a valid integer")
+    assert "quantize.group_size (line 3): 64 does not divide the input width" in lines[1]
+    assert "bench.profile: unknown profile 'nosuch'" in lines[2]
+    assert runs() == [] and not (workdir / "outputs").exists()
