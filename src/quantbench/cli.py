@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "compare", parents=[_common("experiment", "outputs", "json")],
         help="one table of candidates with the quality-vs-speed Pareto frontier; Markdown, HTML, PNG",
-        description="Compare the FINISHED candidate runs of an experiment (or --runs, FINISHED candidates only): size, recovery, KLD, "
-        "flips, task scores, speedups, memory, gate verdicts; mark the Pareto frontier on --quality vs --speed. "
+        description="Compare the FINISHED candidate runs of an experiment (or --runs, FINISHED candidates only): size, "
+        "recovery, KLD, flips, task scores, speedups, memory, gate verdicts; mark the Pareto frontier on --quality vs --speed. "
         "Writes outputs/compare/<summary run>/compare.{md,html,png,json} and logs them to a summary run.",
     )
     c.add_argument("--runs", nargs="+", metavar="RUN_ID", help="compare exactly these candidate runs (each FINISHED)")

@@ -176,7 +176,7 @@ def check_without_model(loaded: LoadedRecipe, experiment: str | None = None, ski
     backend = make_backend(spec.quantize)
     if config is not None:
         attempt(models.check_files, spec.model.source)
-        problems.extend(backend.check(loaded, config))
+        problems.extend(attempt(backend.check, loaded, config) or [])
         if backend.calibrates and "calibration" not in skip:
             attempt(_check_calibration, loaded, experiment)
     if spec.evaluate is not None and "evaluate" not in skip:
