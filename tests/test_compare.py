@@ -123,6 +123,26 @@ def test_bad_input(workdir, capsys):
     assert "--runs:" in capsys.readouterr().err
 
 
+def test_a_run_that_did_not_finish_is_refused_and_nothing_is_written(workdir, capsys):
+    ids = make_runs()
+    summaries = len(Tracker().search({"quantbench.role": "summary"}, status=None))
+    [failed] = [r.info.run_id for r in Tracker().search({"quantbench.role": "candidate"}, status="FAILED")]
+    [baseline] = Tracker().find_runs({"quantbench.role": "baseline"})
+    assert main(["compare", "--runs", failed]) == 2
+    assert "is FAILED, not FINISHED" in capsys.readouterr().err
+    assert main(["compare", "--runs", ids["b-balanced"], failed, baseline]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --runs: '{failed}' (failed) is FAILED, not FINISHED (RuntimeError: died); its numbers are partial" in err
+    assert f"error: --runs: '{baseline}' is a baseline run, not a candidate" in err
+    assert len(Tracker().search({"quantbench.role": "summary"}, status=None)) == summaries
+    assert not (workdir / "outputs").exists()
+    # an outputs dir that cannot be created is refused before the summary run too
+    (workdir / "afile").write_text("x")
+    assert main(["compare", "--runs", ids["b-balanced"], "--outputs", "afile/sub"]) == 2
+    assert "error: afile: exists and is not a directory" in capsys.readouterr().err
+    assert len(Tracker().search({"quantbench.role": "summary"}, status=None)) == summaries
+
+
 def test_intervals_mark_what_cannot_be_told_apart_and_the_noise_floor_is_a_row(workdir, capsys):
     """x and y differ on KLD by less than either's interval; x and z likewise on speed. The noise
     run of their base model is a row (≈) and a band, never a candidate or on the frontier."""

@@ -220,3 +220,14 @@ def test_an_interval_the_run_did_not_log_is_bad_input(workdir, scored_runs, caps
     assert f"logged {named} without an interval" in err
     assert {a.path for a in client().list_artifacts(run_id, "gate")} == before
     assert "quantbench.gate.needs-ci" not in client().get_run(run_id).data.tags
+
+
+def test_bad_input_against_a_store_that_does_not_exist_creates_none(workdir, capsys, monkeypatch, tmp_path):
+    write_policy(workdir, "ok", {"max": {"quality/kld_mean": 1.0}})
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{fresh / 'mlflow.db'}")
+    assert main(["gate", "0" * 32, "--policy", "ok"]) == 2
+    assert f"MLflow run '{'0' * 32}' does not exist at the tracking store" in capsys.readouterr().err
+    assert list(fresh.iterdir()) == []  # no database, no lock file
+    assert sorted(p.name for p in workdir.iterdir()) == ["fresh", "policies", "recipes"]  # no mlruns/ either

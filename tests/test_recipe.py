@@ -140,3 +140,47 @@ def test_error_messages_quote_only_a_prefix_of_a_long_value(tmp_path):
 def test_a_recipe_file_too_large_is_refused(tmp_path):
     [found] = problems(tmp_path, "quantize: {method: fp8}\ndescription: '" + "x" * 1_000_001 + "'\n")
     assert "a settings file is small" in found
+
+
+def test_every_set_problem_is_reported_with_the_schema_problems(tmp_path):
+    recipe = "quantize:\n  method: gptq\nevaluate:\n  suite: default\n"
+    found = problems(tmp_path, recipe, ["quantize.bogus=1", "nosuch.section.key=2", "evaluate.suite.x=1"])
+    assert len(found) == 3, found
+    assert found[0].endswith("--set evaluate.suite.x=1: 'suite' is not a section")
+    assert "quantize.bogus (--set quantize.bogus=1): unknown key 'bogus'" in found[1]
+    assert "nosuch (--set nosuch.section.key=2): unknown key 'nosuch'" in found[2]
+    found = problems(tmp_path, recipe, ["noequals", "quantize.scheme=BAD"])
+    assert len(found) == 2, found
+    assert found[0].endswith("--set noequals: expected KEY.PATH=VALUE")
+    assert "quantize.scheme (--set quantize.scheme=BAD): unknown value 'BAD'" in found[1]
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    found = problems(tmp_path, "quantize:\n  method: gptq\n  group_size: 32\n  group_size: 64\nquantize: {method: awq}\n")
+    assert found == [f"{tmp_path / 'r.yaml'}: quantize.group_size: given twice (lines 3 and 4); YAML would keep only the "
+                     "last: remove one",
+                     f"{tmp_path / 'r.yaml'}: quantize: given twice (lines 1 and 5); YAML would keep only the last: remove one"]
+
+
+def test_a_key_given_twice_in_a_settings_file_is_refused(tmp_path):
+    from quantbench.evaluate.suite import Suite
+    from quantbench.recipe import validate_file
+
+    path = tmp_path / "s.yaml"
+    path.write_text("tokens: 640\nwindow: 64\ntokens: 128\n")
+    with pytest.raises(UserError) as info:
+        validate_file(path, Suite)
+    assert info.value.problems == [f"{path}: tokens: given twice (lines 1 and 3); YAML would keep only the last: remove one"]
+
+
+def test_an_unknown_key_of_an_optional_section_lists_its_fields(tmp_path):
+    found = problems(tmp_path, "quantize: {method: fp8}\nevaluate: {foo: 1}\nbench: {profil: x}\n")
+    assert found[0].endswith("evaluate.foo (line 2): unknown key 'foo'. Available: suite")
+    assert found[1].endswith("bench.profil (line 3): unknown key 'profil'. Did you mean 'profile'? Available: backend, profile")
+
+
+def test_a_recipe_path_that_is_a_directory_says_so(tmp_path):
+    (tmp_path / "d.yaml").mkdir()
+    with pytest.raises(UserError) as info:
+        resolve_recipe_path(str(tmp_path / "d.yaml"))
+    assert info.value.problems == [f"{tmp_path / 'd.yaml'}: is a directory, not a recipe file"]

@@ -185,3 +185,23 @@ def test_a_live_run_of_this_or_another_host_is_left_alone(workdir):
         run.set_tags({"quantbench.owner": "some-other-host 1 1.00"})
         Tracker().reap()
         assert runs()[0].info.status == "RUNNING"
+
+
+def test_a_killed_run_is_reaped_by_a_command_on_another_experiment(workdir, capsys):
+    """The whole store is reaped, not only the experiment the command names."""
+    import os
+    import subprocess
+    import sys
+
+    from quantbench.cli import main
+
+    code = ("import os, signal\nfrom pathlib import Path\nfrom quantbench.tracking import STAGING, Tracker\n"
+            "run = Tracker(reap=False).start_run('doomed', {'quantbench.role': 'candidate'})\n"
+            "staging = Path('outputs/r') / f'.{run.run_id}.partial'\nstaging.mkdir(parents=True)\n"
+            "run.set_tags({STAGING: staging.resolve()})\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    assert subprocess.run([sys.executable, "-c", code], cwd=workdir, env=dict(os.environ)).returncode == -9
+    assert [r.info.status for r in runs()] == ["RUNNING"]
+    assert main(["compare", "--experiment", f"other-{os.environ['MLFLOW_EXPERIMENT_NAME']}"]) == 2
+    [reaped] = runs()
+    assert reaped.info.status == "FAILED" and "died without ending it" in reaped.data.tags["quantbench.error"]
+    assert list((workdir / "outputs" / "r").iterdir()) == []

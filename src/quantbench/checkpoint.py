@@ -36,7 +36,18 @@ ARTIFACT = "checkpoint"  # the run's artifact directory that holds the checkpoin
 def read_info(path: Path) -> dict:
     """What the quantize pipeline recorded about the checkpoint at `path` ({} for a foreign one)."""
     info = path / INFO
-    return json.loads(info.read_text()) if info.is_file() else {}
+    if not info.is_file():
+        return {}
+    try:
+        data = json.loads(info.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{info}: cannot read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{info}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); quantbench "
+                        "writes this file with the checkpoint: restore it, or remove it and name the base with --base") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{info}: not a JSON object")
+    return data
 
 
 def write_info(dest: Path, info: dict) -> None:

@@ -122,11 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "compare", parents=[_common("experiment", "outputs", "json")],
         help="one table of candidates with the quality-vs-speed Pareto frontier; Markdown, HTML, PNG",
-        description="Compare the FINISHED candidate runs of an experiment (or --runs): size, recovery, KLD, "
-        "flips, task scores, speedups, memory, gate verdicts; mark the Pareto frontier on --quality vs --speed. "
+        description="Compare the FINISHED candidate runs of an experiment (or --runs, FINISHED candidates only): size, "
+        "recovery, KLD, flips, task scores, speedups, memory, gate verdicts; mark the Pareto frontier on --quality vs --speed. "
         "Writes outputs/compare/<summary run>/compare.{md,html,png,json} and logs them to a summary run.",
     )
-    c.add_argument("--runs", nargs="+", metavar="RUN_ID", help="compare exactly these candidate runs")
+    c.add_argument("--runs", nargs="+", metavar="RUN_ID", help="compare exactly these candidate runs (each FINISHED)")
     c.add_argument("--quality", default=None, help="quality axis (default quality/kld_mean; e.g. recovery/quality/ppl)")
     c.add_argument("--speed", default=None, help="speed axis (default speedup/decode_tok_s, or model/compression_ratio "
                    "when no candidate has been benched)")
@@ -213,10 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-back calibration windows of 256 tokens the sensitivity is measured on (default 4)")
 
     v = sub.add_parser("validate", parents=[exp_json], help="validate recipe files, reporting every error at once",
-                       description="Check recipe files against the schema and against their model's layer "
-                       "widths (group sizes). Reports every problem in every file; exit 2 if any.")
+                       description="Check recipe files: the schema, and every check quantize makes before it loads a "
+                       "model: the model source and its files (whole safetensors, a readable GGUF), its layer widths "
+                       "(group sizes), the calibration text and its size in tokens, the suite and the profile. Reports "
+                       "every problem in every file; exit 2 if any.")
     v.add_argument("files", nargs="*", type=Path, help="recipe files (default: recipes/*.yaml)")
-    v.add_argument("--no-model", action="store_true", help="skip the checks that read the model's config")
+    v.add_argument("--no-model", action="store_true", help="the schema only: skip the checks that read the model and texts")
 
     sub.add_parser("recipes", parents=[_common("json")], help="list the shipped recipes")
 
@@ -229,13 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
     gc = sub.add_parser("gc", parents=[_common("experiment", "json")],
                         help="end runs whose process died (SIGKILL, OOM) and remove what they left",
                         description="Mark RUNNING runs whose owner process on this host is gone as FAILED, with the "
-                        "reason, and remove the staging directories they left. Every command does this for its "
-                        "experiment when it opens the store; gc does it on demand (--all: every experiment).")
+                        "reason, and remove the staging directories they left. Every command does this for the whole "
+                        "store when it opens it; gc does it on demand for one experiment (--all: every experiment).")
     gc.add_argument("--all", action="store_true", help="every experiment in the store, not only one")
 
     u = sub.add_parser("ui", help="start the MLflow UI on the tracking store")
-    u.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; expose only behind auth)")
+    u.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1); any other than loopback needs "
+                   "--expose-unauthenticated")
     u.add_argument("--port", type=int, default=5000)
+    u.add_argument("--expose-unauthenticated", action="store_true",
+                   help="allow a --host other than loopback: the MLflow UI has no login, so anyone who reaches the port "
+                   "reads and changes every run and registered model. Put authentication in front of it (docs/gate.md)")
     return parser
 
 
@@ -406,13 +412,9 @@ def cmd_tune(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from quantbench.tracking import Tracker, all_experiments
+    from quantbench.tracking import Tracker
 
-    names = all_experiments() if args.all else [None]
-    done = []
-    for name in names:
-        tracker = Tracker(name, reap=False)
-        done += [{**d, "experiment": tracker.experiment} for d in tracker.reap()]
+    done = Tracker(args.experiment, reap=False).reap(everywhere=args.all)
     for d in done:
         print(f"marked FAILED: run {d['run_id']} ({d['name']}) in {d['experiment']}, owner {d['owner']} gone"
               + (f"; removed {d['removed']}" if d["removed"] else ""))
@@ -428,7 +430,7 @@ def _json(args, summary: dict) -> int:
 
 
 def cmd_validate(args) -> int:
-    from quantbench.recipe import load_recipe, recipes_dir
+    from quantbench.recipe import RecipeError, load_recipe, recipes_dir
 
     files = args.files or sorted(recipes_dir().glob("*.yaml"))
     if not files:
@@ -436,11 +438,17 @@ def cmd_validate(args) -> int:
     problems: dict[str, list[str]] = {}
     for path in files:
         try:
-            loaded = load_recipe(path)
-            if not args.no_model:
-                _validate_against_model(loaded, args.experiment)
+            loaded, found, invalid = load_recipe(path), [], frozenset()
+        except RecipeError as exc:
+            loaded, found, invalid = exc.partial, exc.problems, exc.invalid
         except UserError as exc:
-            problems[str(path)] = exc.problems
+            loaded, found = None, exc.problems
+        if loaded is not None and not args.no_model:
+            from quantbench.pipeline import check_without_model
+
+            found = found + check_without_model(loaded, args.experiment, invalid)
+        if found:
+            problems[str(path)] = found
     for path in files:
         if str(path) in problems:
             for line in problems[str(path)]:
@@ -449,32 +457,6 @@ def cmd_validate(args) -> int:
             print(f"ok: {path}")
     _json(args, {"ok": not problems, "files": [str(f) for f in files], "problems": problems})
     return 2 if problems else 0
-
-
-def _validate_against_model(loaded, experiment: str | None) -> None:
-    from quantbench import models
-    from quantbench.quantize import make_backend
-
-    try:
-        config = models.read_config(loaded.recipe.model.source, experiment=experiment)
-    except UserError as exc:
-        raise UserError([f"{loaded.path}: {p}" for p in exc.problems]) from None
-    backend = make_backend(loaded.recipe.quantize)
-    try:
-        if loaded.recipe.evaluate is not None:
-            from quantbench.evaluate.suite import load_suite
-
-            load_suite(loaded.recipe.evaluate.suite, "evaluate.suite")
-        if loaded.recipe.bench is not None:
-            from quantbench.evaluate.speed import load_profile
-
-            load_profile(loaded.recipe.bench.profile, "bench.profile")
-    except UserError as exc:
-        raise UserError([f"{loaded.path}: {p}" for p in exc.problems]) from None
-    if config is not None:
-        problems = backend.check(loaded, config)
-        if problems:
-            raise UserError(problems)
 
 
 def cmd_recipes(args) -> int:
@@ -516,14 +498,21 @@ def cmd_ui(args) -> int:
     from quantbench.processes import interrupt, stop_group
     from quantbench.tracking import Tracker, tracking_uri
 
+    exposed = not _loopback(args.host)
+    if exposed and not args.expose_unauthenticated:
+        raise UserError(f"--host {args.host}: not a loopback address, and the MLflow UI has no login of its own: anyone "
+                        "who reaches the port reads and changes every run and registered model. Put authentication in "
+                        "front of it instead (docs/gate.md, 'Exposing the UI'): a reverse proxy with auth and TLS (nginx "
+                        "auth_basic, an OAuth2 proxy) listening publicly and forwarding to 127.0.0.1, or MLflow's "
+                        "basic-auth app. To bind it unauthenticated anyway, add --expose-unauthenticated")
     uri = tracking_uri()
     print(f"MLflow UI for {uri} on http://{args.host}:{args.port}")
     experiment_id = Tracker().experiment_id(create=False)
     if experiment_id is not None:  # MLflow 3 opens its GenAI view by default; this link opens the runs table
         print(f"runs: http://{args.host}:{args.port}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: {args.host} is not loopback; the MLflow UI has no login of its own. Put authentication "
-              "in front of it first (docs/gate.md: 'Exposing the UI').", file=sys.stderr)
+    if exposed:
+        print(f"warning: serving the MLflow UI without authentication on {args.host} (--expose-unauthenticated)",
+              file=sys.stderr)
     sys.stdout.flush()
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host, "--port", str(args.port)]
     for signum in (signal.SIGTERM, signal.SIGHUP):
@@ -533,6 +522,18 @@ def cmd_ui(args) -> int:
         return proc.wait()
     finally:
         stop_group(proc)  # the server and its workers, whatever ended this process
+
+
+def _loopback(host: str) -> bool:
+    """Whether binding `host` serves this machine only (a name other than localhost may resolve anywhere)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "compare": cmd_compare,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench import metrics as catalogue
-from quantbench.errors import UserError
+from quantbench.errors import UserError, check_creatable_dir
 from quantbench.intervals import interval_of
 from quantbench.tracking import TAG, Tracker
 
@@ -97,13 +97,29 @@ class Comparison:
 
 
 def collect(tracker: Tracker, run_ids: list[str] | None = None) -> list[Candidate]:
-    """The candidates: the given runs, or every FINISHED candidate run of the experiment."""
-    runs = tracker.runs({TAG + "role": "candidate"}, run_ids)
+    """The candidates: the given runs, or every FINISHED candidate run of the experiment. A given
+    run that is not a FINISHED candidate is refused (its numbers are partial, or not a candidate's)."""
+    runs, problems = [], []
+    for run_id in run_ids or []:
+        try:
+            runs.append(tracker.get(run_id, "--runs"))
+        except UserError as exc:
+            problems += exc.problems
+    if not run_ids:
+        runs = tracker.runs({TAG + "role": "candidate"})
     out = []
     for r in runs:
-        if r.data.tags.get(TAG + "role") != "candidate":
-            raise UserError(f"--runs: '{r.info.run_id}' is a {r.data.tags.get(TAG + 'role', 'non-quantbench')} run, not a candidate")
-        out.append(Candidate(r.info.run_id, r.info.run_name, r.info.status, dict(r.data.tags), dict(r.data.metrics)))
+        role, status = r.data.tags.get(TAG + "role"), r.info.status
+        if role != "candidate":
+            problems.append(f"--runs: '{r.info.run_id}' is a {role or 'non-quantbench'} run, not a candidate")
+        elif status != "FINISHED":
+            error = r.data.tags.get(TAG + "error")
+            problems.append(f"--runs: '{r.info.run_id}' ({r.info.run_name}) is {status}, not FINISHED"
+                            + (f" ({error[:200]})" if error else "") + "; its numbers are partial: compare finished runs")
+        else:
+            out.append(Candidate(r.info.run_id, r.info.run_name, status, dict(r.data.tags), dict(r.data.metrics)))
+    if problems:
+        raise UserError(problems)
     return out
 
 
@@ -311,6 +327,7 @@ def as_json(cmp: Comparison) -> dict:
 
 def run(*, experiment: str | None = None, run_ids: list[str] | None = None, quality: str | None = None,
         speed: str | None = None, outputs: Path = Path("outputs")) -> CompareResult:
+    check_creatable_dir(outputs / "compare", "pass --outputs DIR")
     tracker = Tracker(experiment)
     candidates = collect(tracker, run_ids)
     if not candidates:

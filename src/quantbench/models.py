@@ -137,6 +137,33 @@ def load_config(path: Path, field: str = "model.source"):
                         f"{raw.get('model_type', 'missing')!r}): {first[:300]}") from None
 
 
+def check_files(source: str, field: str = "model.source") -> None:
+    """The files of a local source are whole (safetensors weights, a readable GGUF), read without
+    loading the model (for recipe validation; `resolve` checks the same)."""
+    kind, target = _classify(source, field)
+    if kind == "dir":
+        check_weights(target, field)
+    elif kind == "gguf":
+        _check_gguf(target, field)
+
+
+def tokenizer_dir(source: str, experiment: str | None = None) -> Path | None:
+    """A local directory with the source's tokenizer, found without converting or downloading
+    anything; None when it is not on disk yet (a GGUF not converted, a hub id, an unknown run)."""
+    kind, target = _classify(source, "model.source")
+    if kind == "dir":
+        return target
+    if kind == "run":
+        try:
+            return _run_checkpoint(source, "model.source", experiment)[1]
+        except UserError:
+            return None
+    if kind in ("builtin", "gguf"):
+        cached = _converted_dir(_builtin_gguf(target, "model.source") if kind == "builtin" else target)
+        return cached if (cached / SOURCE_INFO).is_file() else None
+    return None
+
+
 def check_weights(path: Path, field: str = "model.source") -> None:
     """The weight files of a checkpoint dir are safetensors, whole: a truncated file, a missing
     shard or pickled weights (pytorch_model.bin, which runs code when loaded) are refused here,
@@ -376,7 +403,7 @@ def _card_license(path: Path) -> str:
             from quantbench.recipe import parse_yaml
 
             try:
-                front = parse_yaml(text.split("---", 2)[1], str(card))[0] or {}
+                front = parse_yaml(text.split("---", 2)[1], str(card), unique_keys=False)[0] or {}
             except UserError:
                 front = {}
             if isinstance(front, dict) and front.get("license"):

@@ -29,11 +29,11 @@ from quantbench import card, data, environment, hardware, models
 from quantbench.checkpoint import (Target, bits_per_weight, check_loadable, param_bytes, resolve_target, weights_sha,
                                    weights_size_mb, write_info)
 from quantbench.checkpoint import upload as upload_checkpoint
-from quantbench.errors import UserError
+from quantbench.errors import UserError, check_creatable_dir
 from quantbench.evaluate import bench as bench_stage
 from quantbench.evaluate import stage as evaluate_stage
 from quantbench.quantize import Backend, Inputs, estimate
-from quantbench.recipe import LoadedRecipe, load_recipe, resolve_recipe_path
+from quantbench.recipe import LoadedRecipe, RecipeError, load_recipe, resolve_recipe_path
 from quantbench.tracking import STAGING, TAG, Tracker, inherited_tags
 
 log = logging.getLogger(__name__)
@@ -90,10 +90,17 @@ def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | N
     from quantbench.evaluate.suite import load_suite
     from quantbench.quantize import make_backend
 
-    loaded = load_recipe(resolve_recipe_path(recipe), overrides)
+    try:
+        loaded = load_recipe(resolve_recipe_path(recipe), overrides)
+    except RecipeError as exc:  # with what the schema accepted, the checks that do not depend on the rest
+        found = exc.problems + (check_without_model(exc.partial, experiment, exc.invalid) if exc.partial else [])
+        raise UserError(found) from None
     spec = loaded.recipe
     where = str(loaded.path)
     check_outputs(loaded, outputs)
+    problems = check_without_model(loaded, experiment)  # every one at once, before the checks that load
+    if problems:
+        raise UserError(problems)
     with _prefixed(where):
         base = models.resolve(spec.model.source, experiment=experiment)
     backend = make_backend(spec.quantize)
@@ -189,16 +196,62 @@ def _prefixed(where: str):
         raise UserError([f"{where}: {p}" for p in exc.problems]) from None
 
 
+def check_without_model(loaded: LoadedRecipe, experiment: str | None = None, skip: frozenset[str] = frozenset()) -> list[str]:
+    """Every check of a recipe that loads no model, each on its own so that no problem hides another:
+    the model source, its files (whole safetensors, a readable GGUF) and its layer widths against the
+    scheme; the calibration text and its size in tokens (where the tokenizer is on disk already); the
+    suite and the profile. `skip`: sections whose schema problems are reported already. For
+    `quantbench validate`, and for `prepare` when the schema refused part of the recipe."""
+    from quantbench.evaluate.speed import load_profile
+    from quantbench.evaluate.suite import load_suite
+    from quantbench.quantize import make_backend
+
+    spec, where, problems = loaded.recipe, str(loaded.path), []
+
+    def attempt(fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            problems.extend(p if p.startswith(where) else f"{where}: {p}" for p in exc.problems)
+            return None
+
+    config = attempt(models.read_config, spec.model.source, experiment=experiment)
+    backend = make_backend(spec.quantize)
+    if config is not None:
+        attempt(models.check_files, spec.model.source)
+        problems.extend(attempt(backend.check, loaded, config) or [])
+        if backend.calibrates and "calibration" not in skip:
+            attempt(_check_calibration, loaded, experiment)
+    if spec.evaluate is not None and "evaluate" not in skip:
+        attempt(load_suite, spec.evaluate.suite, "evaluate.suite")
+    if spec.bench is not None and "bench" not in skip:
+        attempt(load_profile, spec.bench.profile, "bench.profile")
+    return problems
+
+
+def _check_calibration(loaded: LoadedRecipe, experiment: str | None) -> None:
+    """The calibration text exists and holds the windows asked for (a hub dataset is not fetched)."""
+    from transformers import AutoTokenizer
+
+    cal = loaded.recipe.calibration
+    if cal.source.startswith("hub:"):
+        return
+    text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
+    tokenizer = models.tokenizer_dir(loaded.recipe.model.source, experiment)
+    if tokenizer is not None:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        data.calibration_windows(data.text_ids(tok, text), cal.samples, cal.seq_len, cal.seed,
+                                 field="calibration.samples", bos=data.bos_id(tok))
+
+
 def check_outputs(loaded: LoadedRecipe, outputs: Path) -> None:
     """The recipe's name becomes a directory under `outputs`: it must be a plain name, and the
-    directories must be directories (or not exist yet)."""
+    directories must be directories (or can be created)."""
     if not SAFE_NAME.fullmatch(loaded.name):
         raise UserError(f"{loaded.path}: the file name '{loaded.name}' cannot name an output directory; rename the "
                         "recipe file (letters, digits, '.', '_', '+', '-'; not starting with '.')")
-    for path in (outputs, outputs / loaded.name):
-        if path.exists() and not path.is_dir():
-            raise UserError(f"{path}: exists and is not a directory; outputs go to {outputs / loaded.name}/ "
-                            "(move the file away, or pass --outputs DIR)")
+    check_creatable_dir(outputs / loaded.name, f"outputs go to {outputs / loaded.name}/ (move the file away, or "
+                        "pass --outputs DIR)")
 
 
 def check_base(base: models.ResolvedModel, tokenizer, text_ids: list[int], tokens: int, window: int, field: str) -> None:

@@ -19,6 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import UnionType
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
@@ -438,9 +439,10 @@ def validate_file(path: Path, schema: type[Settings]) -> Settings:
         raise UserError([f"{path}: {'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg']}" for e in exc.errors()]) from None
 
 
-def parse_yaml(text: str, where: str) -> tuple[Any, yaml.Node | None]:
+def parse_yaml(text: str, where: str, unique_keys: bool = True) -> tuple[Any, yaml.Node | None]:
     """Parse YAML text (and its node tree, for line numbers), refusing text that is too large or
-    that becomes too large once its aliases are expanded. UserError naming `where`."""
+    that becomes too large once its aliases are expanded, and (`unique_keys`) a key given twice in
+    one mapping, where YAML would silently keep the last. UserError naming `where`."""
     if len(text) > MAX_YAML_BYTES:
         raise UserError(f"{where}: {len(text):,} characters; a settings file is small (at most {MAX_YAML_BYTES:,})")
     try:
@@ -449,11 +451,40 @@ def parse_yaml(text: str, where: str) -> tuple[Any, yaml.Node | None]:
         if size > MAX_YAML_VALUES:
             raise UserError(f"{where}: the YAML expands to {size:,} values, more than {MAX_YAML_VALUES:,}: its aliases "
                             "(*name) repeat anchored (&name) values many times over; write the values out")
+        duplicates = _duplicate_keys(node, set()) if unique_keys else []
+        if duplicates:
+            raise UserError([f"{where}: {d}" for d in duplicates])
         return yaml.safe_load(text), node
     except yaml.YAMLError as exc:
         raise UserError(f"{where}: {_yaml_error(exc)}") from None
     except RecursionError:
         raise UserError(f"{where}: the YAML is nested too deeply") from None
+
+
+def _duplicate_keys(node: yaml.Node | None, seen: set[int], path: tuple[str, ...] = ()) -> list[str]:
+    """`quantize.method: given twice (lines 2 and 5); YAML keeps only the last` for every mapping
+    key written more than once (each node visited once: aliases share theirs)."""
+    if node is None or id(node) in seen:
+        return []
+    seen.add(id(node))
+    found = []
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key, value in node.value:
+            name = str(key.value) if isinstance(key, yaml.ScalarNode) else None
+            if name is not None and name != "<<":  # a merge key may repeat
+                line = key.start_mark.line + 1
+                if name in first:
+                    field = ".".join((*path, name))
+                    found.append(f"{field}: given twice (lines {first[name]} and {line}); YAML would keep only the "
+                                 "last: remove one")
+                else:
+                    first[name] = line
+            found += _duplicate_keys(value, seen, (*path, name or "?"))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, value in enumerate(node.value):
+            found += _duplicate_keys(value, seen, (*path, str(i)))
+    return found
 
 
 def _expanded_size(node: yaml.Node | None, memo: dict[int, int]) -> int:
@@ -498,6 +529,8 @@ def resolve_recipe_path(name_or_path: str, directory: Path | None = None) -> Pat
     directory = directory or recipes_dir()
     if name_or_path.endswith((".yaml", ".yml")):
         path = Path(name_or_path)
+        if path.is_dir():
+            raise UserError(f"{path}: is a directory, not a recipe file")
         if not path.is_file():
             raise UserError(f"{path}: recipe file does not exist")
         return path
@@ -514,8 +547,20 @@ def resolve_recipe_path(name_or_path: str, directory: Path | None = None) -> Pat
 # Loading: YAML -> overrides -> schema, with every problem reported at once
 
 
+class RecipeError(UserError):
+    """A recipe's problems, with `partial`: the recipe without the sections that have them (those at
+    their defaults), or None when its model or quantize section has one. Checks of the model and its
+    layers (validate, prepare) still run on it, so every problem is reported at once."""
+
+    def __init__(self, problems: list[str], partial: LoadedRecipe | None, invalid: frozenset[str] = frozenset()):
+        super().__init__(problems)
+        self.partial = partial
+        self.invalid = invalid  # the top-level sections with a problem (at their defaults in `partial`)
+
+
 def load_recipe(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> LoadedRecipe:
-    """Load and validate one recipe file; raise UserError listing every problem found."""
+    """Load and validate one recipe file; raise RecipeError listing every problem found (the
+    --set items that cannot apply and the schema's problems with the rest, together)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -527,17 +572,32 @@ def load_recipe(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -
     if not isinstance(data, dict):
         raise UserError(f"{path}: the recipe must be a mapping of sections, got {type(data).__name__}")
     problems = []
+    applied: list[tuple[tuple[str, ...], str]] = []  # (key path, item) of the overrides that took effect
     for item in overrides:
         try:
-            _apply_override(data, item)
+            applied.append((_apply_override(data, item), item))
         except ValueError as exc:
             problems.append(f"{path}: --set {item}: {exc}")
-    if problems:
-        raise UserError(problems)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
-        raise UserError([f"{path}: {line}" for line in _explain(exc, data, node)]) from None
+        problems += [f"{path}: {line}" for line in _explain(exc, data, node, applied)]
+        invalid = frozenset(str(e["loc"][0]) if e["loc"] else "" for e in exc.errors())
+        raise RecipeError(problems, _partial(path, data, invalid, overrides), invalid) from None
+    loaded = LoadedRecipe(name=path.stem, path=path, recipe=recipe, overrides=tuple(overrides))
+    if problems:
+        raise RecipeError(problems, loaded)
+    return loaded
+
+
+def _partial(path: Path, data: dict, invalid: frozenset[str], overrides) -> LoadedRecipe | None:
+    """The recipe with every top-level section that has a problem dropped (see RecipeError)."""
+    if invalid & {"", "model", "quantize"}:
+        return None
+    try:
+        recipe = Recipe.model_validate({k: v for k, v in data.items() if k not in invalid})
+    except ValidationError:
+        return None
     return LoadedRecipe(name=path.stem, path=path, recipe=recipe, overrides=tuple(overrides))
 
 
@@ -548,8 +608,9 @@ def _yaml_error(exc: yaml.YAMLError) -> str:
     return f"{where}YAML syntax error: {problem}"
 
 
-def _apply_override(data: dict, item: str) -> None:
-    """`calibration.samples=8`: the value is parsed as YAML (so 8 is an int, [a, b] a list)."""
+def _apply_override(data: dict, item: str) -> tuple[str, ...]:
+    """`calibration.samples=8`: the value is parsed as YAML (so 8 is an int, [a, b] a list).
+    Returns the key path it set."""
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise ValueError("expected KEY.PATH=VALUE")
@@ -565,17 +626,23 @@ def _apply_override(data: dict, item: str) -> None:
             raise ValueError(f"'{part}' is not a section")
         target = child
     target[leaf] = value
+    return (*parents, leaf)
 
 
-def _explain(exc: ValidationError, data: dict, node: yaml.Node | None) -> list[str]:
+def _explain(exc: ValidationError, data: dict, node: yaml.Node | None,
+             applied: list[tuple[tuple[str, ...], str]] = ()) -> list[str]:
+    """One line per problem: the field, where it was written (a line of the file, or the --set
+    item that set it) and what is wrong."""
     lines = []
     for err in exc.errors():
         loc = _strip_union_tags(err["loc"], data)
         if err["type"].startswith("union_tag_"):
             loc += ("method",)
         field = ".".join(str(p) for p in loc) or "(top level)"
-        line = _yaml_line(node, loc)
-        where = f" (line {line})" if line else ""
+        keys = tuple(str(p) for p in loc)
+        by = [item for path, item in applied if keys[: len(path)] == path or path[: len(keys)] == keys]
+        line = None if by else _yaml_line(node, loc)
+        where = f" (--set {by[-1]})" if by else f" (line {line})" if line else ""
         lines.append(f"{field}{where}: {_message(err, loc, data)}")
     return lines
 
@@ -637,9 +704,13 @@ def _allowed_keys(loc: tuple, data: dict) -> list[str]:
         if field is None:
             return []
         cls = field.annotation
-        if get_origin(cls) is Union:  # the quantize union: the section's method picks the class
-            method = value.get("method") if isinstance(value, dict) else None
-            cls = METHODS.get(method)
+        if get_origin(cls) in (Union, UnionType):
+            sections = [a for a in get_args(cls) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if len(sections) == 1:  # an optional section (`evaluate: EvaluateSpec | None`)
+                cls = sections[0]
+            else:  # the quantize union: the section's method picks the class
+                method = value.get("method") if isinstance(value, dict) else None
+                cls = METHODS.get(method)
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
             return []
     return list(cls.model_fields)

@@ -6,8 +6,9 @@ root under `make`), artifacts under `./mlruns`. `MLFLOW_TRACKING_URI` switches t
 
 Every run records who owns it (`quantbench.owner`: host, pid and the process's start time). A run
 still RUNNING whose owner process is gone was killed without a chance to say so (SIGKILL, the OOM
-killer, a lost node): every command that opens the store marks such runs of this host FAILED with
-the reason and removes the staging directory they left (`reap`); `quantbench gc` does it on demand.
+killer, a lost node): every command that opens the store marks such runs of this host FAILED, in
+every experiment, with the reason and removes the staging directory they left (`reap`); `quantbench
+gc` does it on demand.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ def experiment_name(name: str | None = None) -> str:
 def is_local_store(uri: str | None = None) -> bool:
     """A store on this machine's disk (SQLite or a file path), not a tracking server."""
     return not (uri or tracking_uri()).startswith(("http://", "https://", "databricks", "postgresql", "mysql"))
+
+
+def store_exists(uri: str | None = None) -> bool:
+    """Whether there is a store to read: False for a local SQLite store whose file is not there yet.
+    Reading such a store answers "nothing" and creates nothing (MLflow creates the database, a lock
+    and a Default experiment on first contact); the first run written creates it."""
+    uri = uri or tracking_uri()
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///")).exists()
+    return True
 
 
 def shares_artifacts(artifact_uri: str) -> bool:
@@ -244,16 +255,27 @@ class Run:
 
 
 class Tracker:
-    """The store and one experiment in it. Opening it reaps what dead processes left RUNNING."""
+    """The store and one experiment in it. Opening it reaps what dead processes left RUNNING in the
+    whole store. A local store that does not exist yet is read as empty and created only by the first
+    write (a run), so a command refused as bad input leaves no store behind."""
 
     def __init__(self, experiment: str | None = None, reap: bool = True):
-        self.client = _client()
+        self._client = None
         self.experiment = experiment_name(experiment)
         if reap:
             self.reap()
 
+    @property
+    def client(self):
+        if self._client is None:
+            self._client = _client()
+        return self._client
+
+    def _readable(self) -> bool:
+        return self._client is not None or store_exists()
+
     def _experiment(self):
-        return self.client.get_experiment_by_name(self.experiment)
+        return self.client.get_experiment_by_name(self.experiment) if self._readable() else None
 
     def experiment_id(self, create: bool = True) -> str | None:
         found = self._experiment()
@@ -297,6 +319,8 @@ class Tracker:
         """A handle on a run (e.g. to read it), or None if the store has no such run."""
         from mlflow.exceptions import MlflowException
 
+        if not self._readable():
+            return None
         try:
             self.client.get_run(run_id)
         except MlflowException:
@@ -307,6 +331,8 @@ class Tracker:
         """A run's entity (info, data); UserError naming `field` when the store has none."""
         from mlflow.exceptions import MlflowException
 
+        if not self._readable():
+            raise UserError(f"{field}: run '{run_id}' not found: the tracking store {tracking_uri()} does not exist yet")
         try:
             return self.client.get_run(run_id)
         except MlflowException as exc:
@@ -346,12 +372,21 @@ class Tracker:
             raise KeyboardInterrupt(f"signal {held[0]}")
         return Run(self.client, run_id)
 
-    def reap(self) -> list[dict]:
-        """Runs of this experiment left RUNNING by a process of this host that is gone: FAILED with
-        the reason, their staging directory removed. Returns what was done."""
+    def reap(self, everywhere: bool = True) -> list[dict]:
+        """Runs left RUNNING by a process of this host that is gone, in every experiment of the store
+        (`everywhere=False`: this experiment only): FAILED with the reason, their staging directory
+        removed. Returns what was done."""
         done = []
+        if not self._readable():
+            return done
         try:
-            running = self.search({}, "RUNNING", order_newest=False)
+            if everywhere:
+                names = {e.experiment_id: e.name for e in self.client.search_experiments()}
+            else:
+                found = self._experiment()
+                names = {found.experiment_id: found.name} if found is not None else {}
+            mine = f"attributes.status = 'RUNNING' and tags.`{OWNER}` LIKE {quote(socket.gethostname() + ' %')}"
+            running = self.client.search_runs(list(names), mine) if names else []
         except Exception as exc:  # a store that cannot be searched now must not stop the command
             log.debug("reap: %s", exc)
             return done
@@ -367,15 +402,12 @@ class Tracker:
             reason = (f"its process ({owner}) died without ending it (killed: SIGKILL, out of memory, or a lost "
                       "node); marked FAILED by a later command" + (f", staging dir {removed} removed" if removed else ""))
             self.fail_run(run.info.run_id, reason)
-            log.warning("run %s (%s) was left RUNNING by a dead process; marked FAILED%s", run.info.run_id,
-                        run.info.run_name, f", removed {removed}" if removed else "")
-            done.append({"run_id": run.info.run_id, "name": run.info.run_name, "owner": owner, "removed": removed})
+            experiment = names.get(run.info.experiment_id, run.info.experiment_id)
+            log.warning("run %s (%s) in %s was left RUNNING by a dead process; marked FAILED%s", run.info.run_id,
+                        run.info.run_name, experiment, f", removed {removed}" if removed else "")
+            done.append({"run_id": run.info.run_id, "name": run.info.run_name, "owner": owner, "removed": removed,
+                         "experiment": experiment})
         return done
-
-
-def all_experiments() -> list[str]:
-    """Names of every experiment in the store (for `quantbench gc --all`)."""
-    return [e.name for e in _client().search_experiments()]
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

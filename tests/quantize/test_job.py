@@ -232,6 +232,10 @@ def test_outputs_that_cannot_hold_the_checkpoint_are_bad_input(workdir, tiny_mod
     (workdir / "elsewhere").write_text("a file")
     code, out, err = quantize(["blocked", "--outputs", "elsewhere"], capsys)
     assert code == 2 and "elsewhere: exists and is not a directory" in err
+    # a directory that cannot be created under a file: refused in prepare, not a FAILED run
+    code, out, err = quantize(["blocked", "--outputs", "elsewhere/sub"], capsys)
+    assert code == 2 and "error: elsewhere: exists and is not a directory; outputs go to elsewhere/sub/blocked/" in err
+    assert "Traceback" not in err
     # a recipe file whose name is not a plain name (`...yaml` has the stem `..`) writes nothing
     (workdir / "...yaml").write_text(tiny_recipe(tiny_model_dir, METHODS["fp8"][0]))
     code, out, err = quantize(["...yaml"], capsys)
@@ -347,3 +351,15 @@ def test_every_window_starts_as_the_tokenizer_encodes(asks_for_bos, workdir, tin
         assert plan.token_ids == tokenizer(eval_text)["input_ids"][:640] and plan.bos is None and plan.bos_tag == "none"
         assert "the check used the windows without BOS (its tokenizer adds none)" in line
     assert re.search(r"perplexity \d[\d.]* with BOS, \d[\d.]* without", line), line  # both measured, either way
+
+
+def test_a_schema_error_does_not_hide_the_model_checks(workdir, tiny_model_dir, capsys):
+    write_recipe(workdir, "three", f"model: {{source: {tiny_model_dir}}}\ncalibration: {{seed: x, source: missing.txt}}\n"
+                 "quantize: {method: gptq, group_size: 64}\nbench: {profile: nosuch}\n")
+    code, out, err = quantize(["three"], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(lines) == 3, err
+    assert lines[0].startswith("error: recipes/three.yaml: calibration.seed (line 2): Input should be a valid integer")
+    assert "quantize.group_size (line 3): 64 does not divide the input width" in lines[1]
+    assert "bench.profile: unknown profile 'nosuch'" in lines[2]
+    assert runs() == [] and not (workdir / "outputs").exists()
