@@ -22,6 +22,7 @@ def settings(workdir):
         (workdir / kind / "tiny.yaml").write_text(text)
 
 
+@pytest.mark.slow  # three jobs and two benches: ~14 s (the fast tier stays under 3 minutes on 2 cores)
 def test_noise_floor_seed_spread_and_reproducible_weights(workdir, tiny_model_dir, settings, capsys):
     write_recipe(workdir, "gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n") + "evaluate:\n  suite: tiny\n")
     assert main(["quantize", "gptq", "--set", "evaluate=null", "--json"]) == 0  # seed 0, for its weights

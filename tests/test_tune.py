@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RELEASE = ROOT / "policies" / "release.yaml"
 
 
+@pytest.mark.slow  # a whole tune with a child job: ~15 s (the fast tier stays under 3 minutes on 2 cores)
 def test_release_policy_gives_candidates_a_bench_stage(setup, tiny128_model_dir, monkeypatch, capsys):
     """The shipped release policy needs a bench stage and the template has none: the candidate's
     recipe gets `bench: {profile: cpu-smoke, backend: auto}` and its job prepares that stage. vLLM

@@ -23,6 +23,7 @@ def profile(workdir):
 
 
 
+@pytest.mark.slow  # a bench of both models at every level: ~11 s (the fast tier stays under 3 minutes on 2 cores)
 def test_bench_measures_candidate_and_base_into_the_run(workdir, tiny_model_dir, profile, capsys):
     write_recipe(workdir, "q", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n"))
     assert main(["quantize", "q", "--json"]) == 0
