@@ -59,3 +59,25 @@ def test_this_machine(tmp_path):
         assert hardware.compute_dtype_of(tmp_path) == "bfloat16" == hardware.compute_dtype_of(tmp_path, "float32")
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16", "quantization_config": {"quant_method": "compressed-tensors"}}))
     assert hardware.compute_dtype_of(tmp_path) == expected and hardware.compute_dtype_of(tmp_path, "float32") == "float32"
+
+
+def test_an_isa_cap_is_what_torch_runs(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA holds torch's matmuls below the CPU: bfloat16 is then emulated, and the
+    class and compute dtype say so (how an AVX2-only CPU is reproduced on a bigger one)."""
+    here = hardware.cpu()
+    try:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+        hardware.cpu.cache_clear()
+        capped = hardware.cpu()
+        assert capped.flags == here.flags - hardware.ISA_CAPS["AVX2"] and not capped.native("bfloat16")
+        assert capped.klass in ("AVX2", "baseline") and "capped by ONEDNN_MAX_CPU_ISA=AVX2" in capped.describe()
+        assert hardware.compute_dtype("auto", "bfloat16", on_cuda=False) == "float32"
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+        hardware.cpu.cache_clear()
+        assert hardware.cpu().flags == here.flags - {"avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16"}
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "DEFAULT")
+        hardware.cpu.cache_clear()
+        assert hardware.cpu() == here
+    finally:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        hardware.cpu.cache_clear()
