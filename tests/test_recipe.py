@@ -184,3 +184,27 @@ def test_a_recipe_path_that_is_a_directory_says_so(tmp_path):
     with pytest.raises(UserError) as info:
         resolve_recipe_path(str(tmp_path / "d.yaml"))
     assert info.value.problems == [f"{tmp_path / 'd.yaml'}: is a directory, not a recipe file"]
+
+
+def test_a_suite_or_profile_looked_for_where_there_are_none_says_where(tmp_path, monkeypatch):
+    """Run outside the repository (no suites/ or profiles/ here): the message names the directory it
+    looked in and how to point at another, not an empty list of choices."""
+    from quantbench.errors import UserError
+    from quantbench.evaluate.speed import load_profile
+    from quantbench.evaluate.suite import load_suite
+
+    monkeypatch.chdir(tmp_path)
+    for env in ("QUANTBENCH_SUITES", "QUANTBENCH_PROFILES"):
+        monkeypatch.delenv(env, raising=False)
+    with pytest.raises(UserError) as suite:
+        load_suite("default", "evaluate.suite")
+    assert str(suite.value).startswith("evaluate.suite: unknown suite 'default' (no suites/default.yaml): there are no "
+                                       f"suite files in {tmp_path}/suites/.")
+    assert "QUANTBENCH_SUITES" in str(suite.value) and "Available:" not in str(suite.value)
+    with pytest.raises(UserError) as profile:
+        load_profile("cpu-smoke")
+    assert "QUANTBENCH_PROFILES" in str(profile.value)
+    (tmp_path / "suites").mkdir()
+    (tmp_path / "suites" / "tiny.yaml").write_text("tokens: 640\n")
+    with pytest.raises(UserError, match="Did you mean 'tiny'\\? Available: tiny"):
+        load_suite("tin")

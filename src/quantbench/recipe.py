@@ -422,6 +422,10 @@ def load_named(directory: Path, name: str, schema: type[Settings], field: str, k
     path = directory / f"{name}.yaml"
     if not path.is_file():
         available = sorted(p.stem for p in directory.glob("*.yaml"))
+        if not available:  # no such directory here, or an empty one: say where they are looked for
+            raise UserError(f"{field}: unknown {kind} '{name}' (no {path}): there are no {kind} files in "
+                            f"{directory.resolve()}/. Run from the repository's root (where {directory.name}/ is), "
+                            f"or point QUANTBENCH_{directory.name.upper()} at the directory that holds them")
         raise UserError(f"{field}: unknown {kind} '{name}' (no {path})." + did_you_mean(name, available))
     return validate_file(path, schema)
 
