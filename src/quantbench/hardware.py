@@ -127,15 +127,21 @@ def compute_dtype(requested: str, saved: str, *, on_cuda: bool | None = None, on
 OWN_DTYPE_FORMATS = ("gptq", "awq", "bitsandbytes")
 
 
+def saved_dtype(config: dict) -> str | None:
+    """The dtype a checkpoint's config.json says its weights are in (`dtype`, or transformers 4's
+    `torch_dtype`), or None when it names none of DTYPES."""
+    text = config.get("text_config") or config
+    saved = str(text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "").removeprefix("torch.")
+    return saved if saved in DTYPES else None
+
+
 def compute_dtype_of(checkpoint: Path, requested: str = "auto") -> str:
     """The dtype to compute a saved checkpoint directory in on this device: `requested`, or for
     `auto` its config's dtype where native and float32 otherwise (compressed-tensors weights are
     de-quantized into it); formats with kernels of their own keep their saved dtype."""
     config = json.loads((checkpoint / "config.json").read_text())
     method = str((config.get("quantization_config") or {}).get("quant_method") or "").lower()
-    text = config.get("text_config") or config
-    saved = str(text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
-    saved = saved if saved in DTYPES else "float32"
+    saved = saved_dtype(config) or "float32"
     if method in OWN_DTYPE_FORMATS:
         return saved
     return compute_dtype(requested, saved)

@@ -56,6 +56,12 @@ class Job:
     bench: bench_stage.Plan | None  # the recipe's bench: section, prepared
     compute_dtype: str = "float32"  # model.compute_dtype resolved on this device (quantbench.hardware)
     produce_estimate: estimate.Estimate | None = None  # the produce step's expected wall time here, when it depends on data
+    model: object = None  # the base model in the compute dtype, when the estimate loaded it (execute takes it)
+
+    def take_model(self):
+        """The base model loaded in prepare, handed over once (None when prepare loaded none)."""
+        model, self.model = self.model, None
+        return model
 
 
 @dataclass
@@ -134,21 +140,23 @@ def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | N
                                         checkpoint=_expected_config(base.path / "config.json", backend, spec.quantize),
                                         base_path=base.path, field="bench.profile", backend_field="bench.backend")
     compute_dtype = spec.model.computes_in()
-    produce_estimate = _estimate(loaded, base, backend, calibration, eval_ids, compute_dtype, strict_budget)
+    produce_estimate, model = _estimate(loaded, base, backend, calibration, eval_ids, compute_dtype, strict_budget)
     return Job(loaded, base, tokenizer, backend, calibration, check_ids, text_shas, evaluation, bench, compute_dtype,
-               produce_estimate)
+               produce_estimate, model)
 
 
 def _estimate(loaded: LoadedRecipe, base: models.ResolvedModel, backend: Backend, calibration: list[list[int]] | None,
-              eval_ids: list[int], dtype: str, strict: bool) -> estimate.Estimate | None:
+              eval_ids: list[int], dtype: str, strict: bool) -> tuple[estimate.Estimate | None, object]:
     """Time a few forward passes, say how long the produce step will take, and hold it to the
-    recipe's budget_minutes (refused with `strict`: exit 2, before any run exists)."""
+    recipe's budget_minutes (refused with `strict`: exit 2, before any run exists). Returns the
+    estimate and the base model it loaded in the compute dtype, which the job then computes with
+    (None, None where the method's time does not grow with data)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec, q = loaded.recipe, loaded.recipe.quantize
     if not (backend.calibrates or backend.trains) or estimate.passes(q, 1, 1) is None:
-        return None
+        return None, None
     if calibration is not None:
         windows = calibration
     else:  # a trained model: windows of its training length, from held-out text (only timed, never learnt)
@@ -157,9 +165,6 @@ def _estimate(loaded: LoadedRecipe, base: models.ResolvedModel, backend: Backend
     layers = AutoConfig.from_pretrained(base.path).num_hidden_layers
     model = AutoModelForCausalLM.from_pretrained(base.path, dtype=getattr(torch, dtype)).eval()
     found = estimate.estimate(q, model, windows, layers, dtype)
-    del model
-    if found is None:
-        return None
     log.info("estimate: the produce step will take ~%.1f min here (%s; %s)", found.minutes(), found.basis,
              hardware.device_line())
     if found.over(spec.budget_minutes):
@@ -172,7 +177,7 @@ def _estimate(loaded: LoadedRecipe, base: models.ResolvedModel, backend: Backend
         if strict:
             raise UserError(message + " Refused: --strict-budget.")
         log.warning("%s Going on (--strict-budget refuses instead).", message)
-    return found
+    return found, model
 
 
 def _expected_config(config_path: Path, backend: Backend, q) -> dict:
@@ -328,7 +333,9 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
                 log.info("run %s: recipe %s (%s %s), base %s", run.run_id, loaded.name, q.method, q.scheme, job.base.path)
 
                 log.info("computing in %s, saving in %s (%s)", job.compute_dtype, spec.model.dtype, hardware.device_line())
-                model = AutoModelForCausalLM.from_pretrained(job.base.path, dtype=getattr(torch, job.compute_dtype))
+                model = job.take_model()  # loaded by prepare's estimate, in the same dtype
+                if model is None:
+                    model = AutoModelForCausalLM.from_pretrained(job.base.path, dtype=getattr(torch, job.compute_dtype))
                 base_size_mb = param_bytes(model) / 2**20
                 log.info("base model perplexity on %d held-out tokens", len(job.check_ids))
                 base_ppl = perplexity(model, job.check_ids, spec.check.window)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quantbench import data, intervals, models
+from quantbench import data, hardware, intervals, models
 from quantbench.errors import UserError
 from quantbench.evaluate.suite import BASELINE_FORMAT, LoadedSuite, suites_dir
 from quantbench.evaluate.tasks import Items, check_tasks, correct, flips, item_intervals, run_tasks, write_offline_suite
@@ -308,10 +308,9 @@ def prepare_engine(name: str, checkpoint: Path, p: Plan) -> EnginePlan:
     if problem:
         raise UserError(f"--engine {name}: vLLM does not serve {checkpoint} here: {problem}")
     engine = vllm_engine.ensure(f"--engine {name}")
-    config = json.loads((checkpoint / "config.json").read_text())
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or "auto").removeprefix("torch.")
+    dtype = hardware.saved_dtype(json.loads((checkpoint / "config.json").read_text())) or "auto"
     limit = vllm_engine.max_model_len(checkpoint) or 2048
-    return EnginePlan(engine, checkpoint, dtype if dtype in ("float32", "bfloat16", "float16") else "auto", min(limit, 4096))
+    return EnginePlan(engine, checkpoint, dtype, min(limit, 4096))
 
 
 def engine_tasks(ep: EnginePlan, p: Plan, transformers_correct: dict[str, dict[int, bool]], logs: list[Path]) -> EngineTasks:

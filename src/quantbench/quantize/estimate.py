@@ -2,9 +2,9 @@
 
 A few forward passes of the base model over calibration windows are timed on this machine, in the
 dtype the job computes in (so an emulated bfloat16 shows up as the slow matmul it is), and scaled
-by how many such passes the method makes. The pass counts are a model of each algorithm's work,
-fitted once to measured produce times (the `FIT` line of each method); every run logs its estimate
-beside its measured `quantize/wall_s`, so drift is visible in MLflow.
+by how many such passes the method makes. The pass counts are a model of each algorithm's work
+(AWQ's fitted to a measured run, below); every run logs its estimate beside its measured
+`quantize/wall_s`, so drift is visible in MLflow.
 
 Methods whose cost does not grow with data (RTN, FP8, bitsandbytes: seconds on the default model)
 get no estimate.
@@ -24,7 +24,8 @@ TIMED_WINDOWS = 2  # forward passes timed, after one warm-up pass
 # per unit of the method's own knob. A per-layer engine (llm-compressor's sequential pipeline) runs
 # each layer on every window to calibrate and again to pass the quantized output on; AWQ adds, per
 # grid point, the forward of the modules each scale feeds. AWQ's pair is fitted to the default
-# model's measured produce times (docs/results.md, "Produce-time estimates"); the others are the
+# model's measured produce time (docs/results.md, "Any CPU: compute dtype, produce-time estimates,
+# budgets"); the others are the
 # work each algorithm does, not yet fitted: compare quantize/estimate_s with quantize/wall_s.
 AWQ_BASE, AWQ_PER_GRID = 6.0, 2.2  # per window: calibration passes + each grid point of the scale search
 GPTQ_PASSES = 4.0  # per window: calibration, Hessian accumulation, the quantized output passed on
@@ -47,24 +48,17 @@ class Estimate:
 
 def forward_seconds(model, windows: list[list[int]]) -> float:
     """Median seconds of one forward pass over one window, timed on up to TIMED_WINDOWS windows
-    after a warm-up pass."""
+    after a warm-up pass (a single window: its one pass is all there is)."""
     import torch
 
     times = []
     with torch.no_grad():
-        for i, window in enumerate(windows[: TIMED_WINDOWS + 1]):
-            ids = torch.tensor([window])
+        for window in windows[: TIMED_WINDOWS + 1]:
             started = time.perf_counter()
-            model(ids)
-            if i:
-                times.append(time.perf_counter() - started)
-    if not times:  # a single window: the warm-up is all there is
-        ids = torch.tensor([windows[0]])
-        started = time.perf_counter()
-        with torch.no_grad():
-            model(ids)
-        times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
+            model(torch.tensor([window]))
+            times.append(time.perf_counter() - started)
+    timed = times[1:] or times  # the first pass warms up
+    return sorted(timed)[len(timed) // 2]
 
 
 def passes(quantize, windows: int, layers: int) -> tuple[float, float, str] | None:
@@ -87,12 +81,12 @@ def passes(quantize, windows: int, layers: int) -> tuple[float, float, str] | No
     return None
 
 
-def estimate(quantize, model, windows: list[list[int]], layers: int, dtype: str) -> Estimate | None:
-    """The produce step's expected wall time for `quantize` (a recipe's section) on `model` (loaded
-    in the job's compute dtype `dtype`), or None for methods that take seconds whatever the data."""
+def estimate(quantize, model, windows: list[list[int]], layers: int, dtype: str) -> Estimate:
+    """The produce step's expected wall time for `quantize` (a recipe's section, of a method whose
+    time grows with data: `passes` is not None) on `model`, loaded in the job's compute dtype `dtype`."""
     work = passes(quantize, len(windows), layers)
     if work is None:
-        return None
+        raise ValueError(f"{quantize.method}: its time does not grow with data; nothing to estimate")
     count, fixed, how = work
     per_pass = forward_seconds(model, windows)
     seconds = count * per_pass + fixed
