@@ -36,10 +36,24 @@ class _Drop(logging.Filter):
         return not record.getMessage().startswith(self.prefix)
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever sys.stderr is when a record is written, not when it was made: a
+    caller that swaps stderr (a test's capture, a redirect) never leaves it writing to a closed file,
+    which would lose the very error being reported."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def configure_console(verbose: bool = False) -> None:
     root = logging.getLogger()
     if not any(getattr(h, "_quantbench_console", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         handler._quantbench_console = True  # type: ignore[attr-defined]  # a marker, found again by getattr above
         root.addHandler(handler)

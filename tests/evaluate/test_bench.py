@@ -91,3 +91,20 @@ def test_summary_percentiles_and_shipped_profiles(monkeypatch):
     monkeypatch.chdir(REPO)
     for name in ("cpu-smoke", "cpu-default", "gpu-default"):
         assert load_profile(name).repetitions >= 2
+
+
+def test_a_measure_of_zero_gives_no_speedup_rather_than_a_crash():
+    """A tiny model loaded into memory the process had already freed grows its peak by nothing:
+    the run is measured, and the memory ratio is left out (not a ZeroDivisionError that fails the bench)."""
+    from quantbench.evaluate.speed import bench_pair
+
+    def measurer(mem_mb: float, ttft_ms: float):
+        def run(prompt_sets, rep):
+            return {"p16/ttft_ms": ttft_ms, "p16/e2e_ms": 3 * ttft_ms, "p16/prefill_tok_s": 100.0, "peak_mem_mb": mem_mb}
+        return run
+
+    profile = Profile(prompt_tokens=[16], concurrency=[1], repetitions=3, warmup=0)
+    result = bench_pair({"candidate": measurer(0.0, 10.0), "base": measurer(50.0, 20.0)}, list(range(100)), profile)
+    m = result.metrics
+    assert m["speed/peak_mem_mb"] == 0.0 and "speedup/peak_mem_mb" not in m
+    assert m["speedup/ttft_ms_p50"] == 2.0 and m["speedup/e2e_ms_p50"] == 2.0

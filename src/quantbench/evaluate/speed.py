@@ -217,6 +217,8 @@ def bench_pair(measurers: dict, token_ids: list[int], profile: Profile) -> Speed
     for key, value in list(metrics.items()):
         if key.startswith("speed/") and "base_" + key in metrics:
             base = metrics["base_" + key]
+            if value <= 0 or base <= 0:  # e.g. a tiny model whose load did not grow the process: no ratio
+                continue
             lower = key.endswith(LOWER_IS_FASTER)
             metrics["speedup/" + key.removeprefix("speed/")] = (base / value) if lower else (value / base)
     metrics.update(speedup_intervals(samples, profile))

@@ -38,6 +38,7 @@ DISTILL_PER_STEP = 2.5  # per window of a batch: the teacher's forward + the hal
 class Estimate:
     seconds: float
     basis: str  # how it was reached, for the log and the run
+    per_pass_s: float = 0.0  # the timed forward pass it was scaled from
 
     def minutes(self) -> float:
         return self.seconds / 60
@@ -90,4 +91,4 @@ def estimate(quantize, model, windows: list[list[int]], layers: int, dtype: str)
     count, fixed, how = work
     per_pass = forward_seconds(model, windows)
     seconds = count * per_pass + fixed
-    return Estimate(seconds, f"{how} forward passes of {per_pass:.3f} s ({len(windows[0])} tokens, {dtype})")
+    return Estimate(seconds, f"{how} forward passes of {per_pass:.3f} s ({len(windows[0])} tokens, {dtype})", per_pass)
