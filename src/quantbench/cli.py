@@ -9,9 +9,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from quantbench import engines
 from quantbench.errors import UserError
 
 log = logging.getLogger("quantbench")
+
+
+def scoring_engines() -> list[str]:
+    """Engines that score lm-eval tasks through their server (prompt log-probabilities)."""
+    return [e.name for e in engines.every() if e.kind == "server" and e.quality == "prompt_logprobs"]
 
 EPILOG = """\
 examples:
@@ -89,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("target", help="an MLflow run id (from quantize) or a checkpoint directory")
     e.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
-    e.add_argument("--engine", choices=["vllm"], default=None,
+    e.add_argument("--engine", choices=scoring_engines(), default=None,
                    help="also score the suite's lm-eval tasks on the checkpoint served by this engine (lm-eval "
-                   "local-completions against a vLLM server): task_engine/<task>/<metric> and quality/engine_flips_pct "
+                   "local-completions against its server): task_engine/<task>/<metric> and quality/engine_flips_pct "
                    "(items whose correctness differs between the engine and transformers)")
 
     b = sub.add_parser(
@@ -109,13 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "the model to speed up (a run id, checkpoint dir or model source; default the draft's base model)")
     b.add_argument("--draft", metavar="RUN_ID|DIR", help="measure speculative decoding with this draft model")
     b.add_argument("--profile", default=None, help="profiles/NAME.yaml (default: cpu-smoke)")
-    b.add_argument("--backend", default=None, choices=["auto", "vllm", "transformers", "hf", "openai", "serve"],
-                   help="auto (default): vLLM's server when vLLM serves the checkpoint's format on this device (its "
-                   "environment .venv-vllm is created on first use), else transformers serve, else hf; vllm, "
-                   "transformers: that server on 127.0.0.1 for both models; hf: in-process transformers generate (not a "
-                   "serving engine); openai: running endpoints (--endpoint, --base-endpoint); serve: --server picks")
-    b.add_argument("--server", default="auto", choices=["auto", "vllm", "transformers"],
-                   help="with --backend serve: auto = vLLM where it serves the format, else transformers serve")
+    b.add_argument("--backend", default=None, choices=engines.backend_choices(),
+                   help=f"auto (default): the first of {', '.join(engines.AUTO)} that serves the checkpoint's format and "
+                   "its base model's on this device (vLLM's environment .venv-vllm is created on first use); a server's "
+                   "name (vllm, transformers, ...): that server on 127.0.0.1 for both models; hf: in-process transformers "
+                   "generate (not a serving engine); openai: running endpoints (--endpoint, --base-endpoint); serve: "
+                   "--server picks")
+    b.add_argument("--server", default="auto", choices=["auto", *engines.servers()],
+                   help="with --backend serve: auto = the first server engine that serves the format here")
     b.add_argument("--endpoint", help="with --backend openai: the checkpoint's endpoint, e.g. http://127.0.0.1:8000/v1")
     b.add_argument("--base-endpoint", help="with --backend openai: the base model's endpoint")
 
@@ -145,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
     n.add_argument("--profile", default=None, help="profiles/NAME.yaml for the bench (default: cpu-smoke)")
     n.add_argument("--no-bench", action="store_true", help="skip the speed part")
-    n.add_argument("--backend", default="auto", choices=["auto", "vllm", "transformers", "hf"],
+    n.add_argument("--backend", default="auto", choices=[b for b in engines.backend_choices() if b not in ("openai", "serve")],
                    help="the engine the speed part measures through, as for bench (default auto: vLLM where it "
                    "serves the model, else transformers serve, else hf)")
     n.add_argument("--recipe", default=None, help="a calibrated recipe to run at two calibration seeds as well")

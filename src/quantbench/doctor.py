@@ -1,4 +1,5 @@
-"""`quantbench doctor`: which engines and servers this machine has, one line each.
+"""`quantbench doctor`: which engines and servers this machine has, one line each (the serving
+engines' lines come from their registry, quantbench.engines).
 
 Read from package metadata and the machine (nvidia-smi, /proc/cpuinfo); nothing is imported but
 torch (for CUDA), no server is started and nothing is created (`--vllm` creates vLLM's
@@ -28,28 +29,22 @@ def _line(name: str, available: bool, version: str | None, detail: str) -> dict:
 def facts() -> list[dict]:
     import torch
 
-    from quantbench import vllm_engine
-    from quantbench.evaluate.serving import transformers_serve_available
+    from quantbench import engines
 
     out = [_line("python", True, platform.python_version(), sys.executable)]
     cuda = torch.cuda.is_available()
     out.append(_line("torch", True, torch.__version__, f"CUDA {torch.version.cuda} with {torch.cuda.device_count()} GPU(s)"
                      if cuda else "no CUDA in this build or no GPU: everything runs on the CPU"))
-    gpu = vllm_engine.cuda_gpu()
+    gpu = hardware.cuda_gpu()
     out.append(_line("NVIDIA GPU", gpu is not None, None, gpu or "none (nvidia-smi -L does not answer)"))
     out.append(_line("CPU", True, None, f"{_cpu()}; {hardware.cpu().describe()}"))
     out.append(_line("compute dtype", True, None, compute_line(cuda)))
     out.append(_line("transformers", _version("transformers") is not None, _version("transformers"),
                      "loads every format quantbench writes (hf backend, evaluate)"))
-    serve = transformers_serve_available()
-    out.append(_line("transformers serve", serve, _version("transformers") if serve else None,
-                     "bench server (OpenAI API)" if serve else "missing transformers[serving] (fastapi, uvicorn, openai)"))
-    engine, note = vllm_engine.find()
-    if engine is not None:
-        detail = f"{engine.describe()} in {engine.where}; serves here: {serves_here()}"
-    else:
-        detail = f"{note}; would be {vllm_engine.build().describe()}, serving here: {serves_here()}"
-    out.append(_line("vLLM", engine is not None, engine.version if engine else None, detail))
+    for engine in engines.every():  # the serving engines, from their registry
+        if engine.kind == "server":
+            available, version, detail = engine.status()
+            out.append(_line(engine.label, available, version, detail))
     for name, dist, what in (("llm-compressor", "llmcompressor", "GPTQ, AWQ, FP8, SmoothQuant -> compressed-tensors"),
                              ("compressed-tensors", "compressed-tensors", "the format llm-compressor writes"),
                              ("bitsandbytes", "bitsandbytes", "INT8, NF4, FP4 at load time" + ("" if cuda else " (CPU kernels)")),
@@ -72,19 +67,6 @@ def compute_line(cuda: bool) -> str:
     cpu = hardware.cpu()
     why = "native on this CPU" if cpu.native("bfloat16") else f"bfloat16 is emulated on {cpu.klass} (no AMX or AVX512-BF16)"
     return f"auto: a bfloat16 recipe computes in {saved_bf16} ({why}); checkpoints are saved in the recipe's dtype"
-
-
-def serves_here() -> str:
-    from quantbench import vllm_engine
-
-    if vllm_engine.device() == "cuda":
-        return "unquantized, compressed-tensors (W4A16, W8A16, W8A8, FP8), GPTQ, AWQ, bitsandbytes, FP8 KV cache"
-    cpu = hardware.cpu()
-    kv = "FP8 KV cache" if cpu.avx512 else "no FP8 KV cache (needs AVX-512)"
-    int4 = ("compressed-tensors W4A16 (4-bit integer weights), GPTQ and AWQ 4-bit, " if cpu.avx512 else "")
-    no_int4 = "" if cpu.avx512 else ", or 4-bit weights (its CPUWNA16 kernel needs AVX-512)"
-    return (f"on {cpu.klass}: unquantized, {int4}W8A8 INT8, FP8 (a slow fallback on CPU), {kv}; not bitsandbytes or "
-            f"8-bit weight-only (GPU kernels){no_int4}")
 
 
 def _cpu() -> str:

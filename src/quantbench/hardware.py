@@ -98,6 +98,19 @@ def cpu() -> CPU:
     return CPU(flags - ISA_CAPS.get(cap, set()), cap if cap in ISA_CAPS else "")
 
 
+@cache
+def cuda_gpu() -> str | None:
+    """The first NVIDIA GPU the driver reports (`nvidia-smi -L`), or None; imports nothing."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [x for x in out.stdout.splitlines() if x.startswith("GPU ")]
+    return lines[0] if out.returncode == 0 and lines else None
+
+
 def cuda() -> bool:
     import torch
 

@@ -15,6 +15,8 @@ import difflib
 import re
 from typing import Literal
 
+from quantbench import engines
+
 Direction = Literal["higher", "lower"]
 
 # Exact names and their direction (None: a count or a context value, not a score).
@@ -111,8 +113,6 @@ CONCURRENT: dict[str, Direction] = {"throughput_tok_s": "higher", "requests_s": 
                                     "itl_ms_p95": "lower", "itl_ms_p99": "lower", "e2e_ms_p50": "lower",
                                     "e2e_ms_p95": "lower"}
 LEVEL = re.compile(r"(?:c\d+|r[0-9.]+)/(.+)")
-# bench_server values: the engines that serve (the rest, hf, is in-process transformers generate)
-SERVING_ENGINES = ("vllm", "transformers", "endpoint")
 # task/<task>/<metric>: lm-eval's metric names; these are lower-is-better, the rest higher.
 TASK_LOWER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
 # Metrics that have a recovery/<m> against the baseline.
@@ -277,7 +277,7 @@ def serving(tags: dict[str, str]) -> bool | None:
     if server is None:
         backend = tags.get("quantbench.bench_backend")
         return None if backend is None else backend != "hf"
-    return server in SERVING_ENGINES
+    return server not in {e.tag_name for e in engines.every() if e.kind == "in-process"}
 
 
 def is_better(name: str, a: float, b: float) -> bool:

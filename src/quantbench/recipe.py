@@ -23,7 +23,7 @@ from types import UnionType
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from quantbench.errors import UserError, did_you_mean
 
@@ -341,11 +341,22 @@ class BenchSpec(Strict):
     """Measure speed against the base model after the evaluate stage, through a serving engine."""
 
     profile: str = "cpu-smoke"  # profiles/<profile>.yaml
-    # auto: vLLM's server when vLLM serves the checkpoint's format on this device, else
-    # `transformers serve`, else in-process hf; vllm / transformers: that server (an error before
-    # the job if it cannot serve); hf: in-process transformers generate (not a serving engine);
-    # serve: a server, vLLM where it serves the format, else transformers serve
-    backend: Literal["auto", "vllm", "transformers", "hf", "serve"] = "auto"
+    # auto: the first engine of quantbench.engines.AUTO (vLLM, transformers serve, in-process hf)
+    # that serves the checkpoint's format on this device; an engine's name: that engine (an error
+    # before the job if it cannot serve); hf: in-process transformers generate (not a serving
+    # engine); serve: a server, the first that serves the format. One of engines.backend_choices()
+    # less openai (a recipe starts its own servers).
+    backend: str = "auto"
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        from quantbench import engines
+
+        choices = [b for b in engines.backend_choices() if b != "openai"]
+        if value not in choices:
+            raise ValueError(f"unknown value '{value}'." + did_you_mean(value, choices))
+        return value
 
 
 class ResourcesSpec(Strict):

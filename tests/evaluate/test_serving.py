@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import transformers
 
 from quantbench.cli import main
 from quantbench.evaluate.serving import model_server
@@ -125,4 +126,4 @@ def test_a_checkpoint_the_server_cannot_load(workdir, tiny_model_dir, profiles, 
     assert main(args) == 1
     [run] = runs()
     assert run.info.status == "FAILED"
-    assert f"transformers serve could not serve {broken}" in run.data.tags["quantbench.error"]
+    assert f"transformers serve ({transformers.__version__}) could not serve {broken}" in run.data.tags["quantbench.error"]

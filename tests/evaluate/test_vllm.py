@@ -142,7 +142,7 @@ def test_a_checkpoint_vllm_cannot_load(workdir, tiny_model_dir, settings, vllm, 
     [run] = runs()
     assert run.info.status == "FAILED"
     error = run.data.tags["quantbench.error"]
-    assert f"vLLM ({vllm.describe()}) could not serve {broken} (exit code" in error and "candidate.log" in error
+    assert f"vLLM ({vllm.describe()}, eager) could not serve {broken} (exit code" in error and "candidate.log" in error
     assert "RuntimeError: start (0) + length (192) exceeds dimension size (160)." in error  # the root cause, from its log
 
 
@@ -158,7 +158,7 @@ def test_evaluate_engine_vllm_scores_the_tasks_on_the_served_checkpoint(workdir,
     assert m["quality/engine_flips_items"] == 16 and m["quality/engine_flips_pct"] == 0.0
     assert "task_engine/qb_pydoc_lastword/perplexity" in out  # the table
     [run] = [r for r in runs() if r.data.tags["quantbench.role"] == "candidate"]
-    assert run.info.status == "FINISHED" and run.data.tags["quantbench.task_engine"] == f"{vllm.describe()} (float32)"
+    assert run.info.status == "FINISHED" and run.data.tags["quantbench.task_engine"] == f"vLLM ({vllm.describe()}, eager) (float32)"
     report = json.loads(artifact(run.info.run_id, "evaluation_engine.json", workdir).read_text())
     assert report["task_items_scored"] == {"qb_pydoc_lastword": 8, "qb_pydoc_continuation": 8}
     assert "--dtype float32" in artifact(run.info.run_id, "servers/engine.log", workdir).read_text().splitlines()[0]

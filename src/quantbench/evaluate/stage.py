@@ -29,8 +29,8 @@ from quantbench.metrics import RECOVERABLE, direction
 from quantbench.tracking import TAG, Tracker
 
 if TYPE_CHECKING:
+    from quantbench.engines import ServingEngine
     from quantbench.quality import Reference
-    from quantbench.vllm_engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ def recovery(metrics: dict[str, float], baseline: dict[str, float]) -> dict[str,
 
 @dataclass
 class EnginePlan:
-    engine: Engine
+    engine: ServingEngine
     checkpoint: Path
     dtype: str  # --dtype: the dtype transformers loads the checkpoint in, so that only the engine differs
     max_len: int
@@ -298,42 +298,49 @@ class EngineTasks:
 
 
 def prepare_engine(name: str, checkpoint: Path, p: Plan) -> EnginePlan:
-    """Every check before the run: tasks to score, a format the engine serves here, the engine's
-    environment (created if missing). UserError otherwise."""
-    from quantbench import vllm_engine
+    """Every check before the run: tasks to score, an engine that scores through its API, a format
+    it serves here, its environment (created if missing). UserError otherwise."""
+    from quantbench import engines
 
+    engine = engines.get(name, "--engine")
+    if engine.kind != "server" or engine.quality != "prompt_logprobs":
+        scoring = [e.name for e in engines.every() if e.kind == "server" and e.quality == "prompt_logprobs"]
+        raise UserError(f"--engine {name}: {engine.label} gives no prompt log-probabilities to score tasks with. "
+                        f"Engines that do: {', '.join(scoring)}")
     if not p.suite.suite.tasks:
         raise UserError(f"--engine {name}: suite '{p.suite.name}' has no lm-eval tasks to score through the engine")
-    problem = vllm_engine.unserved(checkpoint)
+    problem = engine.unavailable() or engine.unserved(checkpoint)
     if problem:
-        raise UserError(f"--engine {name}: vLLM does not serve {checkpoint} here: {problem}")
-    engine = vllm_engine.ensure(f"--engine {name}")
+        raise UserError(f"--engine {name}: {engine.label} does not serve {checkpoint} here: {problem}")
+    engine.ensure(f"--engine {name}")
     dtype = hardware.saved_dtype(json.loads((checkpoint / "config.json").read_text())) or "auto"
-    limit = vllm_engine.max_model_len(checkpoint) or 2048
+    limit = engine.max_model_len(checkpoint) or 2048
     return EnginePlan(engine, checkpoint, dtype, min(limit, 4096))
 
 
 def engine_tasks(ep: EnginePlan, p: Plan, transformers_correct: dict[str, dict[int, bool]], logs: list[Path]) -> EngineTasks:
-    """Serve the checkpoint with vLLM (eager: start-up time matters here, not decode speed) and score
+    """Serve the checkpoint with the engine (eager: start-up time matters here, not decode speed) and score
     the suite's tasks through lm-eval's local-completions model against it. The server's log is
     appended to `logs` before it starts (the caller keeps it whatever happens)."""
-    from quantbench.evaluate.serving import ServerSpec, model_server
+    from quantbench.engines import ServerSettings
+    from quantbench.evaluate.serving import model_server
     from quantbench.evaluate.tasks import score, served_lm
 
     spec = p.suite.suite
     directory = Path(tempfile.mkdtemp(prefix="qb-engine-"))
     logs.append(directory / "engine.log")
-    log.info("evaluate --engine vllm: serving %s with %s (%s) and scoring %s", ep.checkpoint, ep.engine.describe(), ep.dtype,
+    described = ep.engine.describe(compiled=False)
+    log.info("evaluate --engine %s: serving %s with %s (%s) and scoring %s", ep.engine.name, ep.checkpoint, described, ep.dtype,
              ", ".join(spec.tasks))
-    with model_server(ep.checkpoint, logs[-1], ServerSpec("vllm", ep.max_len, compiled=False, dtype=ep.dtype,
-                                                          engine=ep.engine)) as (url, name, _):
+    settings = ServerSettings(ep.max_len, compiled=False, dtype=ep.dtype)
+    with model_server(ep.checkpoint, logs[-1], ep.engine, settings) as (url, name, _):
         # max_tokens 1 is generated after the echoed prompt: the prompt gets one token less
         lm = served_lm(url, name, str(ep.checkpoint), max_length=ep.max_len - 1, batch_size=spec.task_batch_size)
         tasks = score(lm, spec.tasks, p.tasks_dir, limit=spec.task_limit)
     metrics = {"task_engine/" + k.removeprefix("task/"): v for k, v in tasks.metrics.items()}
     metrics |= flips(transformers_correct, tasks.correct, prefix="quality/engine_flips")
-    tags = {TAG + "task_engine": f"{ep.engine.describe()} ({ep.dtype})"}
-    report = {"engine": ep.engine.describe(), "dtype": ep.dtype, "max_model_len": ep.max_len, "metrics": metrics,
+    tags = {TAG + "task_engine": f"{described} ({ep.dtype})"}
+    report = {"engine": described, "dtype": ep.dtype, "max_model_len": ep.max_len, "metrics": metrics,
               "task_items_scored": tasks.counts, "lm_eval_results": tasks.raw,
               "samples": {t: {str(k): v for k, v in items.items()} for t, items in tasks.correct.items()}}
     return EngineTasks(metrics, tags, report, list(logs))

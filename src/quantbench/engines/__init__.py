@@ -1,0 +1,225 @@
+"""Serving engines behind one interface, in one lazy registry.
+
+An engine is what a checkpoint's speed (and, where it can, its quality) is measured through:
+vLLM's OpenAI server, `transformers serve`, in-process transformers `generate` (`hf`, not a
+serving engine), or a user's own endpoints (`openai`). Each is a `ServingEngine`: what it serves
+on this device (asked with the device's features, never a table copied elsewhere), how it is made
+ready (an environment or binaries created on first use), how its server starts, what a request
+looks like, how a failure is explained, which quality measurements it can give.
+
+`ENGINES` maps a name (the `--backend` value, the recipe's `bench.backend`, the run's
+`quantbench.bench_server` tag) to "module:Class", imported only when the engine is used, so
+`--help` and most tests import none of them. `AUTO` is the order `auto` tries them in. A new
+engine is one module and one line here (tests register their own with `register`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from quantbench.errors import UserError, did_you_mean
+
+Kind = Literal["server", "in-process", "endpoint"]
+Quality = Literal["prompt_logprobs", "none"]
+
+ENGINES: dict[str, str] = {
+    "vllm": "quantbench.engines.vllm:VLLM",
+    "transformers": "quantbench.engines.transformers_serve:TransformersServe",
+    "hf": "quantbench.engines.inprocess:InProcess",
+    "openai": "quantbench.engines.endpoint:Endpoint",
+}
+# `auto` takes the first that serves the checkpoint and its base model here and can run here
+AUTO: list[str] = ["vllm", "transformers", "hf"]
+# not engines, ways of choosing one: `serve` is a server, any (--server names which, default auto)
+CHOOSERS = ("auto", "serve")
+
+_loaded: dict[str, ServingEngine] = {}
+
+
+@dataclass
+class ServerSettings:
+    """How one server is started for one checkpoint."""
+
+    max_len: int = 2048
+    compiled: bool = True  # vLLM: compile graphs at start-up (its default); False: --enforce-eager
+    dtype: str = "auto"  # the dtype the engine serves the model in (vLLM --dtype)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class ServingEngine:
+    """The interface. Subclasses set the class attributes and override what applies to their kind:
+    a server engine `server_command`; every engine `unserved` and `status`."""
+
+    name: ClassVar[str]  # its registry name
+    label: ClassVar[str]  # how people call it: "vLLM", "transformers serve"
+    kind: ClassVar[Kind]
+    tag: ClassVar[str] = ""  # the quantbench.bench_server tag (default: its name)
+    quality: ClassVar[Quality] = "none"  # what quality it can give through its API
+    health_timeout_s: ClassVar[float] = 180.0  # a server: from start to /health answering
+
+    @property
+    def tag_name(self) -> str:
+        return self.tag or self.name
+
+    # -- here ----------------------------------------------------------------------------------
+    def status(self) -> tuple[bool, str | None, str]:
+        """(ready or can be made ready here, version, detail) for `doctor`; creates nothing."""
+        return True, None, self.label
+
+    def unavailable(self) -> str | None:
+        """Why it cannot run on this machine at all (not installed, no build possible), or None."""
+        return None
+
+    def unserved(self, checkpoint: Path | dict) -> str | None:
+        """Why it does not serve a checkpoint (its directory, or its config.json as a dict) on this
+        device, or None if it does."""
+        return None
+
+    def ensure(self, why: str) -> None:
+        """Make it ready (an environment, binaries), creating what is missing; UserError if it cannot."""
+
+    def describe(self, compiled: bool = True) -> str:
+        """The engine and version it runs as, for the output and the run's tags."""
+        return self.label
+
+    # -- a server ------------------------------------------------------------------------------
+    def server_command(self, checkpoint: Path, port: int, settings: ServerSettings, tmp: Path) -> tuple[list[str], dict[str, str]]:
+        """(command, environment) of a server for `checkpoint` on 127.0.0.1:`port`; `tmp` is a
+        directory removed after the server stops."""
+        raise NotImplementedError(f"{self.name} starts no server")
+
+    def request_body(self, model: str, prompt: str, max_tokens: int) -> dict:
+        """A streamed greedy /v1/completions request."""
+        return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+
+    def explain(self, log_path: Path) -> str:
+        """The server's own account of a failure, from its log."""
+        from quantbench.evaluate.serving import why
+
+        return why(log_path)
+
+    def served_dtype(self, log_path: Path) -> str | None:
+        """The dtype the server says it ran the model in, if it says."""
+        return None
+
+    def max_model_len(self, checkpoint: Path) -> int | None:
+        """The longest context the checkpoint allows (its config's max_position_embeddings)."""
+        config = json.loads((checkpoint / "config.json").read_text())
+        value = (config.get("text_config") or config).get("max_position_embeddings")
+        return int(value) if value else None
+
+
+def register(name: str, target: str, *, auto_before: str | None = None) -> None:
+    """Add an engine ("module:Class"); with `auto_before`, `auto` tries it just before that one."""
+    ENGINES[name] = target
+    _loaded.pop(name, None)
+    if name in AUTO:
+        AUTO.remove(name)
+    if auto_before is not None:
+        AUTO.insert(AUTO.index(auto_before), name)
+
+
+def unregister(name: str) -> None:
+    ENGINES.pop(name, None)
+    _loaded.pop(name, None)
+    if name in AUTO:
+        AUTO.remove(name)
+
+
+def names() -> list[str]:
+    return list(ENGINES)
+
+
+def backend_choices() -> list[str]:
+    """What --backend (and a recipe's bench.backend) accepts."""
+    return ["auto", *ENGINES, "serve"]
+
+
+def get(name: str, field: str = "--backend") -> ServingEngine:
+    """The engine registered as `name` (imported on first use). UserError naming the choices."""
+    if name not in ENGINES:
+        raise UserError(f"{field}: unknown engine '{name}'.{did_you_mean(name, backend_choices())}")
+    if name not in _loaded:
+        module, _, attr = ENGINES[name].partition(":")
+        engine = getattr(importlib.import_module(module), attr)()
+        if engine.name != name:
+            raise RuntimeError(f"engine registered as '{name}' calls itself '{engine.name}' ({ENGINES[name]})")
+        _loaded[name] = engine
+    return _loaded[name]
+
+
+def every() -> list[ServingEngine]:
+    return [get(n) for n in ENGINES]
+
+
+def servers() -> list[str]:
+    """The engines that start a server of their own (what --server accepts besides auto)."""
+    return [e.name for e in every() if e.kind == "server"]
+
+
+def serving_tags() -> tuple[str, ...]:
+    """bench_server tag values of engines that measure through a serving engine (not in-process)."""
+    return tuple(e.tag_name for e in every() if e.kind != "in-process")
+
+
+def device() -> str:
+    """"cuda" where an NVIDIA driver answers, else "cpu"."""
+    from quantbench import hardware
+
+    return "cuda" if hardware.cuda_gpu() else "cpu"
+
+
+@dataclass(frozen=True)
+class Choice:
+    engine: ServingEngine
+    why: str
+
+
+def choose(requested: str, server: str, checkpoint: Path | dict | None, base_path: Path | None,
+           flag: str = "--backend") -> Choice:
+    """The engine for what was asked: a name is that engine (UserError where it does not serve
+    both models here, naming one that does); `auto` the first in AUTO that serves both and can run
+    here; `serve` the same among servers (or the one --server names)."""
+    if requested == "serve" and server != "auto":
+        requested = server
+    if requested not in CHOOSERS:
+        engine = get(requested, flag)
+        problem = _problem(engine, checkpoint, base_path)
+        if problem:
+            other = next((e for e in _candidates("auto") if e is not engine and _problem(e, checkpoint, base_path) is None), None)
+            hint = f". `{flag} {other.name}` measures it through {other.label}" if other else ""
+            raise UserError(f"{flag} {requested}: {problem}{hint}")
+        return Choice(engine, f"asked for ({flag} {requested})")
+    reasons = []
+    for engine in _candidates(requested):
+        problem = _problem(engine, checkpoint, base_path)
+        if problem is None:
+            if not reasons:
+                return Choice(engine, f"{requested}: {engine.label} serves this format on {_where(engine)}")
+            return Choice(engine, f"{requested}: {'; '.join(reasons)}; {engine.label} instead")
+        reasons.append(problem)
+    raise UserError(f"{flag} {requested}: {'; '.join(reasons)}")
+
+
+def _candidates(requested: str) -> list[ServingEngine]:
+    engines = [get(n) for n in AUTO if n in ENGINES]
+    return [e for e in engines if e.kind == "server"] if requested == "serve" else engines
+
+
+def _where(engine: ServingEngine) -> str:
+    return "a GPU" if device() == "cuda" else f"this CPU{engine.cpu_note() if hasattr(engine, 'cpu_note') else ''}"
+
+
+def _problem(engine: ServingEngine, checkpoint: Path | dict | None, base_path: Path | None) -> str | None:
+    missing = engine.unavailable()
+    if missing:
+        return missing
+    for what, path in (("the checkpoint", checkpoint), ("its base model", base_path)):
+        problem = engine.unserved(path) if path is not None else None
+        if problem:
+            return f"{engine.label} does not serve {what} on {_where(engine)}: {problem}"
+    return None

@@ -1,0 +1,40 @@
+"""`transformers serve` (transformers' own OpenAI-compatible server) as a serving engine: it loads
+every format quantbench writes, without the kernels that make quantized formats fast."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from quantbench.engines import ServerSettings, ServingEngine
+
+
+def _cli() -> Path:
+    return Path(sys.executable).with_name("transformers")
+
+
+class TransformersServe(ServingEngine):
+    name = "transformers"
+    label = "transformers serve"
+    kind = "server"
+
+    def unavailable(self) -> str | None:
+        if _cli().exists() and all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn", "openai")):
+            return None
+        return "transformers serve is not installed (transformers[serving]: fastapi, uvicorn, openai)"
+
+    def status(self) -> tuple[bool, str | None, str]:
+        missing = self.unavailable()
+        if missing:
+            return False, None, "missing transformers[serving] (fastapi, uvicorn, openai)"
+        return True, metadata.version("transformers"), "bench server (OpenAI API); every format quantbench writes"
+
+    def describe(self, compiled: bool = True) -> str:
+        return f"transformers serve ({metadata.version('transformers')})"
+
+    def server_command(self, checkpoint: Path, port: int, settings: ServerSettings, tmp: Path) -> tuple[list[str], dict[str, str]]:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **settings.extra_env}
+        return [str(_cli()), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)], env

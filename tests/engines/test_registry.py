@@ -1,0 +1,102 @@
+"""The serving-engine seam: an engine is one class and one registry line. A test engine (a real
+server process, tests/engines/echo_server.py) registered here shows up in `doctor`, in `--backend`
+and `--server` choices, in a recipe's `bench.backend`, and is what `auto` picks where it serves;
+`quantbench bench` then measures through it end to end, and stops it."""
+
+import json
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from quantbench import engines
+from quantbench.cli import build_parser, main
+from quantbench.engines import ServerSettings, ServingEngine
+from quantbench.recipe import BenchSpec
+
+from tests.conftest import TINY_PROFILE
+from tests.helpers import last_json, runs
+
+SCRIPT = Path(__file__).with_name("echo_server.py")
+
+
+class EchoServer(ServingEngine):
+    """Serves unquantized checkpoints only (a quantization_config: refused, with the reason)."""
+
+    name = "echo"
+    label = "echo server"
+    kind = "server"
+    health_timeout_s = 30.0
+
+    def status(self):
+        return True, "1.0", "test engine: streams one word per requested token"
+
+    def unserved(self, checkpoint):
+        config = checkpoint if isinstance(checkpoint, dict) else json.loads((Path(checkpoint) / "config.json").read_text())
+        return "echo serves unquantized checkpoints only" if config.get("quantization_config") else None
+
+    def describe(self, compiled=True):
+        return "echo server 1.0"
+
+    def server_command(self, checkpoint, port, settings: ServerSettings, tmp):
+        return [sys.executable, str(SCRIPT), "serve", "--port", str(port), "--model", str(checkpoint)], {}
+
+
+@pytest.fixture
+def echo():
+    engines.register("echo", f"{__name__}:EchoServer", auto_before="vllm")
+    yield engines.get("echo")
+    engines.unregister("echo")
+
+
+def echo_servers() -> list:
+    return [p for p in psutil.process_iter(["cmdline"]) if str(SCRIPT) in (p.info["cmdline"] or [])]
+
+
+def test_a_registered_engine_is_in_every_choice_and_first_for_auto(echo, tiny_model_dir, capsys):
+    assert "echo" in engines.backend_choices() and engines.AUTO[0] == "echo"
+    args = build_parser().parse_args(["bench", "x", "--backend", "echo", "--server", "echo"])
+    assert (args.backend, args.server) == ("echo", "echo")
+    assert BenchSpec(backend="echo").backend == "echo"
+    chosen = engines.choose("auto", "auto", tiny_model_dir, tiny_model_dir)
+    assert chosen.engine is echo and chosen.why == "auto: echo server serves this format on this CPU"
+    # where it does not serve the checkpoint, auto says why and takes the next in order
+    config = {**json.loads((tiny_model_dir / "config.json").read_text()), "quantization_config": {"quant_method": "fp8"}}
+    chosen = engines.choose("auto", "auto", config, tiny_model_dir)
+    assert chosen.engine is not echo and "echo server does not serve the checkpoint on this CPU: echo serves " \
+        "unquantized checkpoints only" in chosen.why
+    assert main(["doctor", "--json"]) == 0
+    facts = {f["name"]: f for f in last_json(capsys.readouterr().out)["engines"]}
+    assert facts["echo server"] == {"name": "echo server", "available": True, "version": "1.0",
+                                    "detail": "test engine: streams one word per requested token"}
+
+
+def test_unknown_engines_are_named_with_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "x", "--backend", "vlm"])
+    assert "invalid choice: 'vlm'" in capsys.readouterr().err
+    with pytest.raises(Exception, match=r"unknown value 'vlm'\. Did you mean 'vllm'\?"):
+        BenchSpec(backend="vlm")
+    with pytest.raises(Exception, match="--backend: unknown engine 'vlm'. Did you mean 'vllm'"):
+        engines.get("vlm")
+    assert "echo" not in engines.backend_choices()  # unregistered again after its test
+
+
+@pytest.mark.slow  # starts a server process for the checkpoint and one for its base
+def test_bench_measures_through_a_registered_engine(echo, workdir, tiny_model_dir, capsys):
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE.replace("repetitions: 1", "repetitions: 2"))
+    assert main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--profile", "tiny", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "measured through: echo server 1.0 (auto: echo server serves this format on this CPU)" in out
+    m = last_json(out)["metrics"]
+    for prefix in ("speed/", "base_speed/"):
+        # 4 tokens a request, each after a 2 ms gap: the decode rate is bounded by the server's pace
+        assert 0 < m[prefix + "decode_tok_s"] < 1000 and m[prefix + "itl_ms_p50"] >= 2.0
+        assert m[prefix + "c1/throughput_tok_s"] > 0 and m[prefix + "peak_mem_mb"] > 0
+    [run] = runs()
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["quantbench.bench_server"] == "echo" and run.data.tags["quantbench.bench_backend"] == "serve"
+    assert run.data.tags["quantbench.bench_engine"] == "echo server 1.0"
+    assert echo_servers() == []  # both stopped
