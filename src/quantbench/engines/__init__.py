@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -97,10 +98,8 @@ class ServingEngine:
         return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
 
     def explain(self, log_path: Path) -> str:
-        """The server's own account of a failure, from its log."""
-        from quantbench.evaluate.serving import why
-
-        return why(log_path)
+        """The server's own account of a failure, from its log: its exception lines, else its last lines."""
+        return explain_log(log_path)
 
     def served_dtype(self, log_path: Path) -> str | None:
         """The dtype the server says it ran the model in, if it says."""
@@ -111,6 +110,15 @@ class ServingEngine:
         config = json.loads((checkpoint / "config.json").read_text())
         value = (config.get("text_config") or config).get("max_position_embeddings")
         return int(value) if value else None
+
+
+def explain_log(log_path: Path, prefix: re.Pattern | None = None, generic: tuple[str, ...] = ()) -> str:
+    """A server's account of a failure from its log: its last two exception lines (less `prefix`,
+    a log line's own header, and lines holding one of `generic`), else its last three lines."""
+    lines = [x.strip() for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
+    lines = [prefix.sub("", x) for x in lines] if prefix else lines
+    errors = [x for x in lines if re.match(r"\w*(Error|Exception)\b.*: ", x) and not any(g in x for g in generic)]
+    return " | ".join(dict.fromkeys(errors[-2:] if errors else lines[-3:]))
 
 
 def register(name: str, target: str, *, auto_before: str | None = None) -> None:

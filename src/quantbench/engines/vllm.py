@@ -4,10 +4,16 @@ engine interface over them."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from quantbench import hardware, vllm_engine
-from quantbench.engines import ServerSettings, ServingEngine
+from quantbench.engines import ServerSettings, ServingEngine, explain_log
+
+# vLLM ends a failed start with generic lines ('Engine core initialization failed. See root cause
+# above'); the cause is the exception before them. Its log lines start with a process header.
+GENERIC = ("Engine core initialization failed", "Traceback", "See root cause above", "See stack trace for root cause")
+LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^\]]+\] ")  # "(Worker pid=1) ERROR 11-30 10:59:38 [x.py:9] "
 
 
 class VLLM(ServingEngine):
@@ -54,10 +60,16 @@ class VLLM(ServingEngine):
         return super().request_body(model, prompt, max_tokens) | {"ignore_eos": True,
                                                                    "stream_options": {"include_usage": True}}
 
-    def served_dtype(self, log_path: Path) -> str | None:
-        from quantbench.evaluate.serving import served_dtype
+    def explain(self, log_path: Path) -> str:
+        return explain_log(log_path, LOG_PREFIX, GENERIC)
 
-        return served_dtype(log_path)
+    def served_dtype(self, log_path: Path) -> str | None:
+        """The dtype vLLM says it runs the model in (its engine configuration line)."""
+        try:
+            found = re.search(r"dtype=torch\.(\w+)", log_path.read_text(errors="replace"))
+        except OSError:
+            return None
+        return found.group(1) if found else None
 
 
 def serves_here() -> str:

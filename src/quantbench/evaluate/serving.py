@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 import statistics
 import subprocess
@@ -323,24 +322,3 @@ def model_server(checkpoint: Path, log_path: Path, engine: ServingEngine | str =
         stop_group(proc)
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-GENERIC = ("Engine core initialization failed", "Traceback", "See root cause above", "See stack trace for root cause")
-LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^\]]+\] ")  # vLLM: "(Worker pid=1) ERROR 11-30 10:59:38 [x.py:9] "
-
-
-def why(log_path: Path) -> str:
-    """The server's own account of a failure: its exception lines (vLLM ends with generic ones,
-    'Engine core initialization failed. See root cause above'), else its last lines."""
-    lines = [LOG_PREFIX.sub("", x.strip()) for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
-    errors = [x for x in lines if re.match(r"\w*(Error|Exception)\b.*: ", x) and not any(g in x for g in GENERIC)]
-    return " | ".join(dict.fromkeys(errors[-2:] if errors else lines[-3:]))
-
-
-def served_dtype(log_path: Path) -> str | None:
-    """The dtype vLLM says it runs the model in (its engine configuration line)."""
-    try:
-        found = re.search(r"dtype=torch\.(\w+)", log_path.read_text(errors="replace"))
-    except OSError:
-        return None
-    return found.group(1) if found else None
