@@ -71,9 +71,9 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantbench import data, models
-    from quantbench.checkpoint import weights_size_mb
-    from quantbench.evaluate.speed import Profile, measure
+    from quantbench.sources import data, models
+    from quantbench.sources.checkpoint import weights_size_mb
+    from quantbench.speed.measure import Profile, measure
 
     base = models.resolve("builtin:smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(base.path)

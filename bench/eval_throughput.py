@@ -34,9 +34,9 @@ def main() -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from quantbench import data, models
-        from quantbench import pipeline
-        from quantbench.quality import compare, reference
+        from quantbench.core.measures import compare, reference
+        from quantbench.jobs import pipeline
+        from quantbench.sources import data, models
 
         made = pipeline.quantize("fp8-dynamic", overrides=("evaluate=null",), outputs=Path(tmp) / "outputs", experiment="bench")
         base = models.resolve("builtin:smollm2-135m-instruct")

@@ -44,8 +44,8 @@ def child_direct(samples: int, seq_len: int, out: Path) -> dict:
     from llmcompressor.modifiers.gptq import GPTQModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantbench import data, models
     from quantbench.quantize.llmcompressor import weight_only_scheme
+    from quantbench.sources import data, models
 
     base = models.resolve("builtin:smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(base.path)
@@ -64,7 +64,7 @@ def child_direct(samples: int, seq_len: int, out: Path) -> dict:
 
 def child_quantbench(samples: int, seq_len: int, out: Path) -> dict:
     started = time.perf_counter()
-    from quantbench.pipeline import quantize
+    from quantbench.jobs.pipeline import quantize
 
     result = quantize(
         str(REPO / "recipes" / "gptq-w4a16.yaml"),
@@ -81,7 +81,7 @@ BACKEND_RECIPES = ["fp8-dynamic", "gptq-w4a16", "awq-int4", "w8a8-int8", "fp8-dy
 
 
 def child_recipe(recipe: str, samples: int, seq_len: int, out: Path) -> dict:
-    from quantbench.pipeline import quantize
+    from quantbench.jobs.pipeline import quantize
 
     result = quantize(str(REPO / "recipes" / f"{recipe}.yaml"), outputs=out, experiment="bench-backends",
                       overrides=(f"calibration.samples={samples}", f"calibration.seq_len={seq_len}", "evaluate=null"))

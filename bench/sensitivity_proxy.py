@@ -43,8 +43,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from quantbench import data, models, sensitivity
     from quantbench.recipe import CalibrationSpec
+    from quantbench.sources import data, models
+    from quantbench.tune import sensitivity
 
     base = models.resolve(models_source := "builtin:smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(base.path)

@@ -36,10 +36,13 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from quantbench import data, environment, models, vllm_engine
-    from quantbench.evaluate.serving import ServerSpec, http_client, load_level, model_server, request_body, stream_one
-    from quantbench.evaluate.speed import prompts
-    from quantbench.logs import configure_console
+    from quantbench.core import environment
+    from quantbench.core.logs import configure_console
+    from quantbench.engines import vllm_env as vllm_engine
+    from quantbench.engines.server import http_client, model_server, stream_one
+    from quantbench.sources import data, models
+    from quantbench.speed.measure import prompts
+    from quantbench.speed.serving import ServerSpec, load_level, request_body
 
     configure_console()
     model = models.resolve(args.model, field="--model")

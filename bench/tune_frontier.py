@@ -31,10 +31,10 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
     args = parser.parse_args()
 
-    from quantbench import models
     from quantbench.recipe import available_recipes
+    from quantbench.sources import models
     from quantbench.tracking import TAG, Tracker
-    from quantbench.tune import shipped_references
+    from quantbench.tune.search import shipped_references
 
     tracker = Tracker(args.experiment)
     base = models.resolve(args.model)

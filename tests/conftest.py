@@ -14,10 +14,10 @@ TINY = {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2, "nu
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A BPE tokenizer (vocab 512) trained here on the calibration split of the Python docs."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from quantbench.data import python_docs
+    from quantbench.sources.data import python_docs
 
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

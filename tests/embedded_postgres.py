@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantbench.processes import free_port, stop_group
+from quantbench.core.processes import free_port, stop_group
 
 UNPRIVILEGED_USER = "nobody"
 

@@ -30,13 +30,13 @@ def test_mypy_is_clean():
 def test_mypy_catches_an_import_of_a_removed_name(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def bench_backend() -> str:\n"
-                     "    from quantbench.evaluate.serving import vllm_python\n\n"
+                     "    from quantbench.speed.serving import vllm_python\n\n"
                      "    return 'serve' if vllm_python() else 'hf'\n")
     done = tool("mypy", "src", str(probe))
     assert done.returncode == 1, done.stdout + done.stderr
     # the file's name only: mypy's cache may replay the error under the path an earlier run's probe had
     [error, count] = done.stdout.splitlines()
-    assert error.endswith('probe.py:2: error: Module "quantbench.evaluate.serving" has no attribute "vllm_python"  '
+    assert error.endswith('probe.py:2: error: Module "quantbench.speed.serving" has no attribute "vllm_python"  '
                           '[attr-defined]') and count.startswith("Found 1 error in 1 file"), done.stdout
 
 

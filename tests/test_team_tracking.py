@@ -19,8 +19,7 @@ import pytest
 import yaml
 
 from quantbench.cli import main
-from quantbench.processes import free_port, stop_group
-
+from quantbench.core.processes import free_port, stop_group
 from tests.conftest import TINY_PROFILE, TINY_SUITE
 from tests.helpers import last_json, tiny_recipe, write_recipe
 
@@ -129,11 +128,11 @@ def test_a_ray_sweep_puts_the_checkpoint_in_the_bucket_and_evaluate_fetches_it(t
     """A sweep on a Ray started for it logs each checkpoint into the object store; a machine that
     has no outputs/ (here: the same one, outputs/ removed) evaluates the run by downloading it once,
     verified by its content hash, and a `run:` source resolves to the same copy."""
-    pytest.importorskip("ray")  # tests/test_ray.py insists on it in CI
+    pytest.importorskip("ray")  # tests/jobs/test_ray.py insists on it in CI
     from mlflow.tracking import MlflowClient
 
-    from quantbench import models
-    from quantbench.checkpoint import content_sha
+    from quantbench.sources import models
+    from quantbench.sources.checkpoint import content_sha
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", team_server["uri"])
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-ray")

@@ -1,7 +1,6 @@
 import pytest
 
 from quantbench.tracking import Tracker, flatten
-
 from tests.helpers import runs
 
 
@@ -37,7 +36,7 @@ def sigterm_interrupts():
     """SIGTERM handled as the commands that own runs handle it (processes.interrupt)."""
     import signal
 
-    from quantbench.processes import interrupt
+    from quantbench.core.processes import interrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     yield
@@ -58,7 +57,7 @@ def sigterm_self() -> None:
 def test_an_interrupt_is_held_back_for_a_block_then_handed_over(sigterm_interrupts):
     import signal
 
-    from quantbench.processes import interrupts_held
+    from quantbench.core.processes import interrupts_held
 
     with interrupts_held() as held:
         sigterm_self()
@@ -110,7 +109,7 @@ def test_flatten():
 
 
 def test_search_values_with_quotes_are_quoted_not_injected(workdir):
-    from quantbench.errors import UserError
+    from quantbench.core.errors import UserError
     from quantbench.tracking import quote
 
     with Tracker().start_run("r", {"quantbench.recipe": "x' or 1=1", "quantbench.role": "candidate"}):

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from quantbench.errors import UserError
+from quantbench.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        from quantbench.processes import interrupts_held
+        from quantbench.core.processes import interrupts_held
 
         with interrupts_held() as held:  # a second Ctrl-C must not leave the run RUNNING
             if exc_type is None:
@@ -359,7 +359,7 @@ class Tracker:
         self.client.set_terminated(run_id, status)
 
     def start_run(self, run_name: str, tags: dict[str, Any]) -> Run:
-        from quantbench.processes import interrupts_held
+        from quantbench.core.processes import interrupts_held
 
         tags = {OWNER: owner_tag(), **tags}
         experiment_id = self.experiment_id()

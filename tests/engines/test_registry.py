@@ -14,7 +14,6 @@ from quantbench import engines
 from quantbench.cli import build_parser, main
 from quantbench.engines import ServerSettings, ServingEngine
 from quantbench.recipe import BenchSpec
-
 from tests.conftest import TINY_PROFILE
 from tests.helpers import last_json, runs
 

@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from quantbench.cli import main
-
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
-
 
 
 @pytest.mark.parametrize(
@@ -53,7 +51,7 @@ def test_save_before_forward_trap(tmp_path, tiny128_model_dir):
     is reported, and either is one of exactly those two outcomes, never something in between."""
     from transformers import AutoModelForCausalLM
 
-    from quantbench import hardware
+    from quantbench.core import hardware
     from quantbench.quantize.bnb import BnbBackend
     from quantbench.recipe import BnbSpec
 

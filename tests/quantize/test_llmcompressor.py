@@ -48,8 +48,8 @@ def test_the_same_recipe_at_the_same_seed_writes_the_same_weights(workdir, tiny_
     """llm-compressor drew calibration windows in an unseeded random order by default, and AWQ's
     sums then rounded differently run to run (different checkpoints from one recipe and seed).
     Two AWQ jobs now hash the same, tensor for tensor; another seed (other windows) does not."""
-    from quantbench.checkpoint import read_info
     from quantbench.cli import main
+    from quantbench.sources.checkpoint import read_info
     from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
     write_recipe(workdir, "awq", tiny_recipe(tiny_model_dir, "method: awq\ngroup_size: 32\nn_grid: 4\n"))

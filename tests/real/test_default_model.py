@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from quantbench.cli import main
-
 from tests.helpers import runs
 
 pytestmark = pytest.mark.real
@@ -133,8 +132,8 @@ def test_cached_reference_kld_equals_two_full_forward_passes(fp8_evaluated):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantbench import data, models
-    from quantbench.quality import compare, reference
+    from quantbench.core.measures import compare, reference
+    from quantbench.sources import data, models
 
     base = models.resolve("builtin:smollm2-135m-instruct")
     ids = AutoTokenizer.from_pretrained(base.path)(data.python_docs("evaluation"))["input_ids"][:1024]
@@ -155,7 +154,7 @@ def test_cached_reference_kld_equals_two_full_forward_passes(fp8_evaluated):
 
 
 def test_a_local_gguf_file_is_the_same_model_as_the_builtin():
-    from quantbench import models
+    from quantbench.sources import models
 
     builtin = models.resolve("builtin:smollm2-135m-instruct")
     gguf = models._builtin_gguf("smollm2-135m-instruct", "model.source")
@@ -219,7 +218,7 @@ def test_the_default_model_passes_the_base_check_and_refuses_a_foreign_tokenizer
     (measured 14.5 vs 954); the same weights fed another tokenizer's ids are worse than one."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from quantbench import data, models, verify
+    from quantbench.sources import data, models, verify
 
     base = models.resolve("builtin:smollm2-135m-instruct")
     model = AutoModelForCausalLM.from_pretrained(base.path)

@@ -11,6 +11,8 @@ looks like, how a failure is explained, which quality measurements it can give.
 `quantbench.bench_server` tag) to "module:Class", imported only when the engine is used, so
 `--help` and most tests import none of them. `AUTO` is the order `auto` tries them in. A new
 engine is one module and one line here (tests register their own with `register`).
+`server` runs an engine's server process; `vllm_env` manages vLLM's own environment. Imports core
+only (an engine module may read sources' paths).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from quantbench.errors import UserError, did_you_mean
+from quantbench.core.errors import UserError, did_you_mean
 
 Kind = Literal["server", "in-process", "endpoint"]
 Quality = Literal["prompt_logprobs", "none"]
@@ -176,7 +178,7 @@ def serving_tags() -> tuple[str, ...]:
 
 def device() -> str:
     """"cuda" where an NVIDIA driver answers, else "cpu"."""
-    from quantbench import hardware
+    from quantbench.core import hardware
 
     return "cuda" if hardware.cuda_gpu() else "cpu"
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from quantbench import hardware, vllm_engine
+from quantbench.core import hardware
 from quantbench.engines import ServerSettings, ServingEngine, explain_log
+from quantbench.engines import vllm_env as vllm_engine
 
 # vLLM ends a failed start with generic lines ('Engine core initialization failed. See root cause
 # above'); the cause is the exception before them. Its log lines start with a process header.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from quantbench.errors import UserError, did_you_mean
+from quantbench.core.errors import UserError, did_you_mean
 
 # method (or method/format, where a recipe's `format:` picks another engine) -> "module:object"
 BACKENDS = {

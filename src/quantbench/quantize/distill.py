@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from quantbench import data, models
-from quantbench.checkpoint import vocab_mismatch
-from quantbench.errors import UserError
+from quantbench.core.errors import UserError
 from quantbench.quantize import Inputs, Produced
 from quantbench.recipe import DistillSpec, short
+from quantbench.sources import data, models
+from quantbench.sources.checkpoint import vocab_mismatch
 from quantbench.tracking import TAG
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class DistillBackend:
         and the run's distill/* summary metrics."""
         from transformers import TrainingArguments
 
-        from quantbench.quality import compare, reference
+        from quantbench.core.measures import compare, reference
 
         spec = self.spec
         teacher = teacher.float().eval().requires_grad_(False)  # bf16 autocast still runs its matmuls

@@ -31,7 +31,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from quantbench.quantize import Inputs, Produced, calibration_card, group_size_problem, recipe_layers
+from quantbench.quantize import (
+    Inputs,
+    Produced,
+    calibration_card,
+    group_size_problem,
+    recipe_layers,
+)
 from quantbench.recipe import AWQSpec, GPTQSpec
 
 if importlib.util.find_spec("gptqmodel") is None:  # named by the registry; the package is imported by the child only
@@ -92,7 +98,7 @@ class GPTQModelBackend:
               seed: int = 0) -> None:
         """Quantize the base model with GPTQModel and save it into `dest`, in a child process
         (seeded and deterministic like the produce step: quantize/stage.py)."""
-        from quantbench.processes import stop_group
+        from quantbench.core.processes import stop_group
 
         job = {"base": str(base_path), "dtype": dtype, "spec": self.spec.model_dump(mode="json"),
                "calibration": calibration, "dest": str(dest), "seed": seed}

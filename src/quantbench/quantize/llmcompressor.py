@@ -13,9 +13,17 @@ import llmcompressor  # noqa: F401  (configures its loguru sinks now, before a r
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-from quantbench import schemes
 from quantbench.quantize import Inputs, Produced, calibration_card, group_size_problem
-from quantbench.recipe import AutoRoundSpec, AWQSpec, FP8Spec, GPTQSpec, RTNSpec, SmoothQuantSpec, SpinQuantSpec
+from quantbench.recipe import (
+    AutoRoundSpec,
+    AWQSpec,
+    FP8Spec,
+    GPTQSpec,
+    RTNSpec,
+    SmoothQuantSpec,
+    SpinQuantSpec,
+    schemes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +199,7 @@ def layer_problems(loaded, config) -> list[str]:
 
     from compressed_tensors.utils.match import match_name
 
-    from quantbench.checkpoint import linear_layers
+    from quantbench.sources.checkpoint import linear_layers
 
     spec = loaded.recipe.quantize
     shapes = linear_layers(config)
@@ -232,7 +240,10 @@ def rotation_problems(loaded, config) -> list[str]:
     spec = loaded.recipe.quantize
     if not isinstance(spec, SpinQuantSpec):
         return []
-    from compressed_tensors.transform.utils.hadamard import _fetch_hadamard_divisor, is_pow2
+    from compressed_tensors.transform.utils.hadamard import (
+        _fetch_hadamard_divisor,
+        is_pow2,
+    )
     from compressed_tensors.utils import get_head_dim
 
     sizes = {"R1": ("hidden size", config.hidden_size), "R2": ("head dimension", get_head_dim(config))}

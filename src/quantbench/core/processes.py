@@ -1,0 +1,159 @@
+"""Processes: Ctrl-C and SIGTERM as an interrupt that a short block may hold back, a free loopback
+port, stopping a process group (SIGTERM, a grace period, then SIGKILL; the group killed even if its
+leader left; or the whole tree of descendants), a process's peak memory while a block runs, and a
+lock file that keeps a second driver out."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+_held: list[int] | None = None  # signals that arrived while interrupts were held
+
+
+def interrupt(signum, frame) -> None:
+    """The handler for SIGINT and SIGTERM in a command that owns runs: KeyboardInterrupt, so the
+    run is marked KILLED and staging removed; inside `interrupts_held()`, noted for later."""
+    if _held is not None:
+        _held.append(signum)
+        return
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def interrupts_held():
+    """A block that an interrupt must not cut in half (an MLflow run being created, or its status
+    written): Ctrl-C and SIGTERM that arrive meanwhile are collected in the list this yields, for
+    the caller to act on after the block. Only the main thread (where handlers run) holds them,
+    and only where `interrupt` is the handler; inside another such block, the outer one collects."""
+    global _held
+    if _held is not None or threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    _held = []
+    try:
+        yield _held
+    finally:
+        _held = None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop the process group led by `proc` (started with start_new_session=True); reaped either way."""
+    _term_then_kill(proc, grace_s)
+    proc.wait()
+
+
+def _term_then_kill(proc: subprocess.Popen, grace_s: float, between=lambda: None) -> None:
+    """SIGTERM to the group, `grace_s` for its leader to end, `between()`, then SIGKILL to whatever
+    is left of the group (the leader after its grace, or children it left behind)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    between()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """stop_group, and every descendant of `proc` too, even one that left its group (a server
+    started in a session of its own): those seen before SIGTERM and before SIGKILL are killed."""
+    import psutil
+
+    def descendants() -> list:
+        try:
+            return psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    tree = descendants()
+    _term_then_kill(proc, grace_s, between=lambda: tree.extend(descendants()))
+    for child in tree:  # psutil checks the start time: a reused pid is not touched
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    proc.wait()
+
+
+class PeakRSS:
+    """Peak resident memory of a process (this one by default) while the block runs, sampled
+    every 10 ms; with `tree` (sampled every 100 ms), of the process and all its descendants together (a server that runs
+    its model in child processes, as vLLM does)."""
+
+    def __init__(self, pid: int | None = None, tree: bool = False):
+        self.pid = pid
+        self.tree = tree
+
+    def __enter__(self):
+        import psutil
+
+        self._proc = psutil.Process(self.pid)
+        self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.1 if self.tree else 0.01):  # a tree walk costs more
+            try:
+                self.peak = max(self.peak, self._rss())
+            except psutil.Error:  # the process ended; the caller sees why
+                return
+
+    def _rss(self) -> int:
+        import psutil
+
+        total = self._proc.memory_info().rss
+        if self.tree:
+            for child in self._proc.children(recursive=True):
+                try:
+                    total += child.memory_info().rss
+                except psutil.Error:  # a child that just ended
+                    pass
+        return total
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def hold_lock(directory: Path, what: str, hint: str = "wait for it"):
+    """An exclusive lock on `directory`/lock holding this process's pid, for as long as the
+    returned handle is open; UserError naming the holder when another process has it."""
+    import fcntl
+
+    from quantbench.core.errors import UserError
+
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / "lock", "a+")  # not "w": that would erase the holder's pid before the check
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise UserError(f"{what} is already running (pid {holder}, lock {directory / 'lock'}); {hint}") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle

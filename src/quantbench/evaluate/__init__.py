@@ -1,1 +1,0 @@
-"""Scoring checkpoints: quality against the base model, task evals, speed."""

@@ -1,0 +1,614 @@
+"""A job, stage by stage. `quantbench quantize RECIPE` runs
+
+    prepare -> produce the checkpoint -> reload check -> evaluate -> bench -> model card
+
+and `quantbench evaluate | bench <run id | checkpoint>` run one later stage on a checkpoint that
+exists. `prepare` checks every input (recipe, model source, shapes, texts, suite, profile) and
+writes nothing: bad input leaves no output directory and no MLflow run. The stages know nothing of
+each other; each gets what it needs and returns a typed result, which the pipeline logs into the
+run (through tracking.py) and the CLI prints.
+
+The checkpoint is written into a hidden staging directory and renamed into place only when every
+stage of the job has finished: a job that fails or is interrupted at any stage (its run ends
+FAILED or KILLED) leaves no checkpoint behind. When the tracking store is a server with an
+artifact store, the checkpoint is also logged as the run's `checkpoint/` artifact (with its content
+hash) before that rename, so a later stage on another machine finds it. Tuning and sweeps run
+this same pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantbench.core import environment, hardware
+from quantbench.core.errors import UserError, check_creatable_dir
+from quantbench.quality import stage as evaluate_stage
+from quantbench.quantize import Backend, Inputs, estimate
+from quantbench.recipe import (
+    LoadedRecipe,
+    RecipeError,
+    load_recipe,
+    resolve_recipe_path,
+)
+from quantbench.release import card
+from quantbench.sources import data, models
+from quantbench.sources.checkpoint import (
+    Target,
+    bits_per_weight,
+    check_loadable,
+    param_bytes,
+    resolve_target,
+    weights_sha,
+    weights_size_mb,
+    write_info,
+)
+from quantbench.sources.checkpoint import upload as upload_checkpoint
+from quantbench.speed import bench as bench_stage
+from quantbench.tracking import STAGING, TAG, Tracker, inherited_tags
+
+log = logging.getLogger(__name__)
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+@dataclass
+class Job:
+    """Everything a quantize job needs, all checked before the first byte is written."""
+
+    loaded: LoadedRecipe
+    base: models.ResolvedModel
+    tokenizer: object
+    backend: Backend
+    calibration: list[list[int]] | None
+    check_ids: list[int]  # held-out tokens of the reload check (and the base perplexity)
+    text_shas: dict[str, str]
+    evaluation: evaluate_stage.Plan | None  # the recipe's evaluate: section, prepared
+    bench: bench_stage.Plan | None  # the recipe's bench: section, prepared
+    compute_dtype: str = "float32"  # model.compute_dtype resolved on this device (quantbench.hardware)
+    produce_estimate: estimate.Estimate | None = None  # the produce step's expected wall time here, when it depends on data
+    model: object = None  # the base model in the compute dtype, when the estimate loaded it (execute takes it)
+
+    def take_model(self):
+        """The base model loaded in prepare, handed over once (None when prepare loaded none)."""
+        model, self.model = self.model, None
+        return model
+
+
+@dataclass
+class JobResult:
+    run_id: str
+    checkpoint: Path
+    log: Path
+    metrics: dict[str, float]
+    sample: str
+    evaluation: evaluate_stage.Evaluation | None = None
+    bench: bench_stage.BenchResult | None = None
+
+    def summary(self) -> dict:
+        """The JSON summary `quantbench quantize --json` prints."""
+        return {"run_id": self.run_id, "checkpoint": str(self.checkpoint), "log": str(self.log), "metrics": self.metrics}
+
+
+def quantize(recipe: str, *, overrides: tuple[str, ...] = (), outputs: Path = Path("outputs"),
+             experiment: str | None = None, strict_budget: bool = False) -> JobResult:
+    job = prepare(recipe, overrides, experiment=experiment, outputs=outputs, strict_budget=strict_budget)
+    return execute(job, outputs=outputs, experiment=experiment)
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare: every input check, nothing written
+
+
+def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | None = None,
+            outputs: Path = Path("outputs"), strict_budget: bool = False) -> Job:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from quantbench.quality.suite import load_suite
+    from quantbench.quantize import make_backend
+
+    try:
+        loaded = load_recipe(resolve_recipe_path(recipe), overrides)
+    except RecipeError as exc:  # with what the schema accepted, the checks that do not depend on the rest
+        found = exc.problems + (check_without_model(exc.partial, experiment, exc.invalid) if exc.partial else [])
+        raise UserError(found) from None
+    spec = loaded.recipe
+    where = str(loaded.path)
+    check_outputs(loaded, outputs)
+    problems = check_without_model(loaded, experiment)  # every one at once, before the checks that load
+    if problems:
+        raise UserError(problems)
+    with _prefixed(where):
+        base = models.resolve(spec.model.source, experiment=experiment)
+    backend = make_backend(spec.quantize)
+    problems = backend.check(loaded, AutoConfig.from_pretrained(base.path))
+    if problems:
+        raise UserError(problems)
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    text_shas = backend.prepare(loaded, base, tokenizer)
+    bos = data.bos_id(tokenizer)  # every window starts with it, where the tokenizer adds one
+    calibration = None
+    if backend.calibrates:
+        cal = spec.calibration
+        with _prefixed(where):
+            text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
+            calibration = data.calibration_windows(data.text_ids(tokenizer, text), cal.samples, cal.seq_len, cal.seed,
+                                                   field="calibration.samples", bos=bos)
+        text_shas["calibration"] = data.text_sha(text)
+    eval_text = data.python_docs("evaluation")
+    text_shas["evaluation"] = data.text_sha(eval_text)
+    eval_ids = data.text_ids(tokenizer, eval_text)
+    check_ids = data.framed(eval_ids, spec.check.window, bos)[: spec.check.ppl_tokens]
+    if spec.check.base_ppl_bound:
+        with _prefixed(where):
+            check_base(base, tokenizer, eval_ids, spec.check.ppl_tokens, spec.check.window, "model.source")
+    evaluation = bench = None
+    with _prefixed(where):
+        if spec.evaluate is not None:
+            evaluation = evaluate_stage.prepare(load_suite(spec.evaluate.suite, "evaluate.suite"), tokenizer)
+        if spec.bench is not None:
+            bench = bench_stage.prepare(spec.bench.profile, tokenizer, backend=spec.bench.backend,
+                                        checkpoint=_expected_config(base.path / "config.json", backend, spec.quantize),
+                                        base_path=base.path, field="bench.profile", backend_field="bench.backend")
+    compute_dtype = spec.model.computes_in()
+    produce_estimate, model = _estimate(loaded, base, backend, calibration, eval_ids, compute_dtype, strict_budget)
+    return Job(loaded, base, tokenizer, backend, calibration, check_ids, text_shas, evaluation, bench, compute_dtype,
+               produce_estimate, model)
+
+
+def _estimate(loaded: LoadedRecipe, base: models.ResolvedModel, backend: Backend, calibration: list[list[int]] | None,
+              eval_ids: list[int], dtype: str, strict: bool) -> tuple[estimate.Estimate | None, object]:
+    """Time a few forward passes, say how long the produce step will take, and hold it to the
+    recipe's budget_minutes (refused with `strict`: exit 2, before any run exists). Returns the
+    estimate and the base model it loaded in the compute dtype, which the job then computes with
+    (None, None where the method's time does not grow with data)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec, q = loaded.recipe, loaded.recipe.quantize
+    if not (backend.calibrates or backend.trains) or estimate.passes(q, 1, 1) is None:
+        return None, None
+    if calibration is not None:
+        windows = calibration
+    else:  # a trained model: windows of its training length, from held-out text (only timed, never learnt)
+        length = getattr(q, "seq_len", spec.calibration.seq_len)
+        windows = [eval_ids[i: i + length] for i in range(0, min(len(eval_ids), 3 * length), length)]
+    layers = AutoConfig.from_pretrained(base.path).num_hidden_layers
+    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=getattr(torch, dtype)).eval()
+    found = estimate.estimate(q, model, windows, layers, dtype)
+    log.info("estimate: the produce step will take ~%.1f min here (%s; %s)", found.minutes(), found.basis,
+             hardware.device_line())
+    if found.over(spec.budget_minutes):
+        message = (f"{loaded.path}: budget_minutes: the produce step is estimated at {found.minutes():.1f} min on this "
+                   f"machine ({hardware.device_line()}), over the recipe's budget of {spec.budget_minutes:g} min. "
+                   "Options: fewer calibration windows (--set calibration.samples=N) or shorter ones "
+                   "(--set calibration.seq_len=N)" + (", fewer grid points (--set quantize.n_grid=N)" if q.method == "awq" else "")
+                   + (", fewer steps (--set quantize.steps=N)" if q.method == "distill" else "")
+                   + f", or a larger budget (--set budget_minutes={max(1, round(found.minutes() * 1.2))}).")
+        if strict:
+            raise UserError(message + " Refused: --strict-budget.")
+        log.warning("%s Going on (--strict-budget refuses instead).", message)
+    return found, model
+
+
+def _expected_config(config_path: Path, backend: Backend, q) -> dict:
+    """The config.json the recipe's checkpoint will have, as far as serving it goes (its
+    quantization_config sketched from the recipe), so that the bench engine is chosen before the job."""
+    import json
+
+    from quantbench.engines.vllm_env import expected_quantization
+
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = expected_quantization(q.method, q.scheme, backend.format, getattr(q, "kv_cache", None))
+    return config
+
+
+@contextmanager
+def _prefixed(where: str):
+    """Re-raise a UserError with every problem prefixed by the recipe file it came from."""
+    try:
+        yield
+    except UserError as exc:
+        raise UserError([f"{where}: {p}" for p in exc.problems]) from None
+
+
+def check_without_model(loaded: LoadedRecipe, experiment: str | None = None, skip: frozenset[str] = frozenset()) -> list[str]:
+    """Every check of a recipe that loads no model, each on its own so that no problem hides another:
+    the model source, its files (whole safetensors, a readable GGUF) and its layer widths against the
+    scheme; the calibration text and its size in tokens (where the tokenizer is on disk already); the
+    suite and the profile. `skip`: sections whose schema problems are reported already. For
+    `quantbench validate`, and for `prepare` when the schema refused part of the recipe."""
+    from quantbench.quality.suite import load_suite
+    from quantbench.quantize import make_backend
+    from quantbench.speed.measure import load_profile
+
+    spec, where, problems = loaded.recipe, str(loaded.path), []
+
+    def attempt(fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            problems.extend(p if p.startswith(where) else f"{where}: {p}" for p in exc.problems)
+            return None
+
+    config = attempt(models.read_config, spec.model.source, experiment=experiment)
+    backend = make_backend(spec.quantize)
+    if config is not None:
+        attempt(models.check_files, spec.model.source)
+        problems.extend(attempt(backend.check, loaded, config) or [])
+        if backend.calibrates and "calibration" not in skip:
+            attempt(_check_calibration, loaded, experiment)
+    if spec.evaluate is not None and "evaluate" not in skip:
+        attempt(load_suite, spec.evaluate.suite, "evaluate.suite")
+    if spec.bench is not None and "bench" not in skip:
+        attempt(load_profile, spec.bench.profile, "bench.profile")
+    return problems
+
+
+def _check_calibration(loaded: LoadedRecipe, experiment: str | None) -> None:
+    """The calibration text exists and holds the windows asked for (a hub dataset is not fetched)."""
+    from transformers import AutoTokenizer
+
+    cal = loaded.recipe.calibration
+    if cal.source.startswith("hub:"):
+        return
+    text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
+    tokenizer = models.tokenizer_dir(loaded.recipe.model.source, experiment)
+    if tokenizer is not None:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        data.calibration_windows(data.text_ids(tok, text), cal.samples, cal.seq_len, cal.seed,
+                                 field="calibration.samples", bos=data.bos_id(tok))
+
+
+def check_outputs(loaded: LoadedRecipe, outputs: Path) -> None:
+    """The recipe's name becomes a directory under `outputs`: it must be a plain name, and the
+    directories must be directories (or can be created)."""
+    if not SAFE_NAME.fullmatch(loaded.name):
+        raise UserError(f"{loaded.path}: the file name '{loaded.name}' cannot name an output directory; rename the "
+                        "recipe file (letters, digits, '.', '_', '+', '-'; not starting with '.')")
+    check_creatable_dir(outputs / loaded.name, f"outputs go to {outputs / loaded.name}/ (move the file away, or "
+                        "pass --outputs DIR)")
+
+
+def check_base(base: models.ResolvedModel, tokenizer, text_ids: list[int], tokens: int, window: int, field: str) -> None:
+    """Refuse a base model that predicts held-out text (`tokens` positions of `text_ids`) worse than a
+    unigram model of its own tokens (verify.check_base_perplexity: measured with and without a BOS
+    starting each window, judged as the tokenizer encodes); computed once per (model, tokenizer,
+    text) and cached."""
+    from quantbench.sources import verify
+
+    wants_bos = data.bos_id(tokenizer) is not None
+
+    def compute():
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        log.info("checking the base model %s once: perplexity on held-out text (with and without BOS) against "
+                 "a unigram model", base.name)
+        calibration_ids = data.text_ids(tokenizer, data.python_docs("calibration"))
+        model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto").eval()
+        vocab_size = AutoConfig.from_pretrained(base.path).vocab_size
+        return verify.check_base_perplexity(model, text_ids, calibration_ids, tokens, window, vocab_size,
+                                            tokenizer.bos_token_id, wants_bos)
+
+    key = {"model": base.fingerprint, "tokenizer": verify.tokenizer_sha(base.path),
+           "ids": data.text_sha(str(text_ids[:tokens])), "tokens": tokens, "window": window,
+           "bos": [tokenizer.bos_token_id, wants_bos], "calibration": data.text_sha(data.python_docs("calibration")),
+           "version": 2}
+    result = verify.cached_check(key, compute)
+    log.info("base model %s: perplexity %s with BOS, %.4g without; the check used the windows %s BOS (its tokenizer %s)",
+             base.name, "n/a (no BOS token)" if result.ppl_with_bos is None else f"{result.ppl_with_bos:.4g}",
+             result.ppl_without_bos, "with" if result.bos else "without",
+             "adds one" if wants_bos else "adds none")
+    if hint := verify.bos_hint(result):
+        log.warning("%s: %s", base.name, hint)
+    if result.verdict == "near-uniform":
+        log.warning("the base model %s predicts nearly uniformly (%s): an untrained or random model; the perplexity "
+                    "bound does not apply", base.name, result.describe())
+    elif result.verdict == "refused":
+        raise UserError(f"{field}: the base model {base.source} predicts held-out text worse than a unigram model of its "
+                        f"own tokens ({result.describe()}): it is broken before anything is quantized. Likely causes: "
+                        "its tokenizer does not match its weights (a converted tokenizer that splits text differently, "
+                        "another model's vocabulary), a BOS token it expects and does not get, or a dtype it cannot run "
+                        "in. Check the source; `check.base_ppl_bound: false` skips this for a model known to be random.")
+
+
+# ---------------------------------------------------------------------------------------------
+# execute: one MLflow run, the stages in order, the checkpoint renamed into place at the end
+
+
+def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantbench.core.logs import log_file
+    from quantbench.core.measures import perplexity
+    from quantbench.quality.check import reload_check
+    from quantbench.quantize.stage import produce
+
+    spec, loaded, backend = job.loaded.recipe, job.loaded, job.backend
+    q = spec.quantize
+    tracker = Tracker(experiment)
+    with tracker.start_run(f"{loaded.name} · {models.short_name(spec.model.source)}", _candidate_tags(job)) as run:
+        recipe_dir = outputs / loaded.name
+        final = recipe_dir / run.run_id
+        staging = recipe_dir / f".{run.run_id}.partial"
+        log_path = recipe_dir / f"{run.run_id}.log"
+        workdir = recipe_dir / f".{q.method}-{loaded.sha[:16]}"
+        stages = ["produce", "reload check"] + ["evaluate"] * bool(job.evaluation) + ["bench"] * bool(job.bench)
+        step = _Steps(stages)
+        try:
+            with log_file(log_path):
+                run.set_tags({STAGING: staging.resolve()})
+                run.log_dict(_resolved_record(job), "resolved_recipe.json")  # the first artifact
+                run.log_params(loaded.resolved)
+                log.info("run %s: recipe %s (%s %s), base %s", run.run_id, loaded.name, q.method, q.scheme, job.base.path)
+
+                log.info("computing in %s, saving in %s (%s)", job.compute_dtype, spec.model.dtype, hardware.device_line())
+                model = job.take_model()  # loaded by prepare's estimate, in the same dtype
+                if model is None:
+                    model = AutoModelForCausalLM.from_pretrained(job.base.path, dtype=getattr(torch, job.compute_dtype))
+                base_size_mb = param_bytes(model) / 2**20
+                log.info("base model perplexity on %d held-out tokens", len(job.check_ids))
+                base_ppl = perplexity(model, job.check_ids, spec.check.window)
+
+                step("produce")
+                staging.mkdir(parents=True)
+                inputs = Inputs(loaded, job.base, job.tokenizer, job.calibration, staging, log_path, workdir,
+                                (job.check_ids, spec.check.window), run, model=model)
+                del model  # the engine takes it (or lets it go)
+                produced = produce(backend, inputs)
+                del inputs
+
+                step("reload check")
+                log.info("reloading the saved checkpoint from disk and checking it")
+                check = reload_check(staging, spec.check, job.check_ids, base_ppl, produced.reference_ppl,
+                                     dtype=hardware.compute_dtype_of(staging, job.compute_dtype))
+                sha = weights_sha(staging)  # same recipe, same seed, same engine versions -> same hash
+                log.info("weights sha256 %s (%s)", sha, produced.pinned)
+                run.set_tags({TAG + "weights_sha": sha or "none", TAG + "deterministic": produced.pinned})
+                write_info(staging, {**_checkpoint_info(job, run.run_id), "weights_sha": sha})
+                size_mb = weights_size_mb(staging)
+                if job.produce_estimate is not None:
+                    produced.metrics["quantize/estimate_s"] = job.produce_estimate.seconds
+                metrics = {**produced.metrics, "model/size_mb": size_mb, "model/base_size_mb": base_size_mb,
+                           "model/compression_ratio": base_size_mb / size_mb, **check.metrics}
+                bits = bits_per_weight(staging)
+                if bits is not None:
+                    metrics["model/bits_per_weight"] = bits
+                run.log_metrics(metrics)
+                info = card.CardInfo(loaded, job.base, backend.format, backend.loaders(), produced.card,
+                                     len(job.check_ids), run.run_id)
+                card.write(staging, final, info, metrics, check.sample)
+
+                evaluation = bench = None
+                if job.evaluation is not None:
+                    step("evaluate")
+                    evaluation = evaluate_stage.evaluate(check.model, check.tokenizer, job.base, job.evaluation, tracker)
+                    run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
+                    metrics.update(evaluation.metrics)
+                sample = check.sample
+                del check  # the bench loads one model at a time
+                if job.bench is not None:
+                    step("bench")
+                    bench = _bench(run, staging, job.base, job.bench)
+                    metrics.update(bench.metrics)
+                if evaluation is not None or bench is not None:
+                    card.write(staging, final, info, metrics, sample)  # now with quality and speed
+
+                if run.shares_artifacts:  # a tracking server's artifact store: other machines fetch it from there
+                    upload_checkpoint(run, staging)
+                staging.rename(final)
+                run.set_tags({TAG + "checkpoint": final.resolve()})
+                shutil.rmtree(workdir, ignore_errors=True)  # done: nothing to resume
+                run.log_artifact(final / "README.md")
+                log.info("checkpoint: %s", final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finally:
+            if log_path.exists():
+                run.log_artifact(log_path)
+    return JobResult(run.run_id, final, log_path, metrics, sample, evaluation, bench)
+
+
+class _Steps:
+    """`[2/4] reload check` progress lines."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+
+    def __call__(self, name: str) -> None:
+        log.info("[%d/%d] %s", self.names.index(name) + 1, len(self.names), name)
+
+
+def _candidate_tags(job: Job) -> dict[str, str]:
+    spec, q = job.loaded.recipe, job.loaded.recipe.quantize
+    tags = {
+        TAG + "role": "candidate",
+        TAG + "recipe": job.loaded.name,
+        TAG + "recipe_sha": job.loaded.sha,
+        TAG + "method": q.method,
+        TAG + "scheme": q.scheme,
+        TAG + "engine": job.backend.engine,
+        TAG + "base_model": spec.model.source,
+        TAG + "base_fingerprint": job.base.fingerprint,
+        TAG + "format": job.backend.format,
+        TAG + "loaders": job.backend.loaders(),
+        TAG + "kv_cache": getattr(q, "kv_cache", None) or "none",
+        TAG + "compute_dtype": job.compute_dtype,
+        TAG + "license": job.base.license,
+        TAG + "bos": data.bos_tag(job.tokenizer, data.bos_id(job.tokenizer)),  # what every window starts with
+        **{TAG + k: v for k, v in environment.describe().items()},
+        **({TAG + "parent_run": job.base.parent_run} if job.base.parent_run else {}),
+        **inherited_tags(),
+    }
+    what = "distillation (student in bf16) of" if q.method == "distill" else f"{q.method} {q.scheme} of"
+    tags["mlflow.note.content"] = (  # the run's description in the MLflow UI
+        f"{what} `{spec.model.source}` by recipe `{job.loaded.path}` (sha {job.loaded.sha[:12]}); "
+        f"format {job.backend.format}. {spec.description}".strip()
+    )
+    return tags
+
+
+def _resolved_record(job: Job) -> dict:
+    """resolved_recipe.json: the recipe as run, with versions, hardware and git sha."""
+    return {"recipe": job.loaded.resolved, "recipe_file": str(job.loaded.path), "overrides": list(job.loaded.overrides),
+            "recipe_sha": job.loaded.sha, "base_model": {"source": job.base.source, "path": str(job.base.path),
+            "license": job.base.license, "fingerprint": job.base.fingerprint}, "text_sha256": job.text_shas,
+            "compute_dtype": job.compute_dtype, "environment": environment.describe()}
+
+
+def _checkpoint_info(job: Job, run_id: str) -> dict:
+    """quantbench.json: how this checkpoint was made, for `quantbench evaluate <dir>` and later stages."""
+    q = job.loaded.recipe.quantize
+    return {
+        "run_id": run_id,
+        "recipe": job.loaded.name,
+        "recipe_sha": job.loaded.sha,
+        "method": q.method,
+        "scheme": q.scheme,
+        "format": job.backend.format,
+        "loaders": job.backend.loaders(),
+        "kv_cache": getattr(q, "kv_cache", None),
+        "base_model": {"source": job.base.source, "name": job.base.name, "fingerprint": job.base.fingerprint,
+                       "license": job.base.license},
+        "parent_run": job.base.parent_run,
+    }
+
+
+def _bench(run, checkpoint: Path, base: models.ResolvedModel, plan: bench_stage.Plan) -> bench_stage.BenchResult:
+    """The bench stage, its result (or what a failed bench measured) logged into `run`."""
+    try:
+        result = bench_stage.bench(checkpoint, base, plan)
+    except bench_stage.BenchFailed as exc:
+        _log_bench(run, exc.partial)
+        raise
+    _log_bench(run, result)
+    return result
+
+
+def _log_bench(run, result: bench_stage.BenchResult) -> None:
+    run.record(result.metrics, result.tags, {"bench.json": result.report})
+    for path in result.logs:
+        run.log_artifact(path, "servers")
+    for path in result.plots:
+        run.log_artifact(path)
+    for path in result.logs[:1] + result.plots[:1]:
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Later stages on a checkpoint that exists: `quantbench evaluate`, `quantbench bench`
+
+
+@dataclass
+class StageOutcome:
+    run_id: str
+    checkpoint: Path
+    metrics: dict[str, float]
+    evaluation: evaluate_stage.Evaluation | None = None
+    bench: bench_stage.BenchResult | None = None
+    extra: dict = field(default_factory=dict)
+    engine_tasks: evaluate_stage.EngineTasks | None = None
+
+    def summary(self) -> dict:
+        out = {"run_id": self.run_id, "checkpoint": str(self.checkpoint), **self.extra, "metrics": self.metrics}
+        if self.evaluation is not None:
+            out.update(baseline_run=self.evaluation.baseline_run, baseline_reused=self.evaluation.baseline_reused)
+        return out
+
+
+def target_run(tracker: Tracker, tgt: Target, base: models.ResolvedModel, stage: str):
+    """The checkpoint's own MLflow run, reopened; or a new candidate run for a foreign checkpoint."""
+    if tgt.run_id:
+        return tracker.resume_run(tgt.run_id)
+    return tracker.start_run(
+        f"{stage} {tgt.checkpoint.name} · {models.short_name(tgt.base_source)}",
+        {TAG + "role": "candidate", TAG + "checkpoint": tgt.checkpoint.resolve(), TAG + "base_model": tgt.base_source,
+         TAG + "base_fingerprint": base.fingerprint},
+    )
+
+
+def _open_target(target: str, base: str | None, experiment: str | None) -> tuple[Tracker, Target, models.ResolvedModel]:
+    tracker = Tracker(experiment)
+    tgt = resolve_target(target, tracker, base)
+    check_loadable(tgt.checkpoint)
+    return tracker, tgt, models.resolve(tgt.base_source, field="--base", experiment=experiment)
+
+
+def evaluate(target: str, *, suite: str | None = None, base: str | None = None, experiment: str | None = None,
+             engine: str | None = None) -> StageOutcome:
+    """Quality against the base model through transformers; with `engine` ("vllm") also the suite's
+    tasks scored on the checkpoint served by that engine, in the same run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantbench.quality.suite import DEFAULT_SUITE, load_suite
+
+    loaded_suite = load_suite(suite or DEFAULT_SUITE)
+    tracker, tgt, base_model = _open_target(target, base, experiment)
+    tokenizer = AutoTokenizer.from_pretrained(tgt.checkpoint)
+    plan = evaluate_stage.prepare(loaded_suite, tokenizer)
+    engine_plan = evaluate_stage.prepare_engine(engine, tgt.checkpoint, plan) if engine else None
+    engine_result = None
+    with target_run(tracker, tgt, base_model, "evaluate") as run:
+        model = AutoModelForCausalLM.from_pretrained(tgt.checkpoint, dtype=hardware.compute_dtype_of(tgt.checkpoint))
+        evaluation = evaluate_stage.evaluate(model, tokenizer, base_model, plan, tracker)
+        run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
+        metrics = dict(evaluation.metrics)
+        if engine_plan is not None:
+            del model
+            correct = {t: {int(k): v for k, v in items.items()} for t, items in evaluation.report["samples"].items()}
+            logs: list[Path] = []
+            try:
+                engine_result = evaluate_stage.engine_tasks(engine_plan, plan, correct, logs)
+                run.record(engine_result.metrics, engine_result.tags, {"evaluation_engine.json": engine_result.report})
+                metrics |= engine_result.metrics
+            finally:
+                for path in logs:
+                    if path.exists():
+                        run.log_artifact(path, "servers")
+                    shutil.rmtree(path.parent, ignore_errors=True)
+    return StageOutcome(run.run_id, tgt.checkpoint, metrics, evaluation=evaluation, engine_tasks=engine_result)
+
+
+def bench(target: str, *, profile: str | None = None, backend: str = "auto", server: str = "auto", base: str | None = None,
+          experiment: str | None = None, endpoints: tuple[str, str] | None = None) -> StageOutcome:
+    from transformers import AutoTokenizer
+
+    from quantbench.speed.measure import DEFAULT_PROFILE
+
+    tracker, tgt, base_model = _open_target(target, base, experiment)
+    plan = bench_stage.prepare(profile or DEFAULT_PROFILE, AutoTokenizer.from_pretrained(tgt.checkpoint),
+                               backend=backend, server=server, endpoints=endpoints, checkpoint=tgt.checkpoint,
+                               base_path=base_model.path)
+    with target_run(tracker, tgt, base_model, "bench") as run:
+        result = _bench(run, tgt.checkpoint, base_model, plan)
+    engine = {"engine": result.report["engine"], "engine_description": result.report["engine_description"],
+              "why": result.report["why"]}
+    return StageOutcome(run.run_id, tgt.checkpoint, result.metrics, bench=result, extra=engine)
+
+
+def speculative(draft: str, target: str | None = None, *, profile: str | None = None,
+                experiment: str | None = None) -> StageOutcome:
+    """`bench --draft`: the target model (default the draft's base) with and without the draft."""
+    from quantbench.speed import speculative as spec_stage
+    from quantbench.speed.measure import DEFAULT_PROFILE
+
+    tracker = Tracker(experiment)
+    drafted = resolve_target(draft, tracker, target)
+    check_loadable(drafted.checkpoint)
+    source = target or drafted.base_source
+    if re.fullmatch(r"[0-9a-f]{32}", source):
+        source = "run:" + source
+    tgt = models.resolve(source, field="target" if target else "the draft's base model", experiment=experiment)
+    check_loadable(tgt.path)
+    plan = spec_stage.prepare(drafted.checkpoint, tgt, profile or DEFAULT_PROFILE, f"--draft {draft}")
+    with target_run(tracker, drafted, tgt, "bench") as run:
+        result = spec_stage.run(plan)
+        run.record(result.metrics, result.tags, {"bench_spec.json": result.report})
+    return StageOutcome(run.run_id, drafted.checkpoint, result.metrics,
+                        extra={"target": tgt.source, "draft": str(drafted.checkpoint)})

@@ -1,0 +1,56 @@
+"""The reload check: quality of the in-memory model says nothing about what was saved, so the saved
+directory is loaded back from disk, scored on held-out text and asked for a few tokens.
+
+A quantized checkpoint is bounded against the base model's perplexity; a trained one (a distilled
+student: another, smaller model) against itself before it was saved.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantbench.core.measures import greedy_text, perplexity
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointCheckFailed(RuntimeError):
+    """The saved checkpoint did not reload into a sane model."""
+
+
+@dataclass
+class CheckResult:
+    metrics: dict[str, float]  # check/base_ppl, check/reload_ppl, check/ppl_ratio (+ check/trained_ppl)
+    sample: str  # the greedy continuation of the check prompt
+    model: object  # the reloaded model: later stages score this very object
+    tokenizer: object
+
+
+def reload_check(path: Path, spec, token_ids: list[int], base_ppl: float, trained_ppl: float | None = None, *,
+                 dtype: str | None = None) -> CheckResult:
+    """Reload `path`, score it on `token_ids` and generate; CheckpointCheckFailed if it is broken.
+    `spec` is the recipe's `check:` section; `dtype` the dtype to compute in (None: as saved)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": getattr(torch, dtype)} if dtype else {}))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    reload_ppl = perplexity(model, token_ids, spec.window)
+    sample, new_tokens = greedy_text(model, tokenizer, spec.prompt, spec.generate_tokens)
+    ratio = reload_ppl / base_ppl
+    log.info("base ppl %.3f, reloaded ppl %.3f (x%.3f); sample: %r", base_ppl, reload_ppl, ratio, sample)
+    reference, against = (base_ppl, "the base model's") if trained_ppl is None else (trained_ppl, "the trained student's (in memory)")
+    if not math.isfinite(reload_ppl) or reload_ppl / reference > spec.max_ppl_ratio:
+        raise CheckpointCheckFailed(
+            f"the saved checkpoint reloads with perplexity {reload_ppl:.4g} against {against} "
+            f"{reference:.4g} (x{reload_ppl / reference:.3g} > check.max_ppl_ratio {spec.max_ppl_ratio})"
+        )
+    if new_tokens == 0:
+        raise CheckpointCheckFailed("the saved checkpoint generated no tokens")
+    metrics = {"check/base_ppl": base_ppl, "check/reload_ppl": reload_ppl, "check/ppl_ratio": ratio}
+    if trained_ppl is not None:
+        metrics["check/trained_ppl"] = trained_ppl
+    return CheckResult(metrics, sample, model, tokenizer)

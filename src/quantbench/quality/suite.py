@@ -1,0 +1,78 @@
+"""Evaluation suites: what the quality pass scores and which tasks run. suites/NAME.yaml.
+
+```yaml
+# suites/default.yaml
+tokens: 8192         # held-out tokens of the Python docs' evaluation split (ppl, KLD, agreement)
+window: 512
+ood_text: builtin:numpy-license   # out-of-domain text scored the same way (quality_ood/*); null: none
+tasks: [qb_pydoc_lastword, qb_pydoc_continuation]
+task_limit: null     # items per task (null: all)
+intervals: {resamples: 2000, seed: 0}   # paired bootstrap (docs/intervals.md); resamples 0: none
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from pydantic import Field, PositiveInt
+
+from quantbench.quality.tasks import OFFLINE_TASKS, SUITE_VERSION
+from quantbench.recipe import Strict, load_named
+
+DEFAULT_SUITE = "default"
+# What the baseline run stores (per-item task values, the out-of-domain reference): bump when it
+# changes, so a baseline stored in an older form is scored again instead of misread.
+BASELINE_FORMAT = 2
+
+
+class IntervalSpec(Strict):
+    """The paired bootstrap behind every quality interval (docs/intervals.md)."""
+
+    resamples: int = Field(2000, ge=0)  # 0: no quality intervals
+    seed: int = 0
+
+
+class Suite(Strict):
+    description: str = ""
+    # the held-out text of the quality pass: the builtin's evaluation split, or a .txt/.jsonl file
+    text: str = "builtin:python-docs"
+    tokens: PositiveInt = 8192
+    window: PositiveInt = 512
+    batch_size: PositiveInt = 1  # windows per forward pass of the quality pass
+    # out-of-domain text, scored like `text` (same tokens and window) and logged as quality_ood/*;
+    # never calibration text. null: none
+    ood_text: str | None = "builtin:numpy-license"
+    tasks: list[str] = Field(default_factory=lambda: list(OFFLINE_TASKS))
+    task_limit: PositiveInt | None = None
+    task_batch_size: PositiveInt = 8
+    intervals: IntervalSpec = Field(default_factory=IntervalSpec)
+
+
+@dataclass(frozen=True)
+class LoadedSuite:
+    name: str
+    suite: Suite
+
+    def fingerprint(self, text_sha: str, ood_sha: str | None = None) -> str:
+        """Same suite, same texts, same scoring code -> same fingerprint -> the baseline is reused."""
+        try:
+            lm_eval = metadata.version("lm_eval")
+        except metadata.PackageNotFoundError:
+            lm_eval = "missing"
+        key = {"suite": self.suite.model_dump(mode="json"), "text": text_sha, "tasks_version": SUITE_VERSION, "lm_eval": lm_eval,
+               "ood_text": ood_sha, "baseline_format": BASELINE_FORMAT}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def suites_dir() -> Path:
+    return Path(os.environ.get("QUANTBENCH_SUITES", "suites"))
+
+
+def load_suite(name: str, field: str = "--suite") -> LoadedSuite:
+    return LoadedSuite(name, load_named(suites_dir(), name, Suite, field, "suite"))

@@ -1,0 +1,155 @@
+"""Per-layer quantization schemes: the names a recipe's `layers:` section and `quantbench tune
+--schemes` use, what each stores (so its size in bits per weight is known before anything is
+quantized), where it may apply (a group size must divide the layer's input width), and which
+engines serve it.
+
+A scheme is one compressed-tensors `QuantizationScheme` (weights, and for W8A8 / FP8 dynamic
+input activations); a mixed checkpoint is several of them in one `config_groups`. BF16 means
+"left unquantized" (the layer goes to the recipe's `ignore`).
+
+vLLM fuses q/k/v into one matrix and gate/up into another, and refuses a checkpoint whose fused
+parts differ in scheme, so a tune chooses one scheme per *unit* (a fused set, or a single layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quantbench.core.errors import UserError, did_you_mean
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    description: str
+    weights: dict | None = None  # compressed-tensors QuantizationArgs; None: unquantized (BF16)
+    activations: dict | None = None  # dynamic input activations (W8A8, FP8); None: 16-bit
+
+    @property
+    def group_size(self) -> int | None:
+        return (self.weights or {}).get("group_size")
+
+    @property
+    def quantized(self) -> bool:
+        return self.weights is not None
+
+    def fits(self, in_features: int) -> bool:
+        """The scheme applies to a layer of this input width (its group size divides it)."""
+        return self.group_size is None or in_features % self.group_size == 0
+
+    def bits(self, in_features: int, out_features: int, dtype_bits: int = 16, bias: bool = False) -> float:
+        """Stored bits per weight of one layer: quantized values, scales, zero points, shape and
+        bias, as compressed-tensors 0.19 writes them (scales in the model's dtype)."""
+        params = in_features * out_features
+        extra = dtype_bits * out_features if bias else 0
+        if self.weights is None:
+            return dtype_bits + extra / params
+        w = self.weights
+        scales = out_features * (in_features // w["group_size"] if w.get("group_size") else 1)
+        zero_points = 0 if w.get("symmetric", True) else scales * w["num_bits"]
+        if self.activations is None and w["type"] == "int":  # pack-quantized: int32 words, int64 shape
+            stored = params * w["num_bits"] + 2 * 64
+        else:  # int-quantized / float-quantized: one byte a weight
+            stored = params * 8
+        return (stored + scales * dtype_bits + zero_points + extra) / params
+
+    def quantization_scheme(self, targets: list[str]):
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+        return QuantizationScheme(
+            targets=targets,
+            weights=QuantizationArgs(**self.weights),
+            input_activations=QuantizationArgs(**self.activations) if self.activations else None,
+        )
+
+
+def _int(bits: int, group: int | None, symmetric: bool = True) -> dict:
+    return {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group" if group else "channel",
+            "group_size": group}
+
+
+_TOKEN_INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+_TOKEN_FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (
+    Scheme("W4A16-G64", "INT4 weights, symmetric, a scale per 64 inputs; 16-bit activations", _int(4, 64)),
+    Scheme("W4A16-G32", "INT4 weights, symmetric, a scale per 32 inputs; 16-bit activations", _int(4, 32)),
+    Scheme("W4A16-G64-ASYM", "INT4 weights with a zero point, a scale and zero point per 64 inputs; 16-bit activations",
+           _int(4, 64, symmetric=False)),
+    Scheme("W4A16-G32-ASYM", "INT4 weights with a zero point, a scale and zero point per 32 inputs; 16-bit activations",
+           _int(4, 32, symmetric=False)),
+    Scheme("W8A16", "INT8 weights, a scale per output channel; 16-bit activations", _int(8, None)),
+    Scheme("W8A8", "INT8 weights per output channel, INT8 activations per token (dynamic)", _int(8, None), _TOKEN_INT8),
+    Scheme("FP8", "FP8 (E4M3) weights per output channel, FP8 activations per token (dynamic)",
+           {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "group_size": None}, _TOKEN_FP8),
+    Scheme("BF16", "left unquantized, stored in the model's 16-bit dtype", None),
+)}
+# What `quantbench tune` chooses from unless told: the schemes vLLM-CPU serves together.
+DEFAULT_TUNE_SCHEMES = ("W4A16-G64", "W4A16-G64-ASYM", "W4A16-G32", "W4A16-G32-ASYM", "W8A8", "BF16")
+
+
+def get(name: str, field: str = "scheme") -> Scheme:
+    """A scheme by name (case-insensitive); UserError naming `field` with the choices."""
+    for scheme in SCHEMES.values():
+        if name.upper() == scheme.name:
+            return scheme
+    raise UserError(f"{field}: unknown scheme '{name}'." + did_you_mean(name.upper(), SCHEMES))
+
+
+def from_recipe(scheme: str, group_size: int | None, symmetric: bool = True) -> Scheme:
+    """The scheme a recipe's `scheme` / `group_size` / `symmetric` stand for: one of SCHEMES when
+    it is one of them, else a scheme of its own named after its settings (W4A16-G16-ASYM)."""
+    if scheme == "W8A8":
+        weights, activations = _int(8, None), _TOKEN_INT8
+    else:
+        weights, activations = _int({"W4A16": 4, "W8A16": 8}[scheme], group_size), None
+    weights["symmetric"] = symmetric
+    for known in SCHEMES.values():
+        if known.weights == weights and known.activations == activations:
+            return known
+    name = scheme + (f"-G{group_size}" if weights["group_size"] else "") + ("" if symmetric else "-ASYM")
+    return Scheme(name, f"the recipe's own scheme ({name})", weights, activations)
+
+
+def name_of(weights: dict | None, activations: dict | None) -> str:
+    """The name of the scheme a checkpoint's config group describes (its QuantizationArgs as
+    saved), or "custom"."""
+    keys = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
+
+    def pick(args: dict | None) -> tuple | None:
+        return None if not args else tuple(args.get(k) or None for k in keys)
+
+    for scheme in SCHEMES.values():
+        if pick(scheme.weights) == pick(weights) and pick(scheme.activations) == pick(activations):
+            return scheme.name
+    return "custom"
+
+
+def assign(names: list[str], default: str, layers: dict[str, list[str]], ignore: list[str]) -> dict[str, str]:
+    """layer name -> the scheme it takes ("BF16" when ignored or listed as BF16), matched as
+    compressed-tensors matches config_groups: an exact name beats a pattern, a pattern beats the
+    default (`Linear`)."""
+    from compressed_tensors.utils.match import match_name
+
+    targets = {t: scheme for scheme, ts in layers.items() for t in ts}
+    ordered = sorted(targets, key=lambda t: (t.startswith("re:"), t))
+    out = {}
+    for name in names:
+        if any(match_name(name, t) for t in ignore):
+            out[name] = "BF16"
+            continue
+        hit = next((t for t in ordered if match_name(name, t)), None)
+        out[name] = targets[hit] if hit else default
+    return out
+
+
+def overlaps(names: list[str], layers: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Layers that targets of more than one scheme match: layer -> those schemes."""
+    from compressed_tensors.utils.match import match_name
+
+    out = {}
+    for name in names:
+        hit = sorted({scheme for scheme, ts in layers.items() for t in ts if match_name(name, t)})
+        if len(hit) > 1:
+            out[name] = hit
+    return out

@@ -1,0 +1,364 @@
+"""A checkpoint directory and what quantbench knows about it, shared by every stage: the info file
+each quantize run writes into it (`quantbench.json`), which checkpoint a run id or a directory
+names, whether this machine can load its format, its size, and the sizes of a loaded model.
+
+A checkpoint also travels with its run: `upload` logs it as the run's `checkpoint/` artifact with
+a content hash (`quantbench.checkpoint_sha`), and `local_checkpoint` finds a run's checkpoint on
+this machine, or downloads that artifact once into the cache and verifies it against the hash, so
+`evaluate`, `bench` and `run:`/`recipe:` sources work on a machine other than the one that made it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantbench.core.errors import UserError
+from quantbench.core.paths import cache_dir
+from quantbench.tracking import TAG, tracking_uri
+
+log = logging.getLogger(__name__)
+
+INFO = "quantbench.json"  # written by the quantize pipeline into every checkpoint
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+# quantization_config.quant_method -> the package transformers needs to load that format
+FORMAT_PACKAGES = {"compressed-tensors": "compressed_tensors", "bitsandbytes": "bitsandbytes", "gptq": "gptqmodel",
+                   "awq": "gptqmodel"}
+ARTIFACT = "checkpoint"  # the run's artifact directory that holds the checkpoint
+
+
+def read_info(path: Path) -> dict:
+    """What the quantize pipeline recorded about the checkpoint at `path` ({} for a foreign one)."""
+    info = path / INFO
+    if not info.is_file():
+        return {}
+    try:
+        data = json.loads(info.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{info}: cannot read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{info}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); quantbench "
+                        "writes this file with the checkpoint: restore it, or remove it and name the base with --base") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{info}: not a JSON object")
+    return data
+
+
+def write_info(dest: Path, info: dict) -> None:
+    (dest / INFO).write_text(json.dumps(info, indent=2))
+
+
+@dataclass
+class Target:
+    """The checkpoint a later stage (evaluate, bench) works on, and the run it logs into."""
+
+    checkpoint: Path
+    run_id: str | None  # None: a checkpoint this tracking store has no run for
+    base_source: str
+    info: dict = field(default_factory=dict)
+
+
+def resolve_target(target: str, tracker, base: str | None) -> Target:
+    """`target` is a checkpoint directory or an MLflow run id; `base` overrides the base model.
+    The checkpoint's config and weight files are checked (load_config, check_weights)."""
+    target_ = _resolve(target, tracker, base)
+    load_config(target_.checkpoint, target)
+    check_weights(target_.checkpoint, target)
+    return target_
+
+
+def _resolve(target: str, tracker, base: str | None) -> Target:
+
+    path = Path(target)
+    if path.exists():
+        if not (path.is_dir() and (path / "config.json").is_file()):
+            raise UserError(f"'{target}' is not a model directory (no config.json)")
+        info = read_info(path)
+        run_id = info.get("run_id")
+        if run_id and tracker.existing(run_id) is None:
+            run_id = None  # made against another tracking store: later stages log into a new run
+        source = base or info.get("base_model", {}).get("source")
+        if not source:
+            raise UserError(f"'{target}' was not written by quantbench: name its base model with --base SOURCE")
+        return Target(path, run_id, source, info)
+    if not RUN_ID.fullmatch(target):
+        raise UserError(f"'{target}' is neither a checkpoint directory nor an MLflow run id")
+    run = tracker.existing(target)
+    if run is None:
+        raise UserError(f"MLflow run '{target}' does not exist at the tracking store ({tracking_uri()})")
+    tags = run.data.tags
+    checkpoint = local_checkpoint(run, tags)
+    if checkpoint is None:
+        raise UserError(f"MLflow run '{target}' has no checkpoint on this machine (tag {TAG}checkpoint: "
+                        f"{tags.get(TAG + 'checkpoint') or 'none'}) nor a {ARTIFACT}/ artifact to download")
+    return Target(checkpoint, target, base or tags[TAG + "base_model"], read_info(checkpoint))
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint that travels with its run
+
+
+def content_sha(path: Path) -> str:
+    """sha256 over every file of a checkpoint directory: of the lines `<sha256 of the file>  <path
+    relative to the directory>`, sorted by path (what `sha256sum` prints for each file)."""
+    lines = []
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(2**20), b""):
+                digest.update(block)
+        lines.append(f"{digest.hexdigest()}  {file.relative_to(path).as_posix()}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def upload(run, directory: Path) -> str:
+    """Log a checkpoint directory as the run's `checkpoint/` artifact and record its content hash
+    (`quantbench.checkpoint_sha`), against which every download is verified. Returns the hash."""
+
+    sha = content_sha(directory)
+    log.info("logging the checkpoint as the run's artifact %s/ (content sha %s)", ARTIFACT, sha[:12])
+    run.log_artifacts(directory, ARTIFACT)
+    run.set_tags({TAG + "checkpoint_sha": sha})
+    return sha
+
+
+def local_checkpoint(run, tags: dict[str, str]) -> Path | None:
+    """A run's checkpoint on this machine: the directory its `quantbench.checkpoint` tag names if
+    that is here; else its `checkpoint/` artifact, downloaded once into the cache
+    (QUANTBENCH_CACHE/checkpoints/) and verified against `quantbench.checkpoint_sha`; else None."""
+
+    named = tags.get(TAG + "checkpoint")
+    if named and (Path(named) / "config.json").is_file():
+        return Path(named)
+    if not run.has_artifact(f"{ARTIFACT}/config.json"):
+        return None
+    sha = tags.get(TAG + "checkpoint_sha")
+    root = cache_dir() / "checkpoints"
+    dest = root / f"{run.run_id}-{(sha or 'unverified')[:16]}"
+    if (dest / "config.json").is_file():
+        return dest  # renamed into place only once it was complete and verified
+    root.mkdir(parents=True, exist_ok=True)
+    partial = root / f".{dest.name}.{os.getpid()}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        log.info("run %s: its checkpoint is not on this machine (%s); downloading its %s/ artifact", run.run_id,
+                 named or "no path recorded", ARTIFACT)
+        downloaded = run.download(ARTIFACT, partial)
+        if sha is None:
+            log.warning("run %s has no %scheckpoint_sha: its checkpoint cannot be verified", run.run_id, TAG)
+        elif content_sha(downloaded) != sha:
+            raise UserError(f"MLflow run '{run.run_id}': the downloaded {ARTIFACT}/ artifact's content hash "
+                            f"{content_sha(downloaded)[:16]} differs from the run's {TAG}checkpoint_sha {sha[:16]}: "
+                            "the artifact changed after it was logged, or the download is incomplete; nothing was kept")
+        try:
+            os.rename(downloaded, dest)
+        except OSError:  # another process put it there first
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    log.info("run %s: checkpoint downloaded to %s", run.run_id, dest)
+    return dest
+
+
+def quant_method(checkpoint: Path) -> str | None:
+    """`quantization_config.quant_method` of a checkpoint (None: not quantized)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    return (config.get("quantization_config") or {}).get("quant_method")
+
+
+def check_loadable(checkpoint: Path) -> None:
+    """A checkpoint whose format needs a package that is missing: say which."""
+    method = quant_method(checkpoint)
+    package = FORMAT_PACKAGES.get(method)
+    if package and importlib.util.find_spec(package) is None:
+        raise UserError(f"'{checkpoint}' is a {method} checkpoint; loading it needs the package '{package}', which is not installed")
+
+
+def weights_sha(path: Path) -> str | None:
+    """sha256 over every tensor in a checkpoint's safetensors files: each tensor's name, dtype, shape
+    and bytes, in name order. Sharding and file metadata do not change it; one changed weight does.
+    None when the checkpoint holds no safetensors file."""
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+
+    per_tensor: dict[str, str] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name).contiguous()
+                digest = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+                digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+                per_tensor[name] = digest.hexdigest()
+    if not per_tensor:
+        return None
+    return hashlib.sha256("".join(f"{k}={v}\n" for k, v in sorted(per_tensor.items())).encode()).hexdigest()
+
+
+def weights_size_mb(path: Path) -> float:
+    """Bytes of the weight files in a checkpoint directory, in MiB."""
+    return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)) / 2**20
+
+
+def linear_layers(config) -> dict[str, tuple[int, int, bool]]:
+    """name -> (in_features, out_features, has bias) of every Linear layer of a model with this
+    config except its output head: the layers a quantization recipe may quantize. Read from a
+    model built on the meta device (no weights, nothing loaded)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the skeleton's shapes are the unquantized ones
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    head = skeleton.get_output_embeddings()
+    return {name: (m.in_features, m.out_features, m.bias is not None) for name, m in skeleton.named_modules()
+            if isinstance(m, torch.nn.Linear) and m is not head}
+
+
+# safetensors dtype names -> bytes per element
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+                "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "F4": 0.5, "F6_E2M3": 0.75,
+                "F6_E3M2": 0.75}
+
+
+def tensor_bytes(path: Path) -> dict[str, float]:
+    """Bytes of every tensor in a checkpoint's safetensors files, read from their headers only."""
+    out: dict[str, float] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        for key, meta in header.items():
+            if key != "__metadata__":
+                start, end = meta["data_offsets"]
+                out[key] = float(end - start)
+    return out
+
+
+def bits_per_weight(path: Path) -> float | None:
+    """`model/bits_per_weight`: stored bits per parameter over the quantizable layers (every
+    Linear layer but the output head), scales, zero points, packing metadata and biases included;
+    a layer left unquantized counts at its stored width. None when the checkpoint has no
+    safetensors files or none of its tensors are named after its layers."""
+    from transformers import AutoConfig
+
+    tensors = tensor_bytes(path)
+    if not tensors:
+        return None
+    stored = params = 0.0
+    for name, (fan_in, fan_out, _) in linear_layers(AutoConfig.from_pretrained(path)).items():
+        prefix = name + "."
+        size = sum(b for key, b in tensors.items() if key.startswith(prefix))
+        if size:
+            stored += size
+            params += fan_in * fan_out
+    return 8 * stored / params if params else None
+
+
+def param_bytes(model) -> int:
+    """Bytes of a loaded model's unique tensors in their dtype (tied weights counted once)."""
+    seen = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+def vocab_mismatch(a_tokenizer, b_tokenizer, a_config, b_config) -> str:
+    """"" when two models share a vocabulary (config size and every token id), else what differs
+    (a distillation student and its teacher, a speculative draft and its target)."""
+    if a_config.vocab_size != b_config.vocab_size:
+        return f"vocab_size {b_config.vocab_size} vs {a_config.vocab_size}"
+    a, b = a_tokenizer.get_vocab(), b_tokenizer.get_vocab()
+    if a != b:
+        differ = sorted(set(a.items()) ^ set(b.items()))
+        return f"{len(differ)} token ids differ, e.g. {differ[:3]}"
+    return ""
+
+
+def load_config(path: Path, field: str = "model.source"):
+    """A checkpoint dir's transformers config; a config that is not JSON, names an architecture
+    transformers does not know, or asks for custom code (auto_map) is a UserError naming the file."""
+    from transformers import AutoConfig
+
+    config_file = path / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{field}: cannot read {config_file}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{field}: {config_file} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{field}: {config_file} is not a JSON object")
+    if raw.get("auto_map"):
+        raise UserError(f"{field}: {config_file} asks for custom model code (auto_map: {', '.join(sorted(raw['auto_map']))}); "
+                        "quantbench runs only architectures transformers ships (it never sets trust_remote_code)")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{field}: transformers cannot read {config_file} (model_type "
+                        f"{raw.get('model_type', 'missing')!r}): {first[:300]}") from None
+
+
+def check_weights(path: Path, field: str = "model.source") -> None:
+    """The weight files of a checkpoint dir are safetensors, whole: a truncated file, a missing
+    shard or pickled weights (pytorch_model.bin, which runs code when loaded) are refused here,
+    before any run starts."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+            raise UserError(f"{field}: {index} is not a safetensors index (no weight_map)") from None
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise UserError(f"{field}: {path} is missing weight shards named in {index.name}: {', '.join(missing[:5])}")
+        files = [path / s for s in shards]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        if pickles:
+            raise UserError(f"{field}: {path} holds only pickled weights ({', '.join(pickles[:3])}); loading a pickle "
+                            "runs code, so quantbench reads safetensors only. Convert them first, e.g. "
+                            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir2) where you trust the file")
+        raise UserError(f"{field}: {path} has no weight files (*.safetensors)")
+    for file in files:
+        problem = _safetensors_problem(file)
+        if problem:
+            raise UserError(f"{field}: {file} {problem}")
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """None for a whole safetensors file; else what is wrong (from its header and its size)."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"is truncated ({size} bytes)"
+            length = int.from_bytes(head, "little")
+            if length > size - 8 or length > 100 * 2**20:
+                return f"is truncated or not safetensors (header of {length:,} bytes in a file of {size:,})"
+            header = json.loads(fh.read(length))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"is not a safetensors file ({type(exc).__name__})"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    need = 8 + length + max(ends, default=0)
+    if need > size:
+        return f"is truncated: its header describes {need:,} bytes, the file has {size:,}"
+    return None

@@ -1,0 +1,253 @@
+"""Is a base model what it claims to be? Checked before it is believed:
+
+- a converted source (a GGUF turned into a checkpoint dir) must reproduce its source: the same
+  token ids on sample text, special tokens that agree with the model's config, and the same logits
+  within a tolerance on a few windows (`verify_copy`);
+- a base model's perplexity on held-out text must not be worse than a unigram model's of the same
+  tokens (`check_perplexity`): a model that predicts worse than token frequencies alone has a
+  tokenizer, BOS convention or dtype that does not match its weights. A near-uniform model (an
+  untrained, random-init one, as tests build) is reported, not refused. It is measured once with
+  and once without a BOS at the start of every window (`check_base_perplexity`); the verdict is
+  the one with what the tokenizer does (data.bos_id), and both values are kept.
+
+Why (measured, transformers 5.17): a Gemma-family GGUF converts into a checkpoint whose saved
+tokenizer splits text into single characters (GemmaTokenizer rebuilds a BPE without merges from a
+Unigram tokenizer.json); transformers ignores `tokenizer.ggml.add_bos_token`; and its Llama GGUF
+converter names the BOS token as EOS. quantbench saves the GGUF's tokenizer as a plain tokenizer
+with the file's own special tokens and BOS/EOS flags (`gguf_tokenizer`), then verifies the copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SAMPLE_TEXT = (
+    "The quick brown fox reads the Python documentation about exceptions and classes. "
+    "A for statement iterates over the items of any sequence, in the order that they appear."
+)
+LOGITS_RTOL = 1e-3  # of the reference's largest centred logit
+UNIFORM_SHARE = 0.9  # mean predictive entropy >= this x ln(vocab): a near-uniform (untrained) model
+# the other BOS convention predicting held-out text this many times better than the tokenizer's:
+# worth a warning (a lost add_bos_token measured 192.8 against 45 with BOS; SmolLM2, which adds
+# none, 14.53 without against 14.74 with its <|im_start|>)
+BOS_HINT_RATIO = 1.5
+
+
+# ---------------------------------------------------------------------------------------------
+# A converted copy against its source
+
+
+def gguf_tokenizer(gguf: Path):
+    """The GGUF's tokenizer as a plain tokenizer that saves and reloads verbatim, with the special
+    tokens the file names by id and BOS/EOS added as the file says (tokenizer.ggml.add_bos_token)."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    fields = GGUFReader(gguf).fields
+
+    def get(key: str):
+        return fields[key].contents() if key in fields else None
+
+    loaded = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokens = get("tokenizer.ggml.tokens") or []
+    specials = {k: v for k, v in loaded.special_tokens_map.items() if isinstance(v, str)}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                      ("pad_token", "padding_token_id")):
+        token_id = get(f"tokenizer.ggml.{key}")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            specials[name] = tokens[token_id]
+    return TokenizersBackend(tokenizer_object=loaded.backend_tokenizer, **specials,
+                             add_bos_token=bool(get("tokenizer.ggml.add_bos_token")),
+                             add_eos_token=bool(get("tokenizer.ggml.add_eos_token")),
+                             chat_template=getattr(loaded, "chat_template", None))
+
+
+def compare_tokenizers(reference, candidate, text: str = SAMPLE_TEXT) -> str | None:
+    """None if both give the same ids for `text` (special tokens included), else the first difference."""
+    a, b = reference(text)["input_ids"], candidate(text)["input_ids"]
+    if a == b:
+        return None
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    show = lambda tok, ids: tok.convert_ids_to_tokens(ids[max(0, i - 2) : i + 4])  # noqa: E731
+    return (f"the saved tokenizer splits text differently from the source: {len(b)} tokens instead of {len(a)} "
+            f"for a {len(text)}-character sample; first difference at token {i}: source {show(reference, a)} vs "
+            f"saved {show(candidate, b)}")
+
+
+def compare_special_tokens(tokenizer, config) -> str | None:
+    """The tokenizer's BOS/EOS must be the ones the model's config names (generation stops on those)."""
+    problems = []
+    for name in ("bos", "eos"):
+        want = getattr(config, f"{name}_token_id", None)
+        have = getattr(tokenizer, f"{name}_token_id", None)
+        want = want if isinstance(want, list) else [want]
+        if None not in want and have is not None and have not in want:
+            problems.append(f"{name}_token is {getattr(tokenizer, name + '_token')!r} (id {have}) but the model config's "
+                            f"{name}_token_id is {want if len(want) > 1 else want[0]}")
+    return "; ".join(problems) or None
+
+
+def compare_logits(reference_model, candidate_model, token_ids: list[int], window: int = 64, windows: int = 3,
+                   rtol: float = LOGITS_RTOL) -> str | None:
+    """Logits of both models on up to `windows` windows of `token_ids`, centred per position (softmax
+    ignores a shift); None if they differ by at most `rtol` of the reference's largest centred logit
+    (the same meaning for a real model and a random tiny one)."""
+    import torch
+
+    worst = scale = 0.0
+    with torch.inference_mode():
+        for k in range(max(1, min(windows, len(token_ids) // window))):
+            ids = torch.tensor([token_ids[k * window : (k + 1) * window]])
+            a = reference_model(input_ids=ids).logits.float()
+            b = candidate_model(input_ids=ids).logits.float()
+            if a.shape != b.shape:
+                return f"the saved model's output has shape {tuple(b.shape)}, the source's {tuple(a.shape)}"
+            a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
+            diff = (a - b).abs().max().item()
+            worst = max(worst, diff if math.isfinite(diff) else math.inf)
+            scale = max(scale, a.abs().max().item())
+    if worst > rtol * scale:
+        return (f"the saved model's logits differ from the source's by up to {worst:.3g} ({worst / max(scale, 1e-30):.3g} "
+                f"of the logits' range; tolerance {rtol:g})")
+    return None
+
+
+def verify_copy(dest: Path, ref_tokenizer, ref_model, text: str = SAMPLE_TEXT) -> list[str]:
+    """Reload `dest` from disk and compare it with the objects it was written from; [] when faithful."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(dest)
+    model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
+    problems = [p for p in (compare_tokenizers(ref_tokenizer, tokenizer, text),
+                            compare_special_tokens(tokenizer, model.config)) if p]
+    ids = ref_tokenizer(text)["input_ids"]
+    while len(ids) < 3 * 64:
+        ids = ids + ids
+    if problem := compare_logits(ref_model.eval(), model, ids):
+        problems.append(problem)
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# A base model's perplexity against a unigram model of the same tokens
+
+
+@dataclass
+class PerplexityCheck:
+    ppl: float  # the model's perplexity on the held-out ids
+    unigram_ppl: float  # an add-one-smoothed unigram model of the calibration ids, on the same ids
+    entropy: float  # the model's mean predictive entropy (nats)
+    vocab_size: int
+    verdict: str  # "ok" | "near-uniform" | "refused"
+    bos: bool = False  # the windows scored started with BOS (what the tokenizer does)
+    ppl_with_bos: float | None = None  # both measured by check_base_perplexity; None: not measured
+    ppl_without_bos: float | None = None  # (a tokenizer without a BOS token has only this one)
+
+    def describe(self) -> str:
+        other = self.ppl_without_bos if self.bos else self.ppl_with_bos
+        framing = (f" (windows {'with' if self.bos else 'without'} BOS, as the tokenizer encodes; "
+                   f"{'without' if self.bos else 'with'} BOS: {other:.4g})" if other is not None else "")
+        return (f"perplexity {self.ppl:.4g} on held-out text{framing}; a unigram model of the same tokens gets "
+                f"{self.unigram_ppl:.4g}; mean predictive entropy {self.entropy:.2f} nats (uniform: "
+                f"{math.log(self.vocab_size):.2f})")
+
+
+def unigram_nll(counted: list[int], scored: list[int], vocab_size: int) -> float:
+    """Cross-entropy (nats per token) of `scored` under add-one-smoothed unigram counts of `counted`."""
+    counts = Counter(counted)
+    total = len(counted) + vocab_size
+    return -sum(math.log((counts[t] + 1) / total) for t in scored) / len(scored)
+
+
+def check_perplexity(model, token_ids: list[int], calibration_ids: list[int], window: int, vocab_size: int) -> PerplexityCheck:
+    """The model's NLL and predictive entropy on `token_ids` against the unigram baseline."""
+    import torch
+
+    from quantbench.core.measures import _windows
+
+    windows = _windows(token_ids, window)
+    nll = entropy = 0.0
+    count = 0
+    with torch.inference_mode():
+        for row in windows:
+            log_probs = torch.log_softmax(model(input_ids=row[None]).logits[0, :-1].float(), -1)
+            nll -= log_probs.gather(-1, row[1:, None]).sum().item()
+            entropy -= (log_probs.exp() * log_probs).sum().item()
+            count += len(row) - 1
+    nll, entropy = nll / count, entropy / count
+    unigram = unigram_nll(calibration_ids, windows[:, 1:].reshape(-1).tolist(), vocab_size)
+    if entropy >= UNIFORM_SHARE * math.log(vocab_size):
+        verdict = "near-uniform"
+    else:
+        verdict = "refused" if nll > unigram else "ok"
+    return PerplexityCheck(math.exp(nll), math.exp(unigram), entropy, vocab_size, verdict)
+
+
+def check_base_perplexity(model, text_ids: list[int], calibration_ids: list[int], tokens: int, window: int,
+                          vocab_size: int, bos_token_id: int | None, wants_bos: bool) -> PerplexityCheck:
+    """check_perplexity on the first `tokens` positions of `text_ids` laid out as windows of `window`,
+    once with a BOS at the start of every window and once without (one, when there is no BOS token):
+    the verdict is the framing the tokenizer uses (`wants_bos`), both perplexities are kept."""
+    from quantbench.sources import data
+
+    results = {}
+    for with_bos in ([False, True] if bos_token_id is not None else [False]):
+        ids = data.framed(text_ids, window, bos_token_id if with_bos else None)[:tokens]
+        results[with_bos] = check_perplexity(model, ids, calibration_ids, window, vocab_size)
+    used = results[wants_bos and bos_token_id is not None]
+    used.bos = wants_bos and bos_token_id is not None
+    used.ppl_without_bos = results[False].ppl
+    used.ppl_with_bos = results[True].ppl if True in results else None
+    return used
+
+
+def bos_hint(result: PerplexityCheck) -> str | None:
+    """A warning when the model predicts far better with the other BOS convention than with its
+    tokenizer's (a tokenizer that lost its add_bos_token, or gained one), else None."""
+    other = result.ppl_without_bos if result.bos else result.ppl_with_bos
+    if other is None or other * BOS_HINT_RATIO > result.ppl:
+        return None
+    return (f"the base model predicts held-out text far better {'without' if result.bos else 'with'} a BOS starting each "
+            f"window (perplexity {other:.4g}) than as its tokenizer encodes ({result.ppl:.4g}, "
+            f"{'with' if result.bos else 'without'} BOS): check the tokenizer's add_bos_token (every window of the "
+            "job follows the tokenizer)")
+
+
+def cached_check(key: dict, compute) -> PerplexityCheck:
+    """A perplexity check keyed by what it depends on (model fingerprint, tokenizer, text), computed
+    once and kept in the cache (a base model is checked once, not on every run)."""
+    import hashlib
+
+    from quantbench.core.paths import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    path = cache_dir() / "checks" / f"{digest}.json"
+    if path.is_file():
+        return PerplexityCheck(**json.loads(path.read_text()))
+    result = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result.__dict__))
+    tmp.replace(path)
+    return result
+
+
+def tokenizer_sha(path: Path) -> str:
+    """sha256 over a checkpoint's tokenizer files (what turns text into the ids a check scored)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
+        file = path / name
+        if file.is_file():
+            digest.update(name.encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()

@@ -1,0 +1,281 @@
+"""The bench stage: a checkpoint's speed against its base model, measured in the same run with
+the same profile, interleaved, through one engine. speed/measure.py says what is measured;
+speed/serving.py holds the client, the load levels and the servers.
+
+Which engine (`backend`, one of quantbench.engines' registry or a way of choosing one):
+- `auto` (the default): the first engine in `engines.AUTO` (vLLM, transformers serve, in-process
+  hf) that serves the checkpoint's format and the base model's on this device and can run here;
+  the choice and why go into the output, the run's tags and bench.json.
+- an engine's name (`vllm`, `transformers`, ...): that engine, or a clear error before any run
+  when it cannot serve.
+- `hf`: in-process transformers `generate` (not a serving engine: INT4 runs without the kernels
+  that make it fast).
+- `openai`: two running endpoints (`--endpoint`, `--base-endpoint`).
+- `serve` (as before): a server, `--server auto` or a server engine's name.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import statistics
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantbench import engines
+from quantbench.core import environment
+from quantbench.core.errors import UserError
+from quantbench.engines import ServerSettings, ServingEngine
+from quantbench.sources import data, models
+from quantbench.sources.checkpoint import weights_size_mb
+from quantbench.speed.measure import (
+    PartialBench,
+    Profile,
+    bench_pair,
+    hf_measurer,
+    load_profile,
+    prompts,
+)
+from quantbench.tracking import TAG
+
+log = logging.getLogger(__name__)
+PLOT = "bench_load.png"
+
+
+@dataclass
+class Plan:
+    """A profile, its prompts' text and the engine, checked before any run starts."""
+
+    profile_name: str
+    profile: Profile
+    token_ids: list[int]
+    engine: ServingEngine
+    endpoints: tuple[str, str] | None = None  # backend openai: (checkpoint's, base model's)
+    requested: str = "hf"  # what the user asked for: auto, serve or an engine's name
+    why: str = ""  # why this engine
+
+    @property
+    def backend(self) -> str:
+        """How it is measured (tag bench_backend): hf (in-process), openai (endpoints) or serve."""
+        return {"in-process": "hf", "endpoint": "openai", "server": "serve"}[self.engine.kind]
+
+    @property
+    def server(self) -> str | None:
+        """The server engine quantbench starts, if any."""
+        return self.engine.name if self.engine.kind == "server" else None
+
+    def describe(self) -> str:
+        return self.engine.describe(self.profile.compile)
+
+
+@dataclass
+class BenchResult:
+    """What the pipeline logs into the candidate's run: metrics, tags, bench.json, and files:
+    `logs` (the servers' logs, logged under servers/) and `plots` (logged at the top)."""
+
+    metrics: dict[str, float]
+    tags: dict[str, str]
+    report: dict  # bench.json
+    logs: list[Path] = field(default_factory=list)
+    plots: list[Path] = field(default_factory=list)
+
+
+class BenchFailed(RuntimeError):
+    """The bench stopped part-way (e.g. a server died): `partial` holds what was measured."""
+
+    def __init__(self, cause: BaseException, partial: BenchResult):
+        super().__init__(str(cause))
+        self.partial = partial
+
+
+def prepare(profile_name: str, tokenizer, *, backend: str = "auto", server: str = "auto",
+            endpoints: tuple[str, str] | None = None, checkpoint: Path | dict | None = None, base_path: Path | None = None,
+            field: str = "--profile", backend_field: str = "--backend") -> Plan:
+    """Load the profile, check every prompt length against the evaluation text, and pick the
+    engine. `checkpoint`: its directory, or (a recipe's checkpoint not written yet) the config it
+    will have. Creates vLLM's environment if the engine is vLLM and it does not exist yet."""
+    profile = load_profile(profile_name, field)
+    ids = tokenizer(data.python_docs("evaluation"))["input_ids"]
+    for length in profile.prompt_tokens:
+        prompts(ids, length, 1, profile.seed)
+    if backend == "openai":
+        from quantbench.speed.serving import check_endpoint
+
+        if not (endpoints and all(endpoints)):
+            raise UserError("--backend openai needs --endpoint URL (the checkpoint) and --base-endpoint URL (its base model)")
+        check_endpoint(endpoints[0], "--endpoint")
+        check_endpoint(endpoints[1], "--base-endpoint")
+        return Plan(profile_name, profile, ids, engines.get("openai"), endpoints, backend, "asked for (--backend openai)")
+    chosen = engines.choose(backend, server, checkpoint, base_path, backend_field)
+    if chosen.engine.kind == "in-process" and profile.request_rates:
+        raise UserError(f"{field}: request_rates need a server (open-loop arrivals); the hf backend measures "
+                        "batched generate only. Drop request_rates or measure through a server")
+    plan = Plan(profile_name, profile, ids, chosen.engine, None, backend, chosen.why)
+    if chosen.engine.kind == "server":
+        chosen.engine.ensure(f"{backend_field} {backend}")
+        longest = max(profile.prompt_tokens) + profile.output_tokens + 16
+        for path in (checkpoint, base_path):
+            limit = chosen.engine.max_model_len(path) if isinstance(path, Path) else None
+            if limit is not None and longest > limit:
+                raise UserError(f"{field}: prompts of {max(profile.prompt_tokens)} tokens plus {profile.output_tokens} "
+                                f"output tokens exceed {path}'s max_position_embeddings ({limit})")
+    return plan
+
+
+def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResult:
+    """Measure `checkpoint` against `base`. BenchFailed, with what was measured, if the engine
+    fails part-way."""
+    plan = _recheck(plan, checkpoint)
+    engine = plan.describe()
+    log.info("bench: %s vs base %s, profile %s, through %s (%s)", checkpoint, base.name, plan.profile_name, engine, plan.why)
+    report = {"backend": plan.backend, "server": plan.server, "engine": plan.engine.tag_name, "engine_description": engine,
+              "why": plan.why, "requested": plan.requested, "profile": plan.profile_name,
+              "profile_settings": plan.profile.model_dump(mode="json"), "hardware": environment.describe()}
+    base_dtype = plan.profile.base_dtype if plan.backend == "hf" else plan.profile.serve_dtype
+    tags = {TAG + "bench_backend": plan.backend, TAG + "bench_profile": plan.profile_name, TAG + "bench_server": plan.engine.tag_name,
+            TAG + "bench_engine": engine, TAG + "bench_base_dtype": base_dtype}
+    logs: list[Path] = []
+    try:
+        with _measurers(plan, checkpoint, base, logs) as measurers:
+            result = bench_pair(measurers, plan.token_ids, plan.profile)
+    except PartialBench as exc:
+        tags |= _served_dtypes(plan, logs)
+        partial = BenchResult({}, {**tags, TAG + "bench_partial": "true"},
+                              {**report, "partial": True, "error": str(exc), "samples": spread(exc.samples)}, logs)
+        raise BenchFailed(exc, partial) from exc
+    tags |= _served_dtypes(plan, logs)
+    metrics = {**result.metrics, "model/size_mb": weights_size_mb(checkpoint)}
+    plots = []
+    if logs:  # a server backend: its load levels have latencies to plot
+        plot = load_plot(metrics, logs[0].parent / PLOT, f"{checkpoint.name} vs {base.name} · {engine}")
+        plots = [plot] if plot else []
+    report = {**report, "partial": False, "metrics": metrics, "samples": spread(result.samples),
+              "dtypes": {"candidate": tags.get(TAG + "bench_dtype"), "base": tags[TAG + "bench_base_dtype"]}}
+    return BenchResult(metrics, tags, report, logs, plots)
+
+
+def _recheck(plan: Plan, checkpoint: Path) -> Plan:
+    """A recipe's engine was chosen from the format it would write; check the one it wrote, and
+    where that engine does not serve it, choose again (or refuse, when the engine was asked for)."""
+    problem = plan.engine.unserved(checkpoint)
+    if problem is None:
+        return plan
+    if plan.requested == plan.engine.name:
+        raise RuntimeError(f"{plan.engine.label} does not serve {checkpoint} here: {problem}")
+    chosen = engines.choose(plan.requested, plan.server or "auto", checkpoint, None)
+    chosen.engine.ensure(plan.requested)
+    plan.engine = chosen.engine
+    plan.why = f"{plan.requested}: the checkpoint written: {chosen.why.split(': ', 1)[-1]}"
+    return plan
+
+
+def _served_dtypes(plan: Plan, logs: list[Path]) -> dict[str, str]:
+    """The dtype each model ran in, as the server reports it in its log (where it does)."""
+    out = {}
+    for path in logs if plan.engine.kind == "server" else []:
+        dtype = plan.engine.served_dtype(path)
+        if dtype:
+            out[TAG + ("bench_dtype" if path.stem == "candidate" else "bench_base_dtype")] = dtype
+    return out
+
+
+def spread(samples: dict[str, dict[str, list[float]]]) -> dict:
+    """Per sample name: the median (the metric's own statistic), min, max and every value."""
+    return {
+        model: {key: {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v} for key, v in rows.items()}
+        for model, rows in samples.items()
+    }
+
+
+@contextmanager
+def _measurers(plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: list[Path]):
+    """{"candidate": measure(prompt_sets, rep), "base": ...} for the engine; servers started one
+    after the other (never two starting at once), stopped on exit, their logs appended to `logs`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    profile = plan.profile
+    if plan.backend == "hf":
+        base_dtype = "auto" if profile.base_dtype == "auto" else getattr(torch, profile.base_dtype)
+        yield {
+            "candidate": hf_measurer(lambda: AutoModelForCausalLM.from_pretrained(checkpoint), profile),
+            "base": hf_measurer(lambda: AutoModelForCausalLM.from_pretrained(base.path, dtype=base_dtype), profile),
+        }
+        return
+    from quantbench.engines.server import model_server
+    from quantbench.speed.serving import openai_measurer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    if plan.backend == "openai":
+        assert plan.endpoints is not None
+        yield {
+            "candidate": openai_measurer(plan.endpoints[0], str(checkpoint), tokenizer, profile, engine=plan.engine),
+            "base": openai_measurer(plan.endpoints[1], str(base.path), tokenizer, profile, engine=plan.engine),
+        }
+        return
+    directory = Path(tempfile.mkdtemp(prefix="qb-serve-"))
+    engine = plan.engine
+    try:
+        length = max(profile.prompt_tokens) + profile.output_tokens + 64
+        limits = [x for x in (engine.max_model_len(checkpoint), engine.max_model_len(base.path)) if x]
+        settings = ServerSettings(min([length, *limits]), compiled=profile.compile, dtype=profile.serve_dtype)
+        with model_server(checkpoint, directory / "candidate.log", engine, settings) as cand, \
+                model_server(base.path, directory / "base.log", engine, settings) as ref:
+            yield {
+                "candidate": openai_measurer(cand[0], cand[1], tokenizer, profile, server_pid=cand[2], engine=engine),
+                "base": openai_measurer(ref[0], ref[1], tokenizer, profile, server_pid=ref[2], engine=engine),
+            }
+    finally:
+        logs.extend(sorted(directory.glob("*.log")))
+
+
+# ---------------------------------------------------------------------------------------------
+# The load curve
+
+
+def load_curve(metrics: dict[str, float]) -> dict[str, list[dict]]:
+    """Per model, the load levels in order of throughput: {level, throughput_tok_s, ttft_ms_p50, ...}."""
+    out: dict[str, list[dict]] = {}
+    for model, prefix in (("candidate", "speed/"), ("base", "base_speed/")):
+        levels: dict[str, dict] = {}
+        for key, value in metrics.items():
+            found = re.fullmatch(re.escape(prefix) + r"((?:c\d+|r[0-9.]+))/(\w+)", key)
+            if found:
+                levels.setdefault(found.group(1), {"level": found.group(1)})[found.group(2)] = value
+        out[model] = sorted((v for v in levels.values() if "ttft_ms_p50" in v), key=lambda v: v["throughput_tok_s"])
+    return out
+
+
+def load_plot(metrics: dict[str, float], path: Path, title: str) -> Path | None:
+    """Throughput against latency (TTFT and ITL, p50) at each load level, candidate and base on one
+    chart: the curve `vllm bench serve` and guidellm users read. None when no level has latencies."""
+    curve = load_curve(metrics)
+    if not any(curve.values()):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
+    for ax, key, label in ((axes[0], "ttft_ms_p50", "time to first token, p50 (ms)"),
+                           (axes[1], "itl_ms_p50", "inter-token latency, p50 (ms)")):
+        for model, color in (("candidate", "tab:green"), ("base", "tab:gray")):
+            points = [p for p in curve[model] if key in p]
+            if not points:
+                continue
+            xs, ys = [p["throughput_tok_s"] for p in points], [p[key] for p in points]
+            ax.plot(xs, ys, marker="o", color=color, label=model)
+            for p, x, y in zip(points, xs, ys):
+                ax.annotate(p["level"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel("output throughput (tokens/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,282 @@
+"""Speed against the base model: the profile, the A B A B loop, the in-process (`hf`)
+measurements and the summary. TTFT, decode and prefill tokens/s, inter-token and end-to-end
+latency, each load level's throughput and latency percentiles, peak memory. The server backends'
+measurements are in speed/serving.py.
+
+The candidate and the base model are measured with the same profile, interleaved (A B A B, one
+model loaded at a time) so machine drift hits both alike. Each repetition after the warm-up
+yields one sample per prompt length and per concurrency level; medians are the metrics, min and
+max go to the JSON artifact.
+
+Metric names (docs/metrics.md): `speed/ttft_ms_p50`, `speed/ttft_ms_p95`, `speed/decode_tok_s`,
+`speed/itl_ms_p50`, `speed/prefill_tok_s`, `speed/e2e_ms_p50`, `speed/e2e_ms_p95`,
+`speed/peak_mem_mb`, and per load level (`c<N>`: N in flight, `r<R>`: R requests/s)
+`speed/c<N>/throughput_tok_s`, `.../requests_s`, and through a server `.../ttft_ms_p50|p95|p99`,
+`.../itl_ms_p50|p95|p99`, `.../e2e_ms_p50|p95` (over the level's requests in a repetition; the
+median over repetitions is the metric).
+`speedup/<metric>` is oriented so that above 1 is faster: candidate / base for rates,
+base / candidate for times and memory. With 3 or more repetitions each speedup also has a 95 %
+interval, `speedup/<metric>.ci_low` / `.ci_high`, from the paired repetitions
+(`speedup_intervals`, docs/intervals.md).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from quantbench.core.errors import UserError
+from quantbench.core.processes import PeakRSS
+from quantbench.recipe import Strict, load_named
+
+DEFAULT_PROFILE = "cpu-smoke"
+LEVEL = re.compile(r"c\d+|r[0-9.]+")  # a load level's sample prefix: c4, r0.5
+LOWER_IS_FASTER = ("_ms_p50", "_ms_p95", "_ms_p99", "peak_mem_mb")
+
+
+class Profile(Strict):
+    description: str = ""
+    prompt_tokens: list[PositiveInt] = Field(default_factory=lambda: [128])
+    output_tokens: PositiveInt = 32
+    # load levels: N requests in flight at once. Through a server each level sends
+    # `requests_per_level` requests (default 2 x N) and reports throughput and latency
+    # percentiles (speed/c<N>/...); in-process (hf) it is one batched generate of N prompts.
+    concurrency: list[PositiveInt] = Field(default_factory=lambda: [1, 4])
+    # optional open-loop levels, servers only: requests/s with Poisson arrivals (speed/r<R>/...)
+    request_rates: list[PositiveFloat] = Field(default_factory=list)
+    requests_per_level: PositiveInt | None = None  # default: 2 x N at concurrency N, 8 at a request rate
+    repetitions: PositiveInt = 3
+    warmup: int = Field(1, ge=0)
+    seed: int = 0
+    # the dtype the base model is measured in by the hf backend: on CPU float32 is its fastest
+    # plain path, on a GPU bfloat16 is what would be served
+    base_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # vLLM's --dtype for candidate and base: auto is vLLM's own choice (a float32 checkpoint is
+    # served in bfloat16), what a deployment runs; the dtype it ran in is recorded in the run
+    serve_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # vLLM compiles its graphs at start-up (its default, what a deployment runs; 1-2 min per
+    # server on CPU here). false: --enforce-eager, ~3x faster start-up but ~35% more CPU per
+    # decoded token on CPU, which narrows speedups; the tests' profiles use it
+    compile: bool = True
+
+    def level_requests(self, concurrency: int | None) -> int:
+        """Requests a load level sends per repetition."""
+        if self.requests_per_level:
+            return self.requests_per_level
+        return 2 * concurrency if concurrency else 8
+
+    @property
+    def max_requests(self) -> int:
+        return max([max(self.concurrency)] + [self.level_requests(n) for n in self.concurrency]
+                   + [self.level_requests(None) for _ in self.request_rates])
+
+
+def profiles_dir() -> Path:
+    return Path(os.environ.get("QUANTBENCH_PROFILES", "profiles"))
+
+
+def load_profile(name: str, field: str = "--profile") -> Profile:
+    return load_named(profiles_dir(), name, Profile, field, "profile")
+
+
+def prompts(token_ids: list[int], length: int, count: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens from the evaluation text, at offsets fixed by `seed`."""
+    if len(token_ids) < length:
+        raise UserError(f"profile: prompt_tokens {length} is longer than the evaluation text ({len(token_ids)} tokens)")
+    rng = random.Random(f"{seed}-{length}")
+    return [token_ids[start : start + length] for start in (rng.randrange(len(token_ids) - length + 1) for _ in range(count))]
+
+
+# ---------------------------------------------------------------------------------------------
+# One model's measurements
+
+
+class _Clock:
+    """A generate() streamer that only notes when each step's tokens arrive."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:  # first call: the prompt; then one call per new token
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _generate(model, batch, output_tokens: int, streamer=None):
+    import torch
+
+    with torch.inference_mode():
+        return model.generate(
+            input_ids=batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=output_tokens,
+            min_new_tokens=output_tokens,  # the same length every time: EOS does not end a run early
+            do_sample=False,
+            streamer=streamer,
+            pad_token_id=0,
+        )
+
+
+def measure(model, prompt_sets: dict[int, list[list[int]]], profile: Profile, rep: int) -> dict[str, float]:
+    """One repetition on one loaded model: a streamed request per prompt length, and a batched
+    generate per concurrency level above 1."""
+    import torch
+
+    device = next(model.parameters()).device
+    out: dict[str, float] = {}
+    for length, rows in prompt_sets.items():
+        clock = _Clock()
+        batch = torch.tensor([rows[rep % len(rows)]], device=device)
+        start = time.perf_counter()
+        _generate(model, batch, profile.output_tokens, clock)
+        end = time.perf_counter()
+        token_times = clock.times[1:]  # after the prompt
+        ttft = token_times[0] - start
+        gaps = [b - a for a, b in zip(token_times, token_times[1:])]
+        out[f"p{length}/ttft_ms"] = ttft * 1000
+        out[f"p{length}/e2e_ms"] = (end - start) * 1000
+        out[f"p{length}/prefill_tok_s"] = length / ttft
+        if gaps:
+            out[f"p{length}/decode_tok_s"] = len(gaps) / sum(gaps)
+            out[f"p{length}/itl_ms"] = statistics.median(gaps) * 1000
+    length = max(prompt_sets)
+    for n in profile.concurrency:
+        rows = prompt_sets[length]
+        batch = torch.tensor([rows[(rep + i) % len(rows)] for i in range(n)], device=device)
+        start = time.perf_counter()
+        _generate(model, batch, profile.output_tokens)
+        wall = time.perf_counter() - start
+        out[f"c{n}/throughput_tok_s"] = n * profile.output_tokens / wall
+        out[f"c{n}/requests_s"] = n / wall
+    return out
+
+
+@dataclass
+class SpeedResult:
+    metrics: dict[str, float]  # speed/..., speedup/...
+    samples: dict[str, dict[str, list[float]]]  # model -> sample name -> values per repetition
+
+
+class PartialBench(RuntimeError):
+    """A backend failed part-way (e.g. the server died): what was measured before is kept."""
+
+    def __init__(self, cause: BaseException, samples: dict[str, dict[str, list[float]]]):
+        super().__init__(f"bench stopped part-way: {type(cause).__name__}: {cause}")
+        self.samples = samples
+
+
+def hf_measurer(load, profile: Profile):
+    """Backend hf: load the model, measure one repetition, free it; peak RSS growth meanwhile."""
+    import gc
+
+    def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
+        with PeakRSS() as mem:
+            before = mem.peak
+            model = load()
+            values = measure(model, prompt_sets, profile, rep)
+            del model
+            gc.collect()
+        values["peak_mem_mb"] = (mem.peak - before) / 2**20
+        return values
+
+    return run
+
+
+def bench_pair(measurers: dict, token_ids: list[int], profile: Profile) -> SpeedResult:
+    """Measure "candidate" and "base" with `profile`, interleaved A B A B; the warm-up dropped."""
+    from tqdm import tqdm
+
+    count = profile.max_requests + profile.repetitions + profile.warmup
+    prompt_sets = {length: prompts(token_ids, length, count, profile.seed) for length in profile.prompt_tokens}
+    samples: dict[str, dict[str, list[float]]] = {"candidate": {}, "base": {}}
+    total = (profile.warmup + profile.repetitions) * 2
+    with tqdm(total=total, desc="bench", unit="run") as bar:
+        for rep in range(profile.warmup + profile.repetitions):
+            for name in ("candidate", "base"):  # A B A B
+                try:
+                    values = measurers[name](prompt_sets, rep)
+                except Exception as exc:
+                    raise PartialBench(exc, samples) from exc
+                if rep >= profile.warmup:
+                    for key, value in values.items():
+                        samples[name].setdefault(key, []).append(value)
+                bar.update(1)
+    metrics = {}
+    for name, prefix in (("candidate", "speed/"), ("base", "base_speed/")):
+        metrics.update({prefix + k: v for k, v in summarize(samples[name], profile).items()})
+    for key, value in list(metrics.items()):
+        if key.startswith("speed/") and "base_" + key in metrics:
+            base = metrics["base_" + key]
+            if value <= 0 or base <= 0:  # e.g. a tiny model whose load did not grow the process: no ratio
+                continue
+            lower = key.endswith(LOWER_IS_FASTER)
+            metrics["speedup/" + key.removeprefix("speed/")] = (base / value) if lower else (value / base)
+    metrics.update(speedup_intervals(samples, profile))
+    return SpeedResult(metrics, samples)
+
+
+def speedup_intervals(samples: dict[str, dict[str, list[float]]], profile: Profile) -> dict[str, float]:
+    """`speedup/<m>.ci_low` / `.ci_high` from the paired repetitions: repetition i of the candidate
+    and of the base ran back to back, so each pair gives one ratio (each model's repetition
+    summarised as the metrics are); the interval is Student's t on the log ratios
+    (intervals.ratio_interval). {} with fewer than 3 pairs: no interval is made up. None for the
+    95th percentiles: one repetition holds one or two timings, no tail to pair."""
+    from quantbench.core.intervals import HIGH, LOW, ratio_interval
+
+    cand, base = samples.get("candidate", {}), samples.get("base", {})
+    pairs = min((len(v) for v in [*cand.values(), *base.values()]), default=0)
+    ratios: dict[str, list[float]] = {}
+    for i in range(pairs):
+        try:
+            c = summarize({k: [v[i]] for k, v in cand.items()}, profile)
+            b = summarize({k: [v[i]] for k, v in base.items()}, profile)
+        except (KeyError, ValueError, statistics.StatisticsError):
+            return {}  # a repetition that did not measure every sample: no paired interval
+        for key in c.keys() & b.keys():
+            if c[key] > 0 and b[key] > 0 and not key.endswith("_p95"):
+                ratios.setdefault(key, []).append(b[key] / c[key] if key.endswith(LOWER_IS_FASTER) else c[key] / b[key])
+    out = {}
+    for key, values in sorted(ratios.items()):
+        interval = ratio_interval(values) if len(values) == pairs else None
+        if interval:
+            out[f"speedup/{key}{LOW}"], out[f"speedup/{key}{HIGH}"] = interval
+    return out
+
+
+def summarize(samples: dict[str, list[float]], profile: Profile) -> dict[str, float]:
+    """Per-repetition samples -> the speed/ metric names (medians; p95 over all samples)."""
+
+    def pooled(suffix: str) -> list[float]:
+        return [v for k, values in samples.items() if k.endswith(suffix) and k.startswith("p") for v in values]
+
+    def pct(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    ttft, e2e = pooled("/ttft_ms"), pooled("/e2e_ms")
+    out = {
+        "ttft_ms_p50": statistics.median(ttft),
+        "ttft_ms_p95": pct(ttft, 0.95),
+        "e2e_ms_p50": statistics.median(e2e),
+        "e2e_ms_p95": pct(e2e, 0.95),
+        "prefill_tok_s": statistics.median(pooled("/prefill_tok_s")),
+    }
+    if samples.get("peak_mem_mb"):
+        out["peak_mem_mb"] = max(samples["peak_mem_mb"])
+    if pooled("/decode_tok_s"):
+        out["decode_tok_s"] = statistics.median(pooled("/decode_tok_s"))
+        out["itl_ms_p50"] = statistics.median(pooled("/itl_ms"))
+    for key, values in samples.items():  # load levels: c<N>/... and r<R>/..., medians over repetitions
+        if LEVEL.fullmatch(key.split("/", 1)[0]):
+            out[key] = statistics.median(values)
+    return out

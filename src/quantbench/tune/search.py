@@ -1,0 +1,786 @@
+"""`quantbench tune --policy NAME`: the smallest checkpoint that passes a policy, by per-layer
+mixed precision.
+
+    prepare (policy, schemes, template recipe, model shapes, budget: nothing written)
+    -> sensitivity (sensitivity.py: stored once per base model, schemes and calibration text)
+    -> allocate a scheme per unit under a budget (allocate.py: least predicted KLD)
+    -> write the allocation as a real recipe file, run it as a `quantbench quantize` child process
+       (quantize, reload check, evaluate, bench, like any other run) under a `quantbench.role=tune`
+       parent run
+    -> search the budget: bisection on the *measured* verdict of the policy's quality checks
+    -> gate the answer with the policy (a pass moves the alias, as `quantbench gate` does)
+
+With `--bits` or `--max-size-mb` the budget is given and one candidate is made. Without, the
+search starts where the predicted KLD meets the policy's KLD limit (scaled by what the last
+candidate measured against its prediction) and keeps the interval between the largest failing
+and the smallest passing candidate, cutting it at least a tenth each time, until `--budget-runs`
+candidates were measured or the interval holds no other allocation.
+
+Everything a candidate is lives in its recipe file (outputs/tune/<policy>-<tune id>/recipes/),
+which `make quantize RECIPE=<path>` re-runs. Re-running the same tune replays the same decisions
+and reuses every candidate that already has a FINISHED run (found by recipe sha).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import signal
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from quantbench.core.errors import UserError
+from quantbench.recipe import (
+    LoadedRecipe,
+    load_recipe,
+    recipes_dir,
+    resolve_recipe_path,
+    schemes,
+)
+from quantbench.release import gate
+from quantbench.sources import models
+from quantbench.tracking import TAG, Tracker
+from quantbench.tune import allocate, sensitivity
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATE = "gptq-w4a16"
+MIXED_METHODS = ("gptq", "rtn", "autoround", "spinquant")
+TOLERANCE_BITS = 0.05  # the search stops when passing and failing candidates are this close (bits per weight)
+CANDIDATE_TIMEOUT_S = 6 * 3600  # one candidate's quantize + evaluate + bench, at most
+# Checks more bits cannot fix: the search bisects on the others (quality), the answer reports all.
+NOT_QUALITY = ("run status", "licence", "checkpoint on disk")
+
+
+@dataclass
+class Request:
+    policy: str
+    bits: float | None = None
+    max_size_mb: float | None = None
+    schemes: list[str] = field(default_factory=lambda: list(schemes.DEFAULT_TUNE_SCHEMES))
+    budget_runs: int = 6
+    template: str = DEFAULT_TEMPLATE
+    # more templates (other methods: autoround-w4a16, spinquant-w4a16, ...): the answer's allocation is
+    # also made with each, and the best measured one wins
+    alternatives: list[str] = field(default_factory=list)
+    sensitivity: sensitivity.Settings = field(default_factory=sensitivity.Settings)
+    # where candidates are quantized: None here; a Ray address ("" for the cluster running here,
+    # else a local Ray) runs each on a Ray node with the resources its recipe asks for
+    ray: str | None = None
+
+
+@dataclass
+class Candidate:
+    name: str
+    recipe: str  # path of the recipe file
+    sha: str
+    budget_bits: float
+    predicted_kld: float
+    predicted_size_mb: float
+    bits_per_weight: float  # predicted
+    counts: dict[str, int]
+    run_id: str | None = None
+    status: str = "pending"  # pending | finished | reused | failed
+    reason: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    checks: list[dict] = field(default_factory=list)
+    passed: bool = False  # the whole policy
+    quality_passed: bool = False  # every check more bits can fix
+    wall_s: float = 0.0
+
+    def failed_checks(self) -> list[dict]:
+        return [c for c in self.checks if not c["passed"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare: every input check, nothing written
+
+
+@dataclass
+class Plan:
+    request: Request
+    policy: gate.LoadedPolicy
+    template: LoadedRecipe
+    alternatives: list[LoadedRecipe]
+    base: models.ResolvedModel
+    tokenizer: object
+    shapes: dict[str, tuple[int, int, bool]]  # every quantizable layer (all Linear layers but the output head)
+    unquantized: set[str]  # layers the template ignores: they stay unquantized
+    dtype_bits: int
+    fixed_bytes: float
+    tune_id: str
+    directory: Path
+
+
+def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from quantbench.sources.checkpoint import linear_layers
+
+    policy = gate.load_policy(request.policy)
+    if not request.schemes:
+        raise UserError("--schemes: give at least one scheme")
+    names = [schemes.get(n, "--schemes").name for n in request.schemes]
+    if len(set(names)) != len(names):
+        raise UserError(f"--schemes: {', '.join(request.schemes)} names a scheme twice")
+    request.schemes = names
+    if request.bits is not None and request.max_size_mb is not None:
+        raise UserError("give one budget: --bits or --max-size-mb")
+    if request.budget_runs < 1:
+        raise UserError(f"--budget-runs: {request.budget_runs}; at least 1 candidate")
+    template, *alternatives = [_template(name) for name in [request.template, *request.alternatives]]
+    spec = template.recipe.quantize
+    for other in alternatives:
+        if other.recipe.model.source != template.recipe.model.source or other.recipe.model.dtype != template.recipe.model.dtype \
+                or other.recipe.quantize.ignore != spec.ignore:
+            raise UserError(f"--from {other.name}: every template must name the same model, dtype and ignore list as "
+                            f"{template.name} (the allocation is made for one model)")
+    base = models.resolve(template.recipe.model.source, experiment=experiment)
+    config = AutoConfig.from_pretrained(base.path)
+    shapes = linear_layers(config)
+    taken = schemes.assign(list(shapes), "quantized", {}, spec.ignore)
+    unquantized = {n for n in shapes if taken[n] == "BF16"}  # the template's ignore list stays ignored
+    stuck = {n: s for n, s in shapes.items() if n not in unquantized and not any(schemes.get(x).fits(s[0]) for x in names)}
+    if stuck:
+        widths = sorted({s[0] for s in stuck.values()})
+        groups = ", ".join(f"{x} needs a multiple of {schemes.get(x).group_size}" for x in names if schemes.get(x).group_size)
+        raise UserError(f"--schemes: no scheme of {', '.join(names)} fits {len(stuck)} layer(s) of {base.source} "
+                        f"(input widths {', '.join(map(str, widths))}, e.g. {next(iter(stuck))}; {groups}). Add one "
+                        "that fits: W4A16-G32, a per-channel scheme (W8A8, W8A16, FP8) or BF16")
+    # the templates' own group sizes do not matter (each candidate gets its schemes); what the
+    # method needs of the model's shapes does (SpinQuant's rotation sizes)
+    from quantbench.quantize.llmcompressor import rotation_problems
+
+    problems = [p for t in (template, *alternatives) for p in rotation_problems(t, config)]
+    if problems:
+        raise UserError(problems)
+    dtype_bits = 32 if template.recipe.model.dtype == "float32" else 16
+    fixed_bytes = _fixed_bytes(base.path, shapes, dtype_bits)
+    _check_budget(request, names, shapes, unquantized, dtype_bits, fixed_bytes)
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    key = {"policy": policy.sha, "template": template.sha, "schemes": sorted(names),
+           **({"alternatives": [t.sha for t in alternatives]} if alternatives else {}), "bits": request.bits,
+           "max_size_mb": request.max_size_mb, "budget_runs": request.budget_runs, "base": base.fingerprint,
+           "sensitivity": asdict(request.sensitivity)}
+    tune_id = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return Plan(request, policy, template, alternatives, base, tokenizer, shapes, unquantized, dtype_bits, fixed_bytes, tune_id,
+                outputs / "tune" / f"{policy.name}-{tune_id}")
+
+
+def _template(name: str) -> LoadedRecipe:
+    loaded = load_recipe(resolve_recipe_path(name))
+    spec = loaded.recipe.quantize
+    if spec.method not in MIXED_METHODS or getattr(spec, "format", "compressed-tensors") != "compressed-tensors":
+        raise UserError(f"--from {name}: method {spec.method} cannot take per-layer schemes; a tune needs a "
+                        f"recipe of method {', '.join(MIXED_METHODS)} (compressed-tensors)")
+    return loaded
+
+
+def _fixed_bytes(path: Path, shapes: dict, dtype_bits: int) -> float:
+    """Bytes of everything a tune does not quantize (embeddings, norms, an untied head), stored
+    in the recipe's dtype: the base model's parameters minus the quantizable layers'."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    seen = {}
+    for name, p in skeleton.named_parameters(remove_duplicate=True):
+        seen[name] = p.numel()
+    quantizable = sum(i * o + (o if b else 0) for i, o, b in shapes.values())
+    return (sum(seen.values()) - quantizable) * dtype_bits / 8
+
+
+def _check_budget(request: Request, names: list[str], shapes: dict, unquantized: set[str], dtype_bits: int,
+                  fixed_bytes: float) -> None:
+    cheapest = sum(min(schemes.get(x).bits(i, o, dtype_bits, b) * i * o
+                       for x in (["BF16"] if n in unquantized else names) if schemes.get(x).fits(i))
+                   for n, (i, o, b) in shapes.items())
+    params = sum(i * o for i, o, _ in shapes.values())
+    if request.bits is not None and request.bits * params < cheapest - 1e-6:
+        raise UserError(f"--bits {request.bits:g}: below {cheapest / params:.3f}, what the cheapest of "
+                        f"{', '.join(names)} takes on every layer (scales included); raise it or add a cheaper scheme")
+    if request.max_size_mb is not None:
+        smallest = (fixed_bytes + cheapest / 8) / 2**20
+        if request.max_size_mb < smallest - 1e-9:
+            raise UserError(f"--max-size-mb {request.max_size_mb:g}: below {smallest:.1f} MiB, the smallest checkpoint "
+                            f"{', '.join(names)} allow ({fixed_bytes / 2**20:.1f} MiB of it embeddings and norms, "
+                            "which a tune does not quantize)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates: an allocation written as a recipe file
+
+
+def write_recipe(plan: Plan, alloc: allocate.Allocation, units: list[sensitivity.Unit], parent: str,
+                 template: LoadedRecipe | None = None) -> tuple[Path, str, str]:
+    """The allocation as a recipe file in the tune's directory: the template (by default the
+    tune's first) with `layers:` (the most common scheme the method can take as its own becomes the
+    recipe's `scheme`); returns (path, name, sha)."""
+    template = template or plan.template
+    doc = template.recipe.model_dump(mode="json", exclude_unset=False)
+    q = doc["quantize"]
+    by_unit = {u.name: u for u in units}
+    layers_of: dict[str, list[str]] = {}
+    for unit_name, scheme_name in alloc.choice.items():
+        layers_of.setdefault(scheme_name, []).extend(by_unit[unit_name].layers)
+    own = _own_scheme(q["method"], layers_of)
+    if own is not None:
+        q["scheme"], q["group_size"], q["symmetric"] = own
+    default = schemes.from_recipe(q["scheme"], q["group_size"], q["symmetric"]).name
+    q["layers"] = {s: targets(layers) for s, layers in sorted(layers_of.items()) if s != default}
+    needed = plan.policy.policy.stages
+    if "evaluate" in needed and doc.get("evaluate") is None:
+        doc["evaluate"] = {"suite": "default"}
+    if "bench" in needed and doc.get("bench") is None:
+        # auto, the choice a recipe's own bench section makes: vLLM where it serves the candidate
+        # here (its environment created on first use), else transformers serve, else in-process hf
+        doc["bench"] = {"profile": "cpu-smoke", "backend": "auto"}
+    counts = ", ".join(f"{n} x {s}" for s, n in sorted(alloc.counts().items(), key=lambda x: -x[1]))
+    name = f"{template.name}-mixed-{alloc.bits_per_weight:.3f}b"
+    doc["description"] = (f"{template.name} with per-layer schemes by `quantbench tune --policy {plan.policy.name}`: "
+                          f"{alloc.bits_per_weight:.3f} bits per weight ({counts} units)")
+    path = plan.directory / "recipes" / f"{name}.yaml"
+    header = (f"# Run: make quantize RECIPE={path}\n"
+              f"# Made by `quantbench tune --policy {plan.policy.name}` (tune {plan.tune_id}, MLflow parent run {parent})\n"
+              f"# from recipe {template.path}: predicted KLD {alloc.predicted_kld:.4g} (sum of the units' sensitivities "
+              f"on calibration text),\n# predicted size {alloc.size_mb:.1f} MiB, {alloc.bits_per_weight:.3f} bits per "
+              f"quantizable weight. Units: {counts}.\n")
+    text = header + yaml.safe_dump(doc, sort_keys=False, width=200)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    loaded = load_recipe(path)
+    return path, name, loaded.sha
+
+
+def _own_scheme(method: str, layers_of: dict[str, list[str]]) -> tuple[str, int | None, bool] | None:
+    """The most common chosen scheme a recipe of `method` can name as its own (scheme, group_size,
+    symmetric)."""
+    own = {"W4A16-G64": ("W4A16", 64, True), "W4A16-G32": ("W4A16", 32, True), "W4A16-G64-ASYM": ("W4A16", 64, False),
+           "W4A16-G32-ASYM": ("W4A16", 32, False), "W8A16": ("W8A16", None, True)}
+    if method == "rtn":
+        own["W8A8"] = ("W8A8", None, True)
+    ranked = sorted(layers_of, key=lambda s: -len(layers_of[s]))
+    return next((own[s] for s in ranked if s in own), None)
+
+
+def targets(layers: list[str]) -> list[str]:
+    """Compact targets for a set of layer names: one `re:` pattern per set of layer kinds taken in
+    the same blocks (`re:^model\\.layers\\.(0|3|7)\\.self_attn\\.(q_proj|k_proj|v_proj)$`), exact names
+    for layers outside blocks."""
+    kinds: dict[tuple[str, str], set[int]] = {}
+    out = []
+    for name in layers:
+        match = re.fullmatch(r"(.*?)\.(\d+)\.(.*)", name)
+        if match is None:
+            out.append(name)
+            continue
+        kinds.setdefault((match.group(1), match.group(3)), set()).add(int(match.group(2)))
+    together: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+    for (prefix, suffix), blocks in kinds.items():
+        together.setdefault((prefix, tuple(sorted(blocks))), []).append(suffix)
+    for (prefix, blocks), suffixes in together.items():
+        alternatives = "|".join(map(str, blocks))
+        names = re.escape(suffixes[0]) if len(suffixes) == 1 else "(" + "|".join(map(re.escape, suffixes)) + ")"
+        out.append(f"re:^{re.escape(prefix)}\\.({alternatives})\\.{names}$")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Running quantize jobs (one call site: an executor that runs them elsewhere slots in here)
+
+
+@dataclass
+class QuantizeJob:
+    name: str
+    recipe: Path
+    log: Path
+    tags: dict[str, str]
+
+
+@dataclass
+class JobOutcome:
+    job: QuantizeJob
+    exit_code: int | None
+    result: dict | None  # the child's --json summary
+    wall_s: float
+    reason: str = ""
+
+
+def run_quantize_jobs(jobs: list[QuantizeJob], *, executor, tracker: Tracker, outputs: Path,
+                      parent: str | None) -> list[JobOutcome]:
+    """Run `quantbench quantize RECIPE --json` for each job, one after the other, through the
+    sweep's attempt loop (`executor.Runner`): here as a child process, or on a Ray node
+    (`executor`), each child's run carrying `job.tags` and the parent run id, its output into
+    `job.log`'s directory. One attempt each (a candidate that fails is a measured outcome, not
+    retried). Ctrl-C or SIGTERM stops the running attempt (its run ends KILLED) and propagates."""
+    from quantbench.jobs.executor import Job, Limits, Runner
+
+    outcomes = []
+    for job in jobs:
+        job.log.parent.mkdir(parents=True, exist_ok=True)
+        task = Job(job.name, str(job.recipe), [], job.name, tags=job.tags,
+                   resources=load_recipe(job.recipe).resources())
+        runner = Runner(executor, Limits(timeout_s=CANDIDATE_TIMEOUT_S, retries=0, backoff_s=0, concurrency=1),
+                        tracker=tracker, experiment=tracker.experiment, outputs=outputs, logs=job.log.parent,
+                        parent=parent, label="tune")
+        runner.run([task])
+        attempt = task.attempts[-1]
+        Path(attempt["log"]).replace(job.log)  # the candidate's log where the tune's state names it
+        result = {"run_id": task.run_id, "metrics": task.metrics} if task.status == "finished" else None
+        outcomes.append(JobOutcome(job, attempt.get("exit"), result, task.wall_s, task.reason))
+    return outcomes
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+
+
+class Search:
+    def __init__(self, plan: Plan, tracker: Tracker, sens: sensitivity.Sensitivity, parent, experiment: str,
+                 outputs: Path, state: dict, executor):
+        self.plan, self.tracker, self.sens, self.parent, self.executor = plan, tracker, sens, parent, executor
+        self.experiment, self.outputs, self.state = experiment, outputs, state
+        self.problem = allocate.problem(sens, plan.request.schemes, plan.dtype_bits, plan.fixed_bytes, plan.unquantized)
+        self.candidates: list[Candidate] = []
+        self.allocations: dict[str, allocate.Allocation] = {}  # recipe sha -> allocation
+
+    def budgets(self) -> None:
+        request = self.plan.request
+        if request.bits is not None:
+            self.measure(allocate.for_bits(self.problem, request.bits), request.bits * self.problem.total_params)
+            return
+        if request.max_size_mb is not None:
+            self.measure(allocate.for_size(self.problem, request.max_size_mb), self.problem.bits_for_size(request.max_size_mb))
+            return
+        cheapest, best = self.problem.bounds()
+        lo, hi = cheapest, best  # bits: lo fails (assumed until measured), hi passes (assumed)
+        lo_measured = hi_measured = False
+        limit = self.plan.policy.policy.max.get("quality/kld_mean")
+        for _ in range(request.budget_runs):
+            target = self._target(limit, lo, hi, lo_measured, hi_measured)
+            alloc = allocate.solve(self.problem, target)
+            if any(_same(alloc, c) for c in self.candidates):
+                log.info("tune: the allocation at %.3f bits/weight was measured already; the search has converged",
+                         target / self.problem.total_params)
+                break
+            cand = self.measure(alloc, target)
+            if cand.status == "failed":
+                break
+            if cand.quality_passed:
+                hi, hi_measured = alloc.bits, True
+            else:
+                lo, lo_measured = alloc.bits, True
+                if alloc.bits >= best - 1e-6:
+                    log.info("tune: even the allocation with the least predicted KLD fails the policy's quality checks; "
+                             "more bits cannot help with these schemes")
+                    break
+            if hi_measured and (hi - lo) / self.problem.total_params < TOLERANCE_BITS:
+                break
+
+    def _target(self, limit, lo, hi, lo_measured, hi_measured) -> float:
+        """The next budget (total bits) inside (lo, hi): where the predicted KLD, scaled by what the
+        nearest candidate measured against its prediction, meets the policy's limit; the plain
+        midpoint when the policy has no KLD limit or KLD was not what failed."""
+        done = [c for c in self.candidates if c.status in ("finished", "reused") and "quality/kld_mean" in c.metrics]
+        pivot = None
+        if limit is not None:
+            scale = 1.0
+            if done:
+                near = min(done, key=lambda c: abs(c.budget_bits - (lo + hi) / 2))
+                scale = near.metrics["quality/kld_mean"] / max(near.predicted_kld, 1e-12)
+                if not done[-1].quality_passed and done[-1].metrics["quality/kld_mean"] <= limit:
+                    scale = None  # KLD passed but another quality check failed: bisect
+            if scale is not None:
+                pivot = self._budget_for(limit / scale, lo, hi)
+        if pivot is None:
+            pivot = (lo + hi) / 2
+        if not lo_measured and not hi_measured:
+            return pivot
+        margin = 0.1 * (hi - lo)
+        return min(max(pivot, lo + margin), hi - margin)
+
+    def _budget_for(self, predicted: float, lo: float, hi: float) -> float:
+        """The smallest budget in [lo, hi] whose allocation's predicted KLD is at most `predicted`."""
+        if allocate.solve(self.problem, hi).predicted_kld > predicted:
+            return hi
+        a, b = lo, hi
+        for _ in range(30):
+            mid = (a + b) / 2
+            if allocate.solve(self.problem, mid, resolution=1000).predicted_kld <= predicted:
+                b = mid
+            else:
+                a = mid
+            if (b - a) / self.problem.total_params < 0.005:
+                break
+        return b
+
+    def alternatives(self) -> None:
+        """The answer's allocation made with each other template (method), measured the same way."""
+        if not self.plan.alternatives:
+            return
+        chosen, _ = answer(self.candidates)
+        if chosen is None:
+            return
+        alloc = self.allocations[chosen.sha]
+        for template in self.plan.alternatives:
+            log.info("tune: the chosen allocation (%.3f bits/weight) with %s (method %s)", alloc.bits_per_weight, template.name,
+                     template.recipe.quantize.method)
+            self.measure(alloc, chosen.budget_bits, template)
+
+    def measure(self, alloc: allocate.Allocation, budget_bits: float, template: LoadedRecipe | None = None) -> Candidate:
+        path, name, sha = write_recipe(self.plan, alloc, self.sens.units, self.parent.run_id, template)
+        self.allocations[sha] = alloc
+        cand = Candidate(name, str(path), sha, budget_bits, alloc.predicted_kld, alloc.size_mb, alloc.bits_per_weight,
+                         alloc.counts())
+        self.candidates.append(cand)
+        step = len(self.candidates)
+        done = self.tracker.find_runs({TAG + "recipe_sha": sha})
+        if done:
+            cand.run_id, cand.status = done[0], "reused"
+            log.info("tune [%d] %s: measured before (run %s)", step, name, done[0])
+        else:
+            log.info("tune [%d] %s: predicted KLD %.4g, %.3f bits/weight, %.1f MiB -> quantize, evaluate, bench", step, name,
+                     alloc.predicted_kld, alloc.bits_per_weight, alloc.size_mb)
+            job = QuantizeJob(name, path, self.plan.directory / "logs" / f"{name}.log",
+                              {TAG + "tune": self.plan.tune_id, TAG + "tune_policy": self.plan.policy.name})
+            self._save(status=f"running {name}")
+            outcome = run_quantize_jobs([job], executor=self.executor, tracker=self.tracker, outputs=self.outputs,
+                                        parent=self.parent.run_id)[0]
+            cand.wall_s = outcome.wall_s
+            if outcome.result is None:
+                cand.status, cand.reason = "failed", outcome.reason
+                log.warning("tune [%d] %s failed: %s (log %s)", step, name, outcome.reason, job.log)
+                self._save()
+                return cand
+            cand.run_id, cand.status = outcome.result["run_id"], "finished"
+        run = self.tracker.existing(cand.run_id)
+        info, data = run.info, run.data
+        cand.metrics = dict(data.metrics)
+        checks = gate.evaluate_policy(self.plan.policy.policy, info.status, dict(data.tags), cand.metrics)
+        cand.checks = [asdict(c) for c in checks]
+        cand.passed = all(c.passed for c in checks)
+        cand.quality_passed = all(c.passed for c in checks if not _beyond_bits(c.check))
+        run.log_metrics({"tune/predicted_kld": alloc.predicted_kld, "tune/predicted_size_mb": alloc.size_mb})
+        measured = cand.metrics.get("quality/kld_mean")
+        self.parent.log_metrics({k: v for k, v in {
+            "tune/predicted_kld": alloc.predicted_kld, "tune/measured_kld": measured,
+            "tune/bits_per_weight": cand.metrics.get("model/bits_per_weight"), "tune/size_mb": cand.metrics.get("model/size_mb"),
+            "tune/passed": float(cand.passed)}.items() if v is not None}, step=step)
+        log.info("tune [%d] %s: measured KLD %s (predicted %.4g), %s MiB: %s", step, name,
+                 f"{measured:.4g}" if measured is not None else "—", alloc.predicted_kld,
+                 f"{cand.metrics.get('model/size_mb', float('nan')):.1f}",
+                 "PASS" if cand.passed else "fails " + ", ".join(c["check"] for c in cand.failed_checks()))
+        self._save()
+        return cand
+
+    def _save(self, status: str = "") -> None:
+        self.state["candidates"] = [asdict(c) for c in self.candidates]
+        self.state["status"] = status
+        _write_state(self.plan.directory, self.state)
+
+
+def _beyond_bits(check: str) -> bool:
+    """A check more bits cannot fix (speed, licence, ...): not what the budget search bisects on."""
+    if check in NOT_QUALITY or check.startswith("stage "):
+        return True
+    name = check.removeprefix("recovery/")
+    return name.startswith(("speed/", "speedup/", "base_speed/")) or check.startswith("speedup/")
+
+
+def _same(alloc: allocate.Allocation, cand: Candidate) -> bool:
+    return abs(alloc.bits_per_weight - cand.bits_per_weight) < 1e-9 and abs(alloc.predicted_kld - cand.predicted_kld) < 1e-12
+
+
+# ---------------------------------------------------------------------------------------------
+# State on disk, the lock
+
+
+def _read_state(directory: Path) -> dict:
+    path = directory / "state.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _write_state(directory: Path, state: dict) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / "state.json.tmp"
+    tmp.write_text(json.dumps(state, indent=2, default=str))
+    os.replace(tmp, directory / "state.json")
+
+
+def _lock(directory: Path):
+    from quantbench.core.processes import hold_lock
+
+    return hold_lock(directory, "this tune")
+
+
+# ---------------------------------------------------------------------------------------------
+# The answer, the frontier
+
+
+def shipped_references(tracker: Tracker, base_fingerprint: str) -> list:
+    """The newest FINISHED run of each shipped recipe (recipes/) on this base model that has a
+    KLD: the uniform reference points of the frontier."""
+    from quantbench.recipe import available_recipes
+
+    shipped = set(available_recipes(recipes_dir()))
+    newest = {}
+    for r in tracker.search({TAG + "role": "candidate", TAG + "base_fingerprint": base_fingerprint}):
+        recipe = r.data.tags.get(TAG + "recipe")
+        if recipe in shipped and TAG + "tune" not in r.data.tags and "quality/kld_mean" in r.data.metrics \
+                and recipe not in newest:
+            newest[recipe] = r
+    return list(newest.values())
+
+
+def frontier(candidates: list[Candidate], references: list, policy: str) -> list[dict]:
+    """Every measured tuned candidate and shipped reference on (size, KLD), with whether it is on
+    the size-vs-KLD Pareto frontier and which shipped recipes are both smaller and lower in KLD."""
+    points = []
+    for c in candidates:
+        if c.run_id and "quality/kld_mean" in c.metrics and "model/size_mb" in c.metrics:
+            points.append({"kind": "tuned", "run_id": c.run_id, "recipe": c.recipe, "name": c.name, "passed": c.passed,
+                           "size_mb": c.metrics["model/size_mb"], "kld": c.metrics["quality/kld_mean"],
+                           "bits_per_weight": c.metrics.get("model/bits_per_weight"), "predicted_kld": c.predicted_kld,
+                           "decode_speedup": c.metrics.get("speedup/decode_tok_s")})
+    for r in references:
+        m = r.data.metrics
+        if "model/size_mb" in m:
+            points.append({"kind": "shipped", "run_id": r.info.run_id, "recipe": r.data.tags.get(TAG + "recipe"),
+                           "name": r.data.tags.get(TAG + "recipe"), "passed": r.data.tags.get(f"{TAG}gate.{policy}") == "pass",
+                           "size_mb": m["model/size_mb"], "kld": m["quality/kld_mean"],
+                           "bits_per_weight": m.get("model/bits_per_weight"), "predicted_kld": None,
+                           "decode_speedup": m.get("speedup/decode_tok_s")})
+    for p in points:
+        p["frontier"] = not any(q is not p and q["size_mb"] <= p["size_mb"] and q["kld"] <= p["kld"]
+                                and (q["size_mb"] < p["size_mb"] or q["kld"] < p["kld"]) for q in points)
+        p["dominated_by"] = [q["name"] for q in points if q["kind"] == "shipped" and q["size_mb"] < p["size_mb"]
+                             and q["kld"] < p["kld"]] if p["kind"] == "tuned" else []
+    return sorted(points, key=lambda p: p["size_mb"])
+
+
+def plot_frontier(points: list[dict], path: Path, title: str) -> Path:
+    """Size vs KLD (and, when candidates were benched, decode speedup vs KLD): tuned candidates
+    coloured by verdict, shipped uniform recipes in grey, the size-vs-KLD frontier dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    speed = [p for p in points if p.get("decode_speedup") is not None]
+    fig, axes = plt.subplots(1, 2 if speed else 1, figsize=(13 if speed else 8, 5.5), dpi=110, squeeze=False)
+    panels = [("size_mb", "model/size_mb (lower is better)", points)]
+    if speed:
+        panels.append(("decode_speedup", "speedup/decode_tok_s (higher is better)", speed))
+    for ax, (x_key, x_label, shown) in zip(axes[0], panels):
+        for p in shown:
+            tuned = p["kind"] == "tuned"
+            color = ("tab:green" if p["passed"] else "tab:orange") if tuned else "tab:gray"
+            ax.scatter([p[x_key]], [p["kld"]], s=60 if tuned else 45, color=color, marker="o" if tuned else "s", zorder=3)
+            label = f"{p['bits_per_weight']:.2f} b/w" if tuned and p.get("bits_per_weight") else p["name"]
+            ax.annotate(label, (p[x_key], p["kld"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        if x_key == "size_mb":
+            line = sorted((p["size_mb"], p["kld"]) for p in shown if p["frontier"])
+            if len(line) > 1:
+                ax.plot(*zip(*line), color="tab:green", linestyle="--", zorder=2, label="Pareto frontier (size vs KLD)")
+        if shown:
+            ax.set_yscale("log")
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("quality/kld_mean (lower is better)")
+        ax.grid(alpha=0.3)
+    ax = axes[0][0]
+    ax.scatter([], [], color="tab:green", label="tuned, passes the policy")
+    ax.scatter([], [], color="tab:orange", label="tuned, fails the policy")
+    ax.scatter([], [], color="tab:gray", marker="s", label="shipped uniform recipe")
+    ax.legend(loc="best", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def answer(candidates: list[Candidate]) -> tuple[Candidate | None, list[dict]]:
+    """The chosen candidate (the smallest that passes the policy; else the smallest whose quality
+    passes; else the one with the fewest failed checks, then the lowest KLD; a tie in size goes to
+    the lower KLD) and, when none
+    passes, every check no candidate met with the closest value any candidate reached."""
+    measured = [c for c in candidates if c.checks]
+    if not measured:
+        return None, []
+    # size first; at one size (the same allocation made by two methods) the lower KLD
+    size = lambda c: (round(c.metrics.get("model/size_mb", math.inf), 3), c.metrics.get("quality/kld_mean", math.inf))  # noqa: E731
+    passing = [c for c in measured if c.passed]
+    if passing:
+        return min(passing, key=size), []
+    quality = [c for c in measured if c.quality_passed]
+    best = min(quality, key=size) if quality else \
+        min(measured, key=lambda c: (len(c.failed_checks()), c.metrics.get("quality/kld_mean", math.inf)))
+    unmet = []
+    for i, check in enumerate(measured[0].checks):
+        if any(c.checks[i]["passed"] for c in measured if len(c.checks) > i):
+            continue
+        values = [(c.checks[i]["value"], c) for c in measured if isinstance(c.checks[i]["value"], (int, float))]
+        closest = None
+        if values:
+            op = str(check["threshold"]).split()[0]
+            value, c = max(values, key=lambda v: v[0]) if op == ">=" else min(values, key=lambda v: v[0])
+            closest = {"value": value, "run_id": c.run_id, "name": c.name}
+        unmet.append({"check": check["check"], "threshold": check["threshold"], "closest": closest})
+    return best, unmet
+
+
+# ---------------------------------------------------------------------------------------------
+# The verb
+
+
+def run(request: Request, *, outputs: Path = Path("outputs"), experiment: str | None = None) -> dict:
+    from quantbench.jobs import ray_executor
+
+    plan = prepare(request, outputs, experiment)
+    executor = ray_executor.make(request.ray)  # a bad Ray address fails here, before anything is written
+    try:
+        tracker = Tracker(experiment)
+        if request.ray is not None:
+            executor.check_store(tracker)
+        lock = _lock(plan.directory)
+        try:
+            return _run(plan, tracker, outputs, executor)
+        finally:
+            lock.close()
+    finally:
+        executor.close()
+
+
+def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
+    request = plan.request
+    state = _read_state(plan.directory)
+    _reap_children(tracker, plan.tune_id)
+    sens = sensitivity.get(tracker, plan.base, plan.tokenizer, request.schemes, plan.template.recipe.calibration,
+                           request.sensitivity)
+    parent_id = state.get("parent_run")
+    resumed = bool(parent_id and tracker.existing(parent_id) is not None)
+    tags = {TAG + "role": "tune", TAG + "tune": plan.tune_id, TAG + "tune_policy": plan.policy.name,
+            TAG + "base_model": plan.base.source, TAG + "base_fingerprint": plan.base.fingerprint,
+            TAG + "recipe": plan.template.name, TAG + "sensitivity_run": sens.run_id,
+            "mlflow.note.content": f"`quantbench tune --policy {plan.policy.name}` from recipe `{plan.template.name}` on "
+                                   f"`{plan.base.source}`: per-layer schemes from {', '.join(request.schemes)}."}
+    run_ = tracker.resume_run(parent_id) if resumed else \
+        tracker.start_run(f"tune · {plan.policy.name} · {models.short_name(plan.base.source)}", tags)
+    state = {"tune": plan.tune_id, "parent_run": run_.run_id, "policy": plan.policy.name, "candidates": [], "status": ""}
+    _write_state(plan.directory, state)
+    with run_:
+        if not resumed:
+            run_.log_params({"tune": {"policy": plan.policy.name, "template": str(plan.template.path),
+                                      "alternatives": ",".join(str(t.path) for t in plan.alternatives),
+                                      "schemes": ",".join(request.schemes), "bits": request.bits,
+                                      "max_size_mb": request.max_size_mb, "budget_runs": request.budget_runs,
+                                      "sensitivity": request.sensitivity.method}})
+        search = Search(plan, tracker, sens, run_, tracker.experiment, outputs, state, executor)
+        search.budgets()
+        search.alternatives()
+        best, unmet = answer(search.candidates)
+        references = shipped_references(tracker, plan.base.fingerprint)
+        points = frontier(search.candidates, references, plan.policy.name)
+        verdict = None
+        if best is not None:
+            verdict = gate.run(best.run_id, str(plan.policy.path), experiment=tracker.experiment)
+        summary = _summary(plan, sens, search.candidates, best, unmet, points, verdict, run_.run_id, resumed)
+        out = plan.directory
+        plot_frontier(points, out / "frontier.png", f"tune {plan.policy.name} · {models.short_name(plan.base.source)}: "
+                                                    "size vs KLD")
+        (out / "tune.json").write_text(json.dumps(summary, indent=2, default=str))
+        (out / "tune.txt").write_text(text(summary) + "\n")
+        run_.log_artifact(out / "tune.json", "tune")
+        run_.log_artifact(out / "tune.txt", "tune")
+        run_.log_artifact(out / "frontier.png", "tune")
+        for c in search.candidates:
+            run_.log_artifact(Path(c.recipe), "tune/recipes")
+        run_.set_tags({TAG + "tune_best_run": best.run_id if best else "", TAG + "tune_passed": str(summary["passed"]).lower(),
+                       TAG + "tune_runs": ",".join(c.run_id for c in search.candidates if c.run_id)})
+        final = {"tune/candidates": len(search.candidates), "tune/passed_final": float(summary["passed"])}
+        if best is not None:
+            final.update({"tune/best_size_mb": best.metrics.get("model/size_mb", math.nan),
+                          "tune/best_kld": best.metrics.get("quality/kld_mean", math.nan),
+                          "tune/best_bits_per_weight": best.metrics.get("model/bits_per_weight", math.nan)})
+        run_.log_metrics({k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))})
+        state["status"] = "done"
+        _write_state(plan.directory, state)
+    return summary
+
+
+def _reap_children(tracker: Tracker, tune_id: str) -> None:
+    """Candidate runs of this tune left RUNNING by a tune that died: their job process is killed
+    if still alive (the lock says no tune owns it) and the run marked FAILED."""
+    from quantbench.tracking import OWNER, owner_alive
+
+    for r in tracker.runs_with_status({TAG + "tune": tune_id, TAG + "role": "candidate"}, "RUNNING"):
+        owner = r.data.tags.get(OWNER, "")
+        if owner_alive(owner):
+            try:
+                os.killpg(int(owner.split()[1]), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, ValueError):
+                pass
+        tracker.fail_run(r.info.run_id, f"left RUNNING by a tune that died (job process {owner or '?'}); marked FAILED on resume")
+
+
+def _summary(plan, sens, candidates, best, unmet, points, verdict, parent, resumed) -> dict:
+    return {
+        "parent_run": parent,
+        "tune": plan.tune_id,
+        "policy": plan.policy.name,
+        "resumed": resumed,
+        "best_run": best.run_id if best else None,
+        "recipe": best.recipe if best else None,
+        "passed": bool(verdict and verdict["passed"]),
+        "registered": verdict["registered"] if verdict else None,
+        "unmet_checks": unmet,
+        "failed_checks": [c for c in (verdict or {}).get("checks", []) if not c["passed"]],
+        "sensitivity_run": sens.run_id,
+        "sensitivity_reused": sens.reused,
+        "frontier": points,
+        "candidates": [{k: v for k, v in asdict(c).items() if k != "checks"} | {"failed_checks": [x["check"] for x in c.failed_checks()]}
+                       for c in candidates],
+        "directory": str(plan.directory),
+    }
+
+
+def text(summary: dict) -> str:
+    """What `quantbench tune` prints: the candidates, the frontier, the answer."""
+    rows = [f"{'#':>2s} {'candidate':38s} {'status':8s} {'bits/w':>7s} {'MiB':>7s} {'KLD pred':>9s} {'KLD':>8s} "
+            f"{'decode x':>8s}  verdict"]
+    for i, c in enumerate(summary["candidates"], 1):
+        m = c["metrics"]
+        cell = lambda k, f: format(m[k], f) if k in m else "—"  # noqa: E731
+        verdict = "pass" if c["passed"] else ("fails " + ", ".join(c["failed_checks"]) if c["failed_checks"] else c["reason"])
+        rows.append(f"{i:2d} {c['name'][:38]:38s} {c['status']:8s} {cell('model/bits_per_weight', '7.3f'):>7s} "
+                    f"{cell('model/size_mb', '7.1f'):>7s} {c['predicted_kld']:9.4f} {cell('quality/kld_mean', '8.4f'):>8s} "
+                    f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {verdict}")
+    shipped = [p for p in summary["frontier"] if p["kind"] == "shipped"]
+    if shipped:
+        rows.append("shipped uniform recipes (reference): " + "; ".join(
+            f"{p['name']} {p['size_mb']:.1f} MiB KLD {p['kld']:.4f}" for p in shipped))
+    if summary["best_run"] is None:
+        rows.append("no candidate was measured")
+    elif summary["passed"]:
+        rows.append(f"PASS: {summary['best_run']} ({summary['recipe']}) passes {summary['policy']}"
+                    + (f"; registered {summary['registered']['model']} v{summary['registered']['version']} -> "
+                       f"alias '{summary['registered']['alias']}'" if summary.get("registered") else ""))
+    else:
+        rows.append(f"no candidate passes {summary['policy']}; best: {summary['best_run']} ({summary['recipe']}), which "
+                    f"still fails: {', '.join(c['check'] for c in summary['failed_checks'])}")
+        for u in summary["unmet_checks"]:
+            closest = u["closest"]
+            got = f"closest {closest['value']:.4g} ({closest['name']})" if closest else "never measured"
+            rows.append(f"  no candidate met {u['check']} {u['threshold']}: {got}")
+    rows.append(f"parent run: {summary['parent_run']}   sensitivity run: {summary['sensitivity_run']}"
+                f"{' (reused)' if summary['sensitivity_reused'] else ''}   outputs: {summary['directory']}")
+    return "\n".join(rows)

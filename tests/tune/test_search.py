@@ -1,0 +1,197 @@
+"""`quantbench tune` on the tiny model with real child processes and a real MLflow store: bad
+input refused before anything is written; the shipped release policy's bench stage added to the
+candidates' recipes and prepared by their jobs; a tune interrupted (SIGTERM, then SIGKILL) that leaves
+nothing RUNNING and, re-run, resumes under the same parent run, measures candidates, bisects on
+their verdicts, answers (gated), and a further re-run measures nothing."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quantbench.cli import main
+from tests.conftest import TINY_SUITE
+from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+
+
+@pytest.fixture
+def setup(workdir, tiny128_model_dir):
+    """A template recipe (RTN: no calibration pass), the tiny suite, and policies: `mid` (a KLD
+    between what all-INT4 and all-unquantized reach on the tiny model) and `loose`."""
+    (workdir / "suites").mkdir()
+    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
+    write_recipe(workdir, "tiny-rtn", tiny_recipe(tiny128_model_dir, "method: rtn\ngroup_size: 64\n") + "evaluate:\n  suite: tiny\n")
+    (workdir / "policies").mkdir()
+    for name, kld in (("mid", 2e-4), ("loose", 1.0)):
+        (workdir / "policies" / f"{name}.yaml").write_text(yaml.safe_dump({
+            "stages": ["quantize", "evaluate"], "max": {"quality/kld_mean": kld}, "min": {"quality/top1_agreement": 0.5},
+            "registry": {"model": "tiny-{recipe}"}}))
+    return workdir
+
+
+def tune_args(policy: str, *extra: str) -> list[str]:
+    return ["tune", "--policy", policy, "--from", "tiny-rtn", "--sensitivity-windows", "2", "--json", *extra]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "nope"], "--policy: unknown policy 'nope'"),
+    (["--policy", "loose", "--schemes", "W4A16-G46"], "--schemes: unknown scheme 'W4A16-G46'. Did you mean 'W4A16-G64'?"),
+    (["--policy", "loose", "--bits", "3"], "--bits 3: below 4.506, what the cheapest of W4A16-G64, W4A16-G64-ASYM, W4A16-G32, W4A16-G32-ASYM, W8A8, BF16 takes"),
+    (["--policy", "loose", "--max-size-mb", "0.1"], "--max-size-mb 0.1: below 0.4 MiB, the smallest checkpoint"),
+    (["--policy", "loose", "--from", "fp8"], "--from fp8: method fp8 cannot take per-layer schemes"),
+    (["--policy", "loose", "--from", "narrow", "--schemes", "W4A16-G64"],
+     "--schemes: no scheme of W4A16-G64 fits 12 layer(s) of"),
+    (["--policy", "loose", "--budget-runs", "0"], "--budget-runs: 0; at least 1 candidate"),
+])
+def test_bad_input_exits_2_and_writes_nothing(args, message, setup, tiny_model_dir, capsys):
+    write_recipe(setup, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n"))
+    write_recipe(setup, "narrow", tiny_recipe(tiny_model_dir, "method: rtn\ngroup_size: 32\n"))  # 96 wide: no group 64
+    assert main(["tune", "--from", "tiny-rtn", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert runs() == [] and not (setup / "outputs").exists()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE = ROOT / "policies" / "release.yaml"
+
+
+@pytest.mark.slow  # a whole tune with a child job: ~15 s (the fast tier stays under 3 minutes on 2 cores)
+def test_release_policy_gives_candidates_a_bench_stage(setup, tiny128_model_dir, monkeypatch, capsys):
+    """The shipped release policy needs a bench stage and the template has none: the candidate's
+    recipe gets `bench: {profile: cpu-smoke, backend: auto}` and its job prepares that stage. vLLM
+    serves the tiny model here (widths and head size multiples of 32), so auto picks it;
+    $QUANTBENCH_VLLM_PYTHON names a python that does not exist, so the job stops in its prepare
+    (exit 2, before quantizing) instead of creating vLLM's environment or starting a server."""
+    from quantbench.engines import vllm_env as vllm_engine
+
+    assert vllm_engine.unserved(tiny128_model_dir) is None
+    (setup / "profiles").mkdir()
+    shutil.copy(ROOT / "profiles" / "cpu-smoke.yaml", setup / "profiles")  # as in the repository's root
+    missing = setup / "no-vllm" / "bin" / "python"
+    monkeypatch.setenv(vllm_engine.PYTHON_VAR, str(missing))
+    code = main(["tune", "--policy", str(RELEASE), "--from", "tiny-rtn", "--bits", "4.8", "--budget-runs", "1",
+                 "--sensitivity-windows", "2", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "tune failed" not in err, err
+    summary = last_json(out)
+    assert summary["policy"] == "release" and summary["best_run"] is None, out
+    [cand] = summary["candidates"]
+    recipe = yaml.safe_load(Path(cand["recipe"]).read_text())
+    assert recipe["bench"] == {"profile": "cpu-smoke", "backend": "auto"}
+    assert recipe["evaluate"]["suite"] == "tiny"  # the template's own section is kept
+    assert cand["status"] == "failed" and cand["reason"].startswith("bad input (exit 2)"), cand
+    assert f"bench.backend auto: vLLM: ${vllm_engine.PYTHON_VAR}={missing} is not a python with vLLM installed" \
+        in cand["reason"]
+    assert "no candidate was measured" in out
+    assert not list((setup / "outputs").glob("tiny-rtn-mixed-*/*/config.json"))  # nothing quantized
+
+
+def children(summary: dict) -> dict:
+    return {r.info.run_id: r for r in runs() if r.data.tags.get("quantbench.tune") == summary["tune"]
+            and r.data.tags.get("quantbench.role") == "candidate"}
+
+
+def start(workdir: Path, policy: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "quantbench", *tune_args(policy, "--budget-runs", "2")], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy())
+
+
+def wait_for_running_candidate(proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if any(r.info.status == "RUNNING" and r.data.tags.get("quantbench.role") == "candidate" for r in runs()):
+            return
+        time.sleep(0.5)
+    raise AssertionError("no candidate run started")
+
+
+@pytest.mark.slow
+def test_interrupted_then_resumed_search_measures_names_and_reuses(setup, capsys):
+    """SIGTERM, then SIGKILL, mid-candidate: nothing left RUNNING; re-run, the tune resumes under the
+    same parent run, measures its candidates, answers, and a further re-run measures nothing."""
+    proc = start(setup, "mid")
+    wait_for_running_candidate(proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 130
+    assert "interrupted" in proc.stderr.read().decode()
+    by_role = {}
+    for r in runs():
+        by_role.setdefault(r.data.tags.get("quantbench.role"), []).append(r)
+    assert [r.info.status for r in by_role["tune"]] == ["KILLED"] and [r.info.status for r in by_role["candidate"]] == ["KILLED"]
+    assert [r.info.status for r in by_role["sensitivity"]] == ["FINISHED"]
+    assert not list((setup / "outputs").glob("tiny-rtn-mixed-*/*/config.json"))  # no checkpoint left
+
+    proc = start(setup, "mid")  # again, and this time SIGKILL: the job dies with it, the next command reaps
+    wait_for_running_candidate(proc)
+    proc.kill()
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(r.info.status == "RUNNING" and r.data.tags.get("quantbench.role") == "candidate" for r in runs()):
+        assert time.monotonic() < deadline, "the candidate did not die with its tune"
+        time.sleep(0.5)
+    assert main(["gc"]) == 0
+    assert not [r for r in runs() if r.info.status == "RUNNING"]
+    killed = {r.info.run_id for r in runs() if r.info.status in ("KILLED", "FAILED")}
+
+    code = main(tune_args("mid", "--budget-runs", "2"))
+    out = capsys.readouterr().out
+    summary = last_json(out)
+    assert summary["resumed"] and summary["parent_run"] == by_role["tune"][0].info.run_id  # the same tune, reopened
+    assert summary["sensitivity_reused"]
+    cands = summary["candidates"]
+    assert len(cands) == 2 and all(c["status"] == "finished" for c in cands)
+    first, second = cands
+    bits = [c["metrics"]["model/bits_per_weight"] for c in cands]
+    # bisection on the measured verdict: a pass looks smaller, a fail larger
+    assert (bits[1] < bits[0]) if first["passed"] else (bits[1] > bits[0])
+    measured = [c["metrics"]["quality/kld_mean"] for c in cands]
+    for c in cands:
+        assert c["passed"] == (c["metrics"]["quality/kld_mean"] <= 2e-4 and c["metrics"]["quality/top1_agreement"] >= 0.5)
+    if any(c["passed"] for c in cands):
+        assert code == 0 and summary["passed"] and summary["unmet_checks"] == []
+        smallest = min((c for c in cands if c["passed"]), key=lambda c: c["metrics"]["model/size_mb"])
+        assert summary["best_run"] == smallest["run_id"]
+    else:
+        assert code == 1 and not summary["passed"] and summary["registered"] is None
+        best = cands[measured.index(min(measured))]
+        assert summary["unmet_checks"] == [{"check": "quality/kld_mean", "threshold": "<= 0.0002", "closest": {
+            "value": min(measured), "run_id": best["run_id"], "name": best["name"]}}]
+        assert "no candidate met quality/kld_mean <= 0.0002: closest" in out
+    by_id = {k: v for k, v in children(summary).items() if k not in killed}
+    assert set(by_id) == {c["run_id"] for c in cands}
+    for c in cands:
+        run = by_id[c["run_id"]]
+        assert run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == summary["parent_run"]
+        assert run.data.metrics["tune/predicted_kld"] == pytest.approx(c["predicted_kld"])
+        text = Path(c["recipe"]).read_text()
+        assert text.startswith(f"# Run: make quantize RECIPE={c['recipe']}\n")
+        assert run.data.tags["quantbench.recipe_sha"] == c["sha"]
+    larger = max(cands, key=lambda c: c["metrics"]["model/bits_per_weight"])
+    assert yaml.safe_load(Path(larger["recipe"]).read_text())["quantize"]["layers"]  # it mixes schemes
+    assert by_id[summary["best_run"]].data.tags["quantbench.gate.mid"] == ("pass" if summary["passed"] else "fail")
+    [parent] = [r for r in runs() if r.info.run_id == summary["parent_run"]]
+    assert parent.info.status == "FINISHED" and parent.data.tags["quantbench.role"] == "tune"
+    client_history = __import__("mlflow").tracking.MlflowClient().get_metric_history(parent.info.run_id, "tune/measured_kld")
+    assert [m.value for m in sorted(client_history, key=lambda m: m.step)] == pytest.approx(measured)
+    [sens] = [r for r in runs() if r.data.tags.get("quantbench.role") == "sensitivity"]
+    assert sens.info.run_id == summary["sensitivity_run"]
+    assert (setup / summary["directory"] / "frontier.png").is_file()
+
+    # the same tune again: nothing is quantized twice, the same parent run is reopened
+    assert main(tune_args("mid", "--budget-runs", "2")) == code
+    again = last_json(capsys.readouterr().out)
+    assert again["resumed"] and again["parent_run"] == summary["parent_run"] and again["sensitivity_reused"]
+    assert [c["status"] for c in again["candidates"]] == ["reused", "reused"]
+    assert [c["run_id"] for c in again["candidates"]] == [c["run_id"] for c in cands]
+    assert len(children(summary)) == 2 + 2  # the two it measured, the two interrupted
+    assert not [r for r in runs() if r.info.status == "RUNNING"]
+
+
+
