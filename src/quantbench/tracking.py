@@ -13,7 +13,6 @@ gc` does it on demand.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -24,6 +23,8 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
 
 from quantbench.core.errors import UserError
 
@@ -80,12 +81,8 @@ def _creation_lock(uri: str):
         return
     db = Path(uri.removeprefix("sqlite:///"))
     db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with FileLock(db.with_name(db.name + ".lock")):
+        yield
 
 
 _ready: set[str] = set()

@@ -123,3 +123,10 @@ def has_interval(metrics: dict[str, float], name: str) -> bool:
 
 def interval_of(metrics: dict[str, float], name: str) -> tuple[float, float] | None:
     return (metrics[name + LOW], metrics[name + HIGH]) if has_interval(metrics, name) else None
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of `values` (q in [0, 1]): a value that was measured, never one
+    interpolated between two (latency percentiles as `vllm bench serve` reports them)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]

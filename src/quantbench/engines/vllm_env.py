@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -32,6 +31,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
+
+from filelock import FileLock
 
 from quantbench.core import hardware
 from quantbench.core.errors import UserError
@@ -189,14 +190,16 @@ def ensure(why: str) -> Engine:
 
 @contextmanager
 def _locked(directory: Path):
+    lock = FileLock(directory.parent / f"{directory.name}.lock")
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(directory.parent / f"{directory.name}.lock", "w")
+        lock.acquire()
     except OSError as exc:
         raise UserError(f"vLLM cannot be created in {directory}: {exc.strerror or exc}") from None
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def create(directory: Path, spec: Build, why: str) -> None:

@@ -40,7 +40,14 @@ from typing import Any
 
 from quantbench.core.errors import UserError
 from quantbench.core.processes import stop_tree
-from quantbench.jobs.executor import KILL_GRACE_S, Ended, Executor, Job, LocalExecutor, die_with_parent
+from quantbench.jobs.executor import (
+    KILL_GRACE_S,
+    Ended,
+    Executor,
+    Job,
+    LocalExecutor,
+    die_with_parent,
+)
 from quantbench.tracking import (
     ENV_TAGS,
     TAG,

@@ -33,6 +33,7 @@ from pathlib import Path
 from pydantic import Field, PositiveInt
 
 from quantbench.core.errors import UserError, did_you_mean
+from quantbench.core.files import atomic_write
 from quantbench.jobs.executor import HISTORY, Executor, Job, Limits, Runner
 from quantbench.recipe import (
     ResourcesSpec,
@@ -135,9 +136,7 @@ class State:
     def save(self, jobs: list[Job] | None = None) -> None:
         if jobs is not None:
             self.data["jobs"] = {j.sha: asdict(j) for j in jobs}
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2))
-        os.replace(tmp, self.path)
+        atomic_write(self.path, json.dumps(self.data, indent=2))
 
 
 def _lock(directory: Path):

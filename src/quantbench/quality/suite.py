@@ -13,8 +13,6 @@ intervals: {resamples: 2000, seed: 0}   # paired bootstrap (docs/intervals.md); 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import dataclass
 from importlib import metadata
@@ -22,6 +20,7 @@ from pathlib import Path
 
 from pydantic import Field, PositiveInt
 
+from quantbench.core.files import canonical_sha
 from quantbench.quality.tasks import OFFLINE_TASKS, SUITE_VERSION
 from quantbench.recipe import Strict, load_named
 
@@ -67,7 +66,7 @@ class LoadedSuite:
             lm_eval = "missing"
         key = {"suite": self.suite.model_dump(mode="json"), "text": text_sha, "tasks_version": SUITE_VERSION, "lm_eval": lm_eval,
                "ood_text": ood_sha, "baseline_format": BASELINE_FORMAT}
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        return canonical_sha(key)
 
 
 def suites_dir() -> Path:

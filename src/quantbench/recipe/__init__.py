@@ -14,8 +14,6 @@ quantize:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +41,7 @@ from pydantic import (
 )
 
 from quantbench.core.errors import UserError, did_you_mean
+from quantbench.core.files import canonical_sha
 from quantbench.core.settings import parse_yaml
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
@@ -426,8 +425,7 @@ class LoadedRecipe:
         """Content hash of the resolved recipe (defaults filled in, overrides applied), without
         `resources:` and `budget_minutes:` (where and how long a job runs, not what it computes)."""
         resolved = {k: v for k, v in self.resolved.items() if k not in ("resources", "budget_minutes")}
-        canonical = json.dumps(resolved, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        return canonical_sha(resolved, compact=True)
 
     def resources(self, fallback: ResourcesSpec | None = None) -> dict[str, float | None]:
         """What a job of this recipe asks of a Ray node: the recipe's resources:, then `fallback`

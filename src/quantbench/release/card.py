@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from quantbench.core.files import atomic_write
+
 if TYPE_CHECKING:
     from quantbench.recipe import LoadedRecipe
     from quantbench.sources.models import ResolvedModel
@@ -79,9 +81,7 @@ or serve it: `vllm serve {final}`{" --kv-cache-dtype fp8" if kv else ""}.
 {yaml.safe_dump(info.loaded.resolved, sort_keys=False).strip()}
 ```
 """
-    tmp = dest / ".README.md.tmp"
-    tmp.write_text(card)
-    tmp.rename(dest / "README.md")
+    atomic_write(dest / "README.md", card)
 
 
 def _interval(metrics: dict[str, float], key: str) -> str:

@@ -19,8 +19,6 @@ one the run did not log, is bad input (exit 2).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import string
 import time
@@ -33,6 +31,7 @@ from pydantic import Field, model_validator
 from quantbench import metrics as catalogue
 from quantbench.core import intervals
 from quantbench.core.errors import UserError
+from quantbench.core.files import canonical_sha
 from quantbench.recipe import Strict, load_named
 from quantbench.release import names
 from quantbench.sources import models
@@ -160,7 +159,7 @@ def load_policy(name_or_path: str) -> LoadedPolicy:
                         f"available: {', '.join('{' + f + '}' for f in NAME_FIELDS)}")
     if problems:
         raise UserError(problems)
-    sha = hashlib.sha256(json.dumps(policy.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    sha = canonical_sha(policy.model_dump(mode="json"))
     return LoadedPolicy(path.stem, path, policy, sha)
 
 

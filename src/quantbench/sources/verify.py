@@ -26,6 +26,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantbench.core.files import atomic_write, canonical_sha
+
 log = logging.getLogger(__name__)
 
 SAMPLE_TEXT = (
@@ -225,19 +227,16 @@ def bos_hint(result: PerplexityCheck) -> str | None:
 def cached_check(key: dict, compute) -> PerplexityCheck:
     """A perplexity check keyed by what it depends on (model fingerprint, tokenizer, text), computed
     once and kept in the cache (a base model is checked once, not on every run)."""
-    import hashlib
 
     from quantbench.core.paths import cache_dir
 
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    digest = canonical_sha(key)[:32]
     path = cache_dir() / "checks" / f"{digest}.json"
     if path.is_file():
         return PerplexityCheck(**json.loads(path.read_text()))
     result = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result.__dict__))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(result.__dict__))
     return result
 
 

@@ -34,6 +34,7 @@ from typing import Literal
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from quantbench.core.errors import UserError
+from quantbench.core.intervals import pct
 from quantbench.core.processes import PeakRSS
 from quantbench.recipe import Strict, load_named
 
@@ -258,10 +259,6 @@ def summarize(samples: dict[str, list[float]], profile: Profile) -> dict[str, fl
 
     def pooled(suffix: str) -> list[float]:
         return [v for k, values in samples.items() if k.endswith(suffix) and k.startswith("p") for v in values]
-
-    def pct(values: list[float], q: float) -> float:
-        ordered = sorted(values)
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
     ttft, e2e = pooled("/ttft_ms"), pooled("/e2e_ms")
     out = {

@@ -32,6 +32,7 @@ import time
 
 from quantbench import engines
 from quantbench.core.errors import UserError
+from quantbench.core.intervals import pct
 from quantbench.core.processes import PeakRSS
 from quantbench.engines import ServingEngine
 from quantbench.engines.server import Stream, http_client, stream_one
@@ -59,12 +60,6 @@ def check_endpoint(url: str, field: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # A load level
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile of `values` (q in [0, 1])."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def load_level(url: str, bodies: list[dict], *, concurrency: int | None = None, rate: float | None = None,

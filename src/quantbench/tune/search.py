@@ -23,7 +23,6 @@ and reuses every candidate that already has a FINISHED run (found by recipe sha)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -36,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from quantbench.core.errors import UserError
+from quantbench.core.files import atomic_write, canonical_sha
 from quantbench.recipe import (
     LoadedRecipe,
     load_recipe,
@@ -168,7 +168,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
            **({"alternatives": [t.sha for t in alternatives]} if alternatives else {}), "bits": request.bits,
            "max_size_mb": request.max_size_mb, "budget_runs": request.budget_runs, "base": base.fingerprint,
            "sensitivity": asdict(request.sensitivity)}
-    tune_id = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    tune_id = canonical_sha(key)[:12]
     return Plan(request, policy, template, alternatives, base, tokenizer, shapes, unquantized, dtype_bits, fixed_bytes, tune_id,
                 outputs / "tune" / f"{policy.name}-{tune_id}")
 
@@ -254,9 +254,7 @@ def write_recipe(plan: Plan, alloc: allocate.Allocation, units: list[sensitivity
               f"quantizable weight. Units: {counts}.\n")
     text = header + yaml.safe_dump(doc, sort_keys=False, width=200)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, text)
     loaded = load_recipe(path)
     return path, name, loaded.sha
 
@@ -511,9 +509,7 @@ def _read_state(directory: Path) -> dict:
 
 def _write_state(directory: Path, state: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / "state.json.tmp"
-    tmp.write_text(json.dumps(state, indent=2, default=str))
-    os.replace(tmp, directory / "state.json")
+    atomic_write(directory / "state.json", json.dumps(state, indent=2, default=str))
 
 
 def _lock(directory: Path):

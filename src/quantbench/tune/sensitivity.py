@@ -29,7 +29,6 @@ with the table (`sensitivity/table.csv`, `sensitivity/sensitivity.json`) and a h
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -43,6 +42,7 @@ from typing import Literal
 import torch
 
 from quantbench.core.errors import UserError
+from quantbench.core.files import canonical_sha
 from quantbench.recipe import schemes
 from quantbench.sources import data
 from quantbench.tracking import TAG, Tracker
@@ -117,7 +117,7 @@ def key(base_fingerprint: str, scheme_names: list[str], text_sha: str, settings:
            "text": text_sha, "settings": asdict(settings), "version": VERSION}
     if bos is not None:  # windows that start with BOS; absent as before, so results stored without one stay valid
         doc["bos"] = bos
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    return canonical_sha(doc)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,23 @@
+"""Content hashes of settings and whole-or-nothing writes (quantbench.core.files)."""
+
+import hashlib
+import json
+
+from quantbench.core.files import atomic_write, canonical_sha
+
+
+def test_equal_settings_hash_equal_and_stores_keep_their_hashes():
+    a = {"window": 512, "tokens": 16384, "tasks": ["x", "y"], "nested": {"b": 1, "a": 2}}
+    b = {"nested": {"a": 2, "b": 1}, "tasks": ["x", "y"], "tokens": 16384, "window": 512}
+    assert canonical_sha(a) == canonical_sha(b) != canonical_sha({**a, "window": 256})
+    # the formulas the suite, policy, sensitivity and recipe hashes were made with: unchanged values
+    assert canonical_sha(a) == hashlib.sha256(json.dumps(a, sort_keys=True).encode()).hexdigest()
+    assert canonical_sha(a, compact=True) == hashlib.sha256(
+        json.dumps(a, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def test_an_atomic_write_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "state.json"
+    path.write_text("old")
+    atomic_write(path, "new")
+    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
