@@ -47,7 +47,7 @@ help:
 	@echo "make doctor                     which engines and servers this machine has"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
-	@echo "make lint                       ruff over src/ and tests/, mypy over src/, import contracts (the fast tier runs them too)"
+	@echo "make lint                       ruff (lint, and format --check over src/), mypy over src/, import contracts (the fast tier runs them too)"
 	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
 	@echo "make test-fast                  the fast tier only: no servers, browser, database or real model (< 3 min)"
 	@echo "make gc                         end runs left RUNNING by a killed process, remove their staging dirs"
@@ -123,6 +123,7 @@ recipes: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src
 	$(BIN)/mypy src
 	$(BIN)/lint-imports
 

@@ -1,6 +1,6 @@
 """Static checks in the fast tier, as `make lint` runs them (configured in pyproject.toml): ruff
-over src/ and tests/, mypy over src/, import-linter's contracts (quantize and evaluate do not
-import each other; only quantbench.tracking imports mlflow); and that mypy's settings still catch
+over src/ and tests/, ruff's formatter's check over src/, mypy over src/, import-linter's
+contracts (the layers from cli down to core; only quantbench.tracking imports mlflow); and that mypy's settings still catch
 an import of a name a quantbench module no longer has (what shipped `tune.py` importing the
 removed `vllm_python`)."""
 
@@ -19,6 +19,11 @@ def tool(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def test_ruff_is_clean():
     done = tool("ruff", "check", "src", "tests")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_src_is_formatted():
+    done = tool("ruff", "format", "--check", "src")
     assert done.returncode == 0, done.stdout + done.stderr
 
 

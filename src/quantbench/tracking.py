@@ -177,7 +177,9 @@ class Run:
                 try:
                     message = f"{exc_type.__name__}: {exc}"
                     self.client.set_tag(self.run_id, TAG + "error", message[:5000])
-                    self.client.log_text(self.run_id, "".join(traceback.format_exception(exc_type, exc, tb)), "error.txt")
+                    self.client.log_text(
+                        self.run_id, "".join(traceback.format_exception(exc_type, exc, tb)), "error.txt"
+                    )
                 finally:
                     self.client.set_terminated(self.run_id, status)
         if held and not (exc_type and issubclass(exc_type, KeyboardInterrupt)):
@@ -217,8 +219,12 @@ class Run:
     def log_artifacts(self, directory: Path, artifact_path: str) -> None:
         self.client.log_artifacts(self.run_id, str(directory), artifact_path)
 
-    def record(self, metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None,
-               artifacts: dict[str, dict] | None = None) -> None:
+    def record(
+        self,
+        metrics: dict[str, float] | None = None,
+        tags: dict[str, Any] | None = None,
+        artifacts: dict[str, dict] | None = None,
+    ) -> None:
         """A stage's result: its metrics, tags and JSON artifacts (name -> content)."""
         if tags:
             self.set_tags(tags)
@@ -288,7 +294,9 @@ class Tracker:
         from mlflow.exceptions import MlflowException
 
         try:
-            return self.client.create_experiment(self.experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
+            return self.client.create_experiment(
+                self.experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND])
+            )
         except MlflowException:  # another process created it first
             found = self._experiment()
             if found is None:
@@ -329,7 +337,9 @@ class Tracker:
         from mlflow.exceptions import MlflowException
 
         if not self._readable():
-            raise UserError(f"{field}: run '{run_id}' not found: the tracking store {tracking_uri()} does not exist yet")
+            raise UserError(
+                f"{field}: run '{run_id}' not found: the tracking store {tracking_uri()} does not exist yet"
+            )
         try:
             return self.client.get_run(run_id)
         except MlflowException as exc:
@@ -361,8 +371,9 @@ class Tracker:
         tags = {OWNER: owner_tag(), **tags}
         experiment_id = self.experiment_id()
         with interrupts_held() as held:  # an interrupt now would leave a RUNNING run nobody ends
-            run_id = self.client.create_run(experiment_id, run_name=run_name,
-                                            tags={k: str(v) for k, v in tags.items()}).info.run_id
+            run_id = self.client.create_run(
+                experiment_id, run_name=run_name, tags={k: str(v) for k, v in tags.items()}
+            ).info.run_id
             if held:
                 self.fail_run(run_id, "interrupted while the run was being created", status="KILLED")
         if held:
@@ -396,14 +407,28 @@ class Tracker:
             if staging and Path(staging).name == f".{run.info.run_id}.partial" and Path(staging).is_dir():
                 shutil.rmtree(staging, ignore_errors=True)
                 removed = staging
-            reason = (f"its process ({owner}) died without ending it (killed: SIGKILL, out of memory, or a lost "
-                      "node); marked FAILED by a later command" + (f", staging dir {removed} removed" if removed else ""))
+            reason = (
+                f"its process ({owner}) died without ending it (killed: SIGKILL, out of memory, or a lost "
+                "node); marked FAILED by a later command" + (f", staging dir {removed} removed" if removed else "")
+            )
             self.fail_run(run.info.run_id, reason)
             experiment = names.get(run.info.experiment_id, run.info.experiment_id)
-            log.warning("run %s (%s) in %s was left RUNNING by a dead process; marked FAILED%s", run.info.run_id,
-                        run.info.run_name, experiment, f", removed {removed}" if removed else "")
-            done.append({"run_id": run.info.run_id, "name": run.info.run_name, "owner": owner, "removed": removed,
-                         "experiment": experiment})
+            log.warning(
+                "run %s (%s) in %s was left RUNNING by a dead process; marked FAILED%s",
+                run.info.run_id,
+                run.info.run_name,
+                experiment,
+                f", removed {removed}" if removed else "",
+            )
+            done.append(
+                {
+                    "run_id": run.info.run_id,
+                    "name": run.info.run_name,
+                    "owner": owner,
+                    "removed": removed,
+                    "experiment": experiment,
+                }
+            )
         return done
 
 

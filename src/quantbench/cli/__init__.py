@@ -19,6 +19,7 @@ def scoring_engines() -> list[str]:
     """Engines that score lm-eval tasks through their server (prompt log-probabilities)."""
     return [e.name for e in engines.every() if e.kind == "server" and e.quality == "prompt_logprobs"]
 
+
 EPILOG = """\
 examples:
   quantbench quantize awq-int4                      recipes/awq-int4.yaml on the embedded default model
@@ -53,7 +54,9 @@ def _common(*names: str) -> argparse.ArgumentParser:
     if "outputs" in names:
         parent.add_argument("--outputs", type=Path, default=Path("outputs"), help="output root (default: outputs)")
     if "base" in names:
-        parent.add_argument("--base", default=None, help="the base model source, for a checkpoint quantbench did not write")
+        parent.add_argument(
+            "--base", default=None, help="the base model source, for a checkpoint quantbench did not write"
+        )
     if "json" in names:
         parent.add_argument("--json", action="store_true", help="print a JSON summary as the last line of output")
     return parent
@@ -71,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp_json = _common("experiment", "json")
 
     q = sub.add_parser(
-        "quantize", parents=[_common("experiment", "outputs", "json")],
+        "quantize",
+        parents=[_common("experiment", "outputs", "json")],
         help="run a recipe: quantize, save, reload-check, evaluate, bench, track",
         description="Quantize the recipe's model, save a checkpoint under OUTPUTS/<recipe>/<run id>/, "
         "reload it from disk to check it, run the recipe's evaluate: and bench: sections, and record everything "
@@ -79,14 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
         'With --json the last line is {"run_id", "checkpoint", "log", "metrics"}.',
     )
     q.add_argument("recipe", help="a recipe name (recipes/NAME.yaml) or a path to a .yaml file")
-    q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe field, e.g. --set calibration.samples=8 (repeatable; VALUE is YAML)")
-    q.add_argument("--strict-budget", action="store_true",
-                   help="refuse (exit 2, nothing written) when the produce step's estimate on this machine is over the "
-                   "recipe's budget_minutes; without it the job says so and goes on")
+    q.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe field, e.g. --set calibration.samples=8 (repeatable; VALUE is YAML)",
+    )
+    q.add_argument(
+        "--strict-budget",
+        action="store_true",
+        help="refuse (exit 2, nothing written) when the produce step's estimate on this machine is over the "
+        "recipe's budget_minutes; without it the job says so and goes on",
+    )
 
     e = sub.add_parser(
-        "evaluate", parents=[_common("experiment", "base", "json")],
+        "evaluate",
+        parents=[_common("experiment", "base", "json")],
         help="score a checkpoint against its base model (ppl, KLD, agreement, tasks, flips)",
         description="Score a checkpoint against its base model with a suite (suites/NAME.yaml): perplexity, "
         "KL divergence and top-1 agreement on held-out text, lm-eval tasks, answer flips, recovery. The base "
@@ -95,13 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("target", help="an MLflow run id (from quantize) or a checkpoint directory")
     e.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
-    e.add_argument("--engine", choices=scoring_engines(), default=None,
-                   help="also score the suite's lm-eval tasks on the checkpoint served by this engine (lm-eval "
-                   "local-completions against its server): task_engine/<task>/<metric> and quality/engine_flips_pct "
-                   "(items whose correctness differs between the engine and transformers)")
+    e.add_argument(
+        "--engine",
+        choices=scoring_engines(),
+        default=None,
+        help="also score the suite's lm-eval tasks on the checkpoint served by this engine (lm-eval "
+        "local-completions against its server): task_engine/<task>/<metric> and quality/engine_flips_pct "
+        "(items whose correctness differs between the engine and transformers)",
+    )
 
     b = sub.add_parser(
-        "bench", parents=[_common("experiment", "base", "json")],
+        "bench",
+        parents=[_common("experiment", "base", "json")],
         help="measure speed against the base model (TTFT, tok/s, latency, throughput, memory)",
         description="Measure a checkpoint and its base model with a profile (profiles/NAME.yaml), interleaved, "
         "and log speed/<metric> and speedup/<metric> (above 1 is faster). A run id logs into that run.\n\n"
@@ -111,23 +130,36 @@ def build_parser() -> argparse.ArgumentParser:
         "speedup/spec_decode_tok_s into the draft's run.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    b.add_argument("target", nargs="?", help="an MLflow run id (from quantize) or a checkpoint directory; with --draft: "
-                   "the model to speed up (a run id, checkpoint dir or model source; default the draft's base model)")
+    b.add_argument(
+        "target",
+        nargs="?",
+        help="an MLflow run id (from quantize) or a checkpoint directory; with --draft: "
+        "the model to speed up (a run id, checkpoint dir or model source; default the draft's base model)",
+    )
     b.add_argument("--draft", metavar="RUN_ID|DIR", help="measure speculative decoding with this draft model")
     b.add_argument("--profile", default=None, help="profiles/NAME.yaml (default: cpu-smoke)")
-    b.add_argument("--backend", default=None, choices=engines.backend_choices(),
-                   help=f"auto (default): the first of {', '.join(engines.AUTO)} that serves the checkpoint's format and "
-                   "its base model's on this device (vLLM's environment .venv-vllm is created on first use); a server's "
-                   "name (vllm, transformers, ...): that server on 127.0.0.1 for both models; hf: in-process transformers "
-                   "generate (not a serving engine); openai: running endpoints (--endpoint, --base-endpoint); serve: "
-                   "--server picks")
-    b.add_argument("--server", default="auto", choices=["auto", *engines.servers()],
-                   help="with --backend serve: auto = the first server engine that serves the format here")
+    b.add_argument(
+        "--backend",
+        default=None,
+        choices=engines.backend_choices(),
+        help=f"auto (default): the first of {', '.join(engines.AUTO)} that serves the checkpoint's format and "
+        "its base model's on this device (vLLM's environment .venv-vllm is created on first use); a server's "
+        "name (vllm, transformers, ...): that server on 127.0.0.1 for both models; hf: in-process transformers "
+        "generate (not a serving engine); openai: running endpoints (--endpoint, --base-endpoint); serve: "
+        "--server picks",
+    )
+    b.add_argument(
+        "--server",
+        default="auto",
+        choices=["auto", *engines.servers()],
+        help="with --backend serve: auto = the first server engine that serves the format here",
+    )
     b.add_argument("--endpoint", help="with --backend openai: the checkpoint's endpoint, e.g. http://127.0.0.1:8000/v1")
     b.add_argument("--base-endpoint", help="with --backend openai: the base model's endpoint")
 
     c = sub.add_parser(
-        "compare", parents=[_common("experiment", "outputs", "json")],
+        "compare",
+        parents=[_common("experiment", "outputs", "json")],
         help="one table of candidates with the quality-vs-speed Pareto frontier; Markdown, HTML, PNG",
         description="Compare the FINISHED candidate runs of an experiment (or --runs, FINISHED candidates only): size, "
         "recovery, KLD, flips, task scores, speedups, memory, gate verdicts; mark the Pareto frontier on --quality vs --speed. "
@@ -135,11 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--runs", nargs="+", metavar="RUN_ID", help="compare exactly these candidate runs (each FINISHED)")
     c.add_argument("--quality", default=None, help="quality axis (default quality/kld_mean; e.g. recovery/quality/ppl)")
-    c.add_argument("--speed", default=None, help="speed axis (default speedup/decode_tok_s, or model/compression_ratio "
-                   "when no candidate has been benched)")
+    c.add_argument(
+        "--speed",
+        default=None,
+        help="speed axis (default speedup/decode_tok_s, or model/compression_ratio when no candidate has been benched)",
+    )
 
     n = sub.add_parser(
-        "noise", parents=[_common("experiment", "outputs", "json")],
+        "noise",
+        parents=[_common("experiment", "outputs", "json")],
         help="the noise floor of every metric: the base model against itself (and a recipe at two seeds)",
         description="Save the base model again in its own dtype and score it against itself as a candidate is "
         "scored: evaluate (suite) and bench (profile), with intervals. What this shows is what measuring the same "
@@ -152,13 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
     n.add_argument("--profile", default=None, help="profiles/NAME.yaml for the bench (default: cpu-smoke)")
     n.add_argument("--no-bench", action="store_true", help="skip the speed part")
-    n.add_argument("--backend", default="auto", choices=[b for b in engines.backend_choices() if b not in ("openai", "serve")],
-                   help="the engine the speed part measures through, as for bench (default auto: vLLM where it "
-                   "serves the model, else transformers serve, else hf)")
+    n.add_argument(
+        "--backend",
+        default="auto",
+        choices=[b for b in engines.backend_choices() if b not in ("openai", "serve")],
+        help="the engine the speed part measures through, as for bench (default auto: vLLM where it "
+        "serves the model, else transformers serve, else hf)",
+    )
     n.add_argument("--recipe", default=None, help="a calibrated recipe to run at two calibration seeds as well")
 
     g = sub.add_parser(
-        "gate", parents=[exp_json],
+        "gate",
+        parents=[exp_json],
         help="pass/fail a candidate run against a policy; on pass register it and move an alias",
         description="Check a candidate run against a policy (policies/NAME.yaml): required stages, recovery "
         "against the baseline, absolute limits, licence. Prints every check. On pass the checkpoint becomes a "
@@ -169,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", default="release", help="policies/NAME.yaml or a path (default: release)")
 
     s = sub.add_parser(
-        "sweep", parents=[_common("experiment", "outputs", "json")],
+        "sweep",
+        parents=[_common("experiment", "outputs", "json")],
         help="run many recipes (a list and/or a matrix of overrides); resumable, with timeouts and retries",
         description="Run the jobs of sweeps/NAME.yaml, each `quantbench quantize` in its own process with a log "
         "file, a timeout and retries. State in outputs/sweeps/NAME/state.json: re-running resumes, skipping jobs "
@@ -178,14 +220,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a path to a .yaml file")
     s.add_argument("--force", action="store_true", help="run every job again, even those already FINISHED")
-    s.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="run each attempt on a Ray cluster, on the node Ray places it with the resources the recipe or "
-                   "sweep asks for: ADDRESS is HOST:PORT of its head, ray://HOST:10001 (Ray Client) or auto; omitted, "
-                   "the cluster running here or else a local Ray for this sweep (docs/ray.md; needs "
-                   "pip install -e '.[ray]')")
+    s.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run each attempt on a Ray cluster, on the node Ray places it with the resources the recipe or "
+        "sweep asks for: ADDRESS is HOST:PORT of its head, ray://HOST:10001 (Ray Client) or auto; omitted, "
+        "the cluster running here or else a local Ray for this sweep (docs/ray.md; needs "
+        "pip install -e '.[ray]')",
+    )
 
     t = sub.add_parser(
-        "tune", parents=[_common("experiment", "outputs", "json")],
+        "tune",
+        parents=[_common("experiment", "outputs", "json")],
         help="find the smallest checkpoint that passes a policy: per-layer schemes under a budget, verified",
         description="Measure how much each layer of the base model moves its output when quantized alone with each "
         "scheme (stored once, reused), choose a scheme per layer that minimises the predicted KLD under a budget, write "
@@ -198,57 +247,106 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--policy", required=True, help="policies/NAME.yaml or a path")
     budget = t.add_mutually_exclusive_group()
-    budget.add_argument("--bits", type=float, help="average stored bits per quantizable weight (scales included), e.g. 4.5")
+    budget.add_argument(
+        "--bits", type=float, help="average stored bits per quantizable weight (scales included), e.g. 4.5"
+    )
     budget.add_argument("--max-size-mb", type=float, help="the checkpoint's size in MiB, embeddings included")
-    t.add_argument("--schemes", nargs="+", metavar="SCHEME", default=None,
-                   help="schemes to choose from (default: W4A16-G64 W4A16-G64-ASYM W4A16-G32 W4A16-G32-ASYM W8A8 BF16, "
-                   "what vLLM serves together on CPU); also W8A16, FP8")
+    t.add_argument(
+        "--schemes",
+        nargs="+",
+        metavar="SCHEME",
+        default=None,
+        help="schemes to choose from (default: W4A16-G64 W4A16-G64-ASYM W4A16-G32 W4A16-G32-ASYM W8A8 BF16, "
+        "what vLLM serves together on CPU); also W8A16, FP8",
+    )
     t.add_argument("--budget-runs", type=int, default=6, help="candidates to quantize and measure at most (default 6)")
-    t.add_argument("--from", dest="templates", nargs="+", default=["gptq-w4a16"], metavar="RECIPE",
-                   help="the recipe the candidates start from: model, calibration, method (gptq, rtn, autoround, "
-                   "spinquant), evaluate and bench sections (default gptq-w4a16). With several (e.g. gptq-w4a16 "
-                   "autoround-w4a16), the search uses the first and the answer's allocation is also made with each "
-                   "other; the best measured wins")
-    t.add_argument("--sensitivity", choices=["fisher", "kld"], default="fisher",
-                   help="fisher: the second-order proxy, one backward pass per window (default; about a minute on the "
-                   "default model on 2 cores); kld: measured exactly per layer and scheme (about 25 minutes there)")
-    t.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="quantize, evaluate and bench each candidate on a Ray cluster node (as sweep --ray: HOST:PORT, "
-                   "ray://HOST:10001 or auto; omitted, the cluster running here or else a local Ray); the search and "
-                   "the sensitivity stay here (docs/ray.md)")
-    t.add_argument("--sensitivity-windows", type=int, default=4, metavar="N",
-                   help="held-back calibration windows of 256 tokens the sensitivity is measured on (default 4)")
+    t.add_argument(
+        "--from",
+        dest="templates",
+        nargs="+",
+        default=["gptq-w4a16"],
+        metavar="RECIPE",
+        help="the recipe the candidates start from: model, calibration, method (gptq, rtn, autoround, "
+        "spinquant), evaluate and bench sections (default gptq-w4a16). With several (e.g. gptq-w4a16 "
+        "autoround-w4a16), the search uses the first and the answer's allocation is also made with each "
+        "other; the best measured wins",
+    )
+    t.add_argument(
+        "--sensitivity",
+        choices=["fisher", "kld"],
+        default="fisher",
+        help="fisher: the second-order proxy, one backward pass per window (default; about a minute on the "
+        "default model on 2 cores); kld: measured exactly per layer and scheme (about 25 minutes there)",
+    )
+    t.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="quantize, evaluate and bench each candidate on a Ray cluster node (as sweep --ray: HOST:PORT, "
+        "ray://HOST:10001 or auto; omitted, the cluster running here or else a local Ray); the search and "
+        "the sensitivity stay here (docs/ray.md)",
+    )
+    t.add_argument(
+        "--sensitivity-windows",
+        type=int,
+        default=4,
+        metavar="N",
+        help="held-back calibration windows of 256 tokens the sensitivity is measured on (default 4)",
+    )
 
-    v = sub.add_parser("validate", parents=[exp_json], help="validate recipe files, reporting every error at once",
-                       description="Check recipe files: the schema, and every check quantize makes before it loads a "
-                       "model: the model source and its files (whole safetensors, a readable GGUF), its layer widths "
-                       "(group sizes), the calibration text and its size in tokens, the suite and the profile. Reports "
-                       "every problem in every file; exit 2 if any.")
+    v = sub.add_parser(
+        "validate",
+        parents=[exp_json],
+        help="validate recipe files, reporting every error at once",
+        description="Check recipe files: the schema, and every check quantize makes before it loads a "
+        "model: the model source and its files (whole safetensors, a readable GGUF), its layer widths "
+        "(group sizes), the calibration text and its size in tokens, the suite and the profile. Reports "
+        "every problem in every file; exit 2 if any.",
+    )
     v.add_argument("files", nargs="*", type=Path, help="recipe files (default: recipes/*.yaml)")
-    v.add_argument("--no-model", action="store_true", help="the schema only: skip the checks that read the model and texts")
+    v.add_argument(
+        "--no-model", action="store_true", help="the schema only: skip the checks that read the model and texts"
+    )
 
     sub.add_parser("recipes", parents=[_common("json")], help="list the shipped recipes")
 
-    d = sub.add_parser("doctor", parents=[_common("json")], help="which engines and servers this machine has",
-                       description="One line per engine and server: transformers (and transformers serve), vLLM (its "
-                       "version and environment), llm-compressor, bitsandbytes, GPTQModel, lm-eval, torch and CUDA, the "
-                       "CPU's vector extensions, and which checkpoint formats vLLM serves here. Starts nothing.")
-    d.add_argument("--vllm", action="store_true", help="create vLLM's environment first if it does not exist (`make vllm`)")
+    d = sub.add_parser(
+        "doctor",
+        parents=[_common("json")],
+        help="which engines and servers this machine has",
+        description="One line per engine and server: transformers (and transformers serve), vLLM (its "
+        "version and environment), llm-compressor, bitsandbytes, GPTQModel, lm-eval, torch and CUDA, the "
+        "CPU's vector extensions, and which checkpoint formats vLLM serves here. Starts nothing.",
+    )
+    d.add_argument(
+        "--vllm", action="store_true", help="create vLLM's environment first if it does not exist (`make vllm`)"
+    )
 
-    gc = sub.add_parser("gc", parents=[_common("experiment", "json")],
-                        help="end runs whose process died (SIGKILL, OOM) and remove what they left",
-                        description="Mark RUNNING runs whose owner process on this host is gone as FAILED, with the "
-                        "reason, and remove the staging directories they left. Every command does this for the whole "
-                        "store when it opens it; gc does it on demand for one experiment (--all: every experiment).")
+    gc = sub.add_parser(
+        "gc",
+        parents=[_common("experiment", "json")],
+        help="end runs whose process died (SIGKILL, OOM) and remove what they left",
+        description="Mark RUNNING runs whose owner process on this host is gone as FAILED, with the "
+        "reason, and remove the staging directories they left. Every command does this for the whole "
+        "store when it opens it; gc does it on demand for one experiment (--all: every experiment).",
+    )
     gc.add_argument("--all", action="store_true", help="every experiment in the store, not only one")
 
     u = sub.add_parser("ui", help="start the MLflow UI on the tracking store")
-    u.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1); any other than loopback needs "
-                   "--expose-unauthenticated")
+    u.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address (default 127.0.0.1); any other than loopback needs --expose-unauthenticated",
+    )
     u.add_argument("--port", type=int, default=5000)
-    u.add_argument("--expose-unauthenticated", action="store_true",
-                   help="allow a --host other than loopback: the MLflow UI has no login, so anyone who reaches the port "
-                   "reads and changes every run and registered model. Put authentication in front of it (docs/gate.md)")
+    u.add_argument(
+        "--expose-unauthenticated",
+        action="store_true",
+        help="allow a --host other than loopback: the MLflow UI has no login, so anyone who reaches the port "
+        "reads and changes every run and registered model. Put authentication in front of it (docs/gate.md)",
+    )
     return parser
 
 
@@ -292,12 +390,23 @@ def cmd_quantize(args) -> int:
     from quantbench.cli import report
     from quantbench.jobs import pipeline
 
-    result = _run_stage("quantize", pipeline.quantize, args.recipe, overrides=tuple(args.overrides), outputs=args.outputs,
-                        experiment=args.experiment, strict_budget=args.strict_budget)
+    result = _run_stage(
+        "quantize",
+        pipeline.quantize,
+        args.recipe,
+        overrides=tuple(args.overrides),
+        outputs=args.outputs,
+        experiment=args.experiment,
+        strict_budget=args.strict_budget,
+    )
     if result is None:
         return 1
     if result.evaluation is not None:
-        print(report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes))
+        print(
+            report.evaluation_table(
+                result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes
+            )
+        )
     if result.bench is not None:
         print(report.bench_table(result.bench.metrics))
         print(report.bench_engine(result.bench))
@@ -311,11 +420,20 @@ def cmd_evaluate(args) -> int:
     from quantbench.cli import report
     from quantbench.jobs import pipeline
 
-    result = _run_stage("evaluate", pipeline.evaluate, args.target, suite=args.suite, base=args.base, experiment=args.experiment,
-                        engine=args.engine)
+    result = _run_stage(
+        "evaluate",
+        pipeline.evaluate,
+        args.target,
+        suite=args.suite,
+        base=args.base,
+        experiment=args.experiment,
+        engine=args.engine,
+    )
     if result is None:
         return 1
-    print(report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes))
+    print(
+        report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes)
+    )
     if result.engine_tasks is not None:
         print(report.engine_table(result.engine_tasks.metrics, result.evaluation.metrics))
     reused = " (reused)" if result.evaluation.baseline_reused else " (scored now)"
@@ -330,8 +448,9 @@ def cmd_bench(args) -> int:
     if args.draft:
         if args.backend not in (None, "hf"):
             raise UserError("--draft measures in-process (transformers assisted generation); drop --backend")
-        result = _run_stage("bench", pipeline.speculative, args.draft, args.target, profile=args.profile,
-                            experiment=args.experiment)
+        result = _run_stage(
+            "bench", pipeline.speculative, args.draft, args.target, profile=args.profile, experiment=args.experiment
+        )
         if result is None:
             return 1
         print(report.metric_lines(result.metrics, 36))
@@ -339,8 +458,17 @@ def cmd_bench(args) -> int:
         if not args.target:
             raise UserError("bench: give a run id or checkpoint directory (or --draft)")
         endpoints = (args.endpoint, args.base_endpoint) if args.backend == "openai" else None
-        result = _run_stage("bench", pipeline.bench, args.target, profile=args.profile, backend=args.backend or "auto",
-                            server=args.server, base=args.base, experiment=args.experiment, endpoints=endpoints)
+        result = _run_stage(
+            "bench",
+            pipeline.bench,
+            args.target,
+            profile=args.profile,
+            backend=args.backend or "auto",
+            server=args.server,
+            base=args.base,
+            experiment=args.experiment,
+            endpoints=endpoints,
+        )
         if result is None:
             return 1
         print(report.bench_table(result.metrics))
@@ -352,8 +480,15 @@ def cmd_bench(args) -> int:
 def cmd_compare(args) -> int:
     from quantbench.release import compare
 
-    result = _run_stage("compare", compare.run, experiment=args.experiment, run_ids=args.runs, quality=args.quality,
-                        speed=args.speed, outputs=args.outputs)
+    result = _run_stage(
+        "compare",
+        compare.run,
+        experiment=args.experiment,
+        run_ids=args.runs,
+        quality=args.quality,
+        speed=args.speed,
+        outputs=args.outputs,
+    )
     if result is None:
         return 1
     print(compare.terminal(result.comparison))
@@ -365,13 +500,26 @@ def cmd_noise(args) -> int:
     from quantbench.cli import report
     from quantbench.jobs import noise
 
-    result = _run_stage("noise", noise.run, args.model, suite=args.suite, profile=args.profile, bench=not args.no_bench,
-                        backend=args.backend, recipe=args.recipe, experiment=args.experiment, outputs=args.outputs)
+    result = _run_stage(
+        "noise",
+        noise.run,
+        args.model,
+        suite=args.suite,
+        profile=args.profile,
+        bench=not args.no_bench,
+        backend=args.backend,
+        recipe=args.recipe,
+        experiment=args.experiment,
+        outputs=args.outputs,
+    )
     if result is None:
         return 1
     speed = ("speed/", "base_speed/", "speedup/", "model/", "noise_seed/")
-    print(report.evaluation_table({k: v for k, v in result.metrics.items() if not k.startswith(speed)},
-                                  result.baseline_metrics, result.notes))
+    print(
+        report.evaluation_table(
+            {k: v for k, v in result.metrics.items() if not k.startswith(speed)}, result.baseline_metrics, result.notes
+        )
+    )
     if any(k.startswith("speedup/") for k in result.metrics):
         print(report.bench_table(result.metrics))
     spread = {k: v for k, v in result.metrics.items() if k.startswith("noise_seed/")}
@@ -397,8 +545,9 @@ def cmd_gate(args) -> int:
 def cmd_sweep(args) -> int:
     from quantbench.jobs.sweep import run
 
-    result = _run_stage("sweep", run, args.sweep, force=args.force, outputs=args.outputs, experiment=args.experiment,
-                        ray=args.ray)
+    result = _run_stage(
+        "sweep", run, args.sweep, force=args.force, outputs=args.outputs, experiment=args.experiment, ray=args.ray
+    )
     if result is None:
         return 1
     print(result["table"])
@@ -411,11 +560,17 @@ def cmd_tune(args) -> int:
     from quantbench.tune import search as tune
     from quantbench.tune import sensitivity
 
-    request = tune.Request(policy=args.policy, bits=args.bits, max_size_mb=args.max_size_mb,
-                           schemes=args.schemes or list(schemes.DEFAULT_TUNE_SCHEMES), budget_runs=args.budget_runs,
-                           template=args.templates[0], alternatives=args.templates[1:],
-                           sensitivity=sensitivity.Settings(method=args.sensitivity, windows=args.sensitivity_windows),
-                           ray=args.ray)
+    request = tune.Request(
+        policy=args.policy,
+        bits=args.bits,
+        max_size_mb=args.max_size_mb,
+        schemes=args.schemes or list(schemes.DEFAULT_TUNE_SCHEMES),
+        budget_runs=args.budget_runs,
+        template=args.templates[0],
+        alternatives=args.templates[1:],
+        sensitivity=sensitivity.Settings(method=args.sensitivity, windows=args.sensitivity_windows),
+        ray=args.ray,
+    )
     result = _run_stage("tune", tune.run, request, outputs=args.outputs, experiment=args.experiment)
     if result is None:
         return 1
@@ -429,8 +584,10 @@ def cmd_gc(args) -> int:
 
     done = Tracker(args.experiment, reap=False).reap(everywhere=args.all)
     for d in done:
-        print(f"marked FAILED: run {d['run_id']} ({d['name']}) in {d['experiment']}, owner {d['owner']} gone"
-              + (f"; removed {d['removed']}" if d["removed"] else ""))
+        print(
+            f"marked FAILED: run {d['run_id']} ({d['name']}) in {d['experiment']}, owner {d['owner']} gone"
+            + (f"; removed {d['removed']}" if d["removed"] else "")
+        )
     if not done:
         print("nothing to collect: no RUNNING run of a dead process on this host")
     return _json(args, {"reaped": done})
@@ -479,9 +636,13 @@ def cmd_recipes(args) -> int:
     for name in available_recipes():
         try:
             r = load_recipe(recipes_dir() / f"{name}.yaml").recipe
-            rows.append({"name": name, "method": r.quantize.method, "scheme": r.quantize.scheme, "description": r.description})
+            rows.append(
+                {"name": name, "method": r.quantize.method, "scheme": r.quantize.scheme, "description": r.description}
+            )
         except UserError:
-            rows.append({"name": name, "method": "?", "scheme": "?", "description": "(invalid: run quantbench validate)"})
+            rows.append(
+                {"name": name, "method": "?", "scheme": "?", "description": "(invalid: run quantbench validate)"}
+            )
     if args.json:
         print(json.dumps(rows))
     else:
@@ -513,21 +674,36 @@ def cmd_ui(args) -> int:
 
     exposed = not _loopback(args.host)
     if exposed and not args.expose_unauthenticated:
-        raise UserError(f"--host {args.host}: not a loopback address, and the MLflow UI has no login of its own: anyone "
-                        "who reaches the port reads and changes every run and registered model. Put authentication in "
-                        "front of it instead (docs/gate.md, 'Exposing the UI'): a reverse proxy with auth and TLS (nginx "
-                        "auth_basic, an OAuth2 proxy) listening publicly and forwarding to 127.0.0.1, or MLflow's "
-                        "basic-auth app. To bind it unauthenticated anyway, add --expose-unauthenticated")
+        raise UserError(
+            f"--host {args.host}: not a loopback address, and the MLflow UI has no login of its own: anyone "
+            "who reaches the port reads and changes every run and registered model. Put authentication in "
+            "front of it instead (docs/gate.md, 'Exposing the UI'): a reverse proxy with auth and TLS (nginx "
+            "auth_basic, an OAuth2 proxy) listening publicly and forwarding to 127.0.0.1, or MLflow's "
+            "basic-auth app. To bind it unauthenticated anyway, add --expose-unauthenticated"
+        )
     uri = tracking_uri()
     print(f"MLflow UI for {uri} on http://{args.host}:{args.port}")
     experiment_id = Tracker().experiment_id(create=False)
     if experiment_id is not None:  # MLflow 3 opens its GenAI view by default; this link opens the runs table
         print(f"runs: http://{args.host}:{args.port}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
     if exposed:
-        print(f"warning: serving the MLflow UI without authentication on {args.host} (--expose-unauthenticated)",
-              file=sys.stderr)
+        print(
+            f"warning: serving the MLflow UI without authentication on {args.host} (--expose-unauthenticated)",
+            file=sys.stderr,
+        )
     sys.stdout.flush()
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host, "--port", str(args.port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "ui",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+    ]
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, interrupt)
     proc = subprocess.Popen(cmd, start_new_session=True)
@@ -549,6 +725,18 @@ def _loopback(host: str) -> bool:
         return False
 
 
-COMMANDS = {"quantize": cmd_quantize, "evaluate": cmd_evaluate, "bench": cmd_bench, "compare": cmd_compare,
-            "noise": cmd_noise, "gate": cmd_gate, "sweep": cmd_sweep, "tune": cmd_tune, "validate": cmd_validate,
-            "recipes": cmd_recipes, "gc": cmd_gc, "doctor": cmd_doctor, "ui": cmd_ui}
+COMMANDS = {
+    "quantize": cmd_quantize,
+    "evaluate": cmd_evaluate,
+    "bench": cmd_bench,
+    "compare": cmd_compare,
+    "noise": cmd_noise,
+    "gate": cmd_gate,
+    "sweep": cmd_sweep,
+    "tune": cmd_tune,
+    "validate": cmd_validate,
+    "recipes": cmd_recipes,
+    "gc": cmd_gc,
+    "doctor": cmd_doctor,
+    "ui": cmd_ui,
+}

@@ -33,29 +33,52 @@ def facts() -> list[dict]:
 
     out = [_line("python", True, platform.python_version(), sys.executable)]
     cuda = torch.cuda.is_available()
-    out.append(_line("torch", True, torch.__version__, f"CUDA {torch.version.cuda} with {torch.cuda.device_count()} GPU(s)"
-                     if cuda else "no CUDA in this build or no GPU: everything runs on the CPU"))
+    out.append(
+        _line(
+            "torch",
+            True,
+            torch.__version__,
+            f"CUDA {torch.version.cuda} with {torch.cuda.device_count()} GPU(s)"
+            if cuda
+            else "no CUDA in this build or no GPU: everything runs on the CPU",
+        )
+    )
     gpu = hardware.cuda_gpu()
     out.append(_line("NVIDIA GPU", gpu is not None, None, gpu or "none (nvidia-smi -L does not answer)"))
     out.append(_line("CPU", True, None, f"{_cpu()}; {hardware.cpu().describe()}"))
     out.append(_line("compute dtype", True, None, compute_line(cuda)))
-    out.append(_line("transformers", _version("transformers") is not None, _version("transformers"),
-                     "loads every format quantbench writes (hf backend, evaluate)"))
+    out.append(
+        _line(
+            "transformers",
+            _version("transformers") is not None,
+            _version("transformers"),
+            "loads every format quantbench writes (hf backend, evaluate)",
+        )
+    )
     for engine in engines.every():  # the serving engines, from their registry
         if engine.kind == "server":
             available, version, detail = engine.status()
             out.append(_line(engine.label, available, version, detail))
-    for name, dist, what in (("llm-compressor", "llmcompressor", "GPTQ, AWQ, FP8, SmoothQuant -> compressed-tensors"),
-                             ("compressed-tensors", "compressed-tensors", "the format llm-compressor writes"),
-                             ("bitsandbytes", "bitsandbytes", "INT8, NF4, FP4 at load time" + ("" if cuda else " (CPU kernels)")),
-                             ("GPTQModel", "gptqmodel", "GPTQ and AWQ formats"),
-                             ("MLflow", "mlflow", "tracking")):
+    for name, dist, what in (
+        ("llm-compressor", "llmcompressor", "GPTQ, AWQ, FP8, SmoothQuant -> compressed-tensors"),
+        ("compressed-tensors", "compressed-tensors", "the format llm-compressor writes"),
+        ("bitsandbytes", "bitsandbytes", "INT8, NF4, FP4 at load time" + ("" if cuda else " (CPU kernels)")),
+        ("GPTQModel", "gptqmodel", "GPTQ and AWQ formats"),
+        ("MLflow", "mlflow", "tracking"),
+    ):
         version = _version(dist)
         out.append(_line(name, version is not None, version, what if version else "not installed"))
     lm_eval = _version("lm_eval")
     api = importlib.util.find_spec("tenacity") is not None
-    out.append(_line("lm-eval", lm_eval is not None, lm_eval, "tasks through HFLM" + (
-        "; API models (evaluate --engine vllm)" if api else "; no API models: tenacity missing (lm-eval[api])")))
+    out.append(
+        _line(
+            "lm-eval",
+            lm_eval is not None,
+            lm_eval,
+            "tasks through HFLM"
+            + ("; API models (evaluate --engine vllm)" if api else "; no API models: tenacity missing (lm-eval[api])"),
+        )
+    )
     return out
 
 
@@ -65,7 +88,11 @@ def compute_line(cuda: bool) -> str:
     if cuda:
         return f"auto: a bfloat16 recipe computes in {saved_bf16} on the GPU"
     cpu = hardware.cpu()
-    why = "native on this CPU" if cpu.native("bfloat16") else f"bfloat16 is emulated on {cpu.klass} (no AMX or AVX512-BF16)"
+    why = (
+        "native on this CPU"
+        if cpu.native("bfloat16")
+        else f"bfloat16 is emulated on {cpu.klass} (no AMX or AVX512-BF16)"
+    )
     return f"auto: a bfloat16 recipe computes in {saved_bf16} ({why}); checkpoints are saved in the recipe's dtype"
 
 

@@ -21,12 +21,16 @@ def _interval(metrics: dict[str, float], key: str, digits: str = ".4g") -> str:
 def evaluation_table(metrics: dict[str, float], baseline: dict[str, float], notes: list[str] | None = None) -> str:
     """metric, baseline, candidate, recovery, which way is better, and the 95 % intervals of the
     candidate's value and of its recovery (paired with the base); then what has no interval."""
-    rows = [f"{'metric':42s} {'baseline':>10s} {'candidate':>10s} {'recovery':>9s}  better  "
-            f"{'candidate 95% interval':>22s}  recovery 95% interval"]
+    rows = [
+        f"{'metric':42s} {'baseline':>10s} {'candidate':>10s} {'recovery':>9s}  better  "
+        f"{'candidate 95% interval':>22s}  recovery 95% interval"
+    ]
     for key in sorted(k for k in metrics if not k.startswith("recovery/") and ".ci_" not in k):
-        rows.append(f"{key:42s} {_fmt(baseline.get(key)):>10s} {_fmt(metrics[key]):>10s} "
-                    f"{_fmt(metrics.get(f'recovery/{key}')):>9s}  {direction(key) or '':6s}  "
-                    f"{_interval(metrics, key):>22s}  {_interval(metrics, f'recovery/{key}')}".rstrip())
+        rows.append(
+            f"{key:42s} {_fmt(baseline.get(key)):>10s} {_fmt(metrics[key]):>10s} "
+            f"{_fmt(metrics.get(f'recovery/{key}')):>9s}  {direction(key) or '':6s}  "
+            f"{_interval(metrics, key):>22s}  {_interval(metrics, f'recovery/{key}')}".rstrip()
+        )
     rows += [f"no interval: {note}" for note in notes or []]
     return "\n".join(rows)
 
@@ -38,9 +42,11 @@ def bench_table(metrics: dict[str, float]) -> str:
     for key in sorted(k for k in metrics if k.startswith("speed/") and "base_" + k in metrics):
         short = key.removeprefix("speed/")
         speedup = metrics.get("speedup/" + short)
-        rows.append(f"{short:28s} {metrics['base_' + key]:10.4g} {metrics[key]:10.4g} "
-                    f"{'' if speedup is None else format(speedup, '8.3f'):>8s}  "
-                    f"{_interval(metrics, 'speedup/' + short, '.3f')}".rstrip())
+        rows.append(
+            f"{short:28s} {metrics['base_' + key]:10.4g} {metrics[key]:10.4g} "
+            f"{'' if speedup is None else format(speedup, '8.3f'):>8s}  "
+            f"{_interval(metrics, 'speedup/' + short, '.3f')}".rstrip()
+        )
     return "\n".join(rows)
 
 
@@ -52,7 +58,9 @@ def bench_engine(result) -> str:
     """Which engine the speed was measured through, and why (a bench stage's result)."""
     r = result.report
     dtypes = r.get("dtypes") or {}
-    served = f"; served dtype: candidate {dtypes['candidate']}, base {dtypes['base']}" if dtypes.get("candidate") else ""
+    served = (
+        f"; served dtype: candidate {dtypes['candidate']}, base {dtypes['base']}" if dtypes.get("candidate") else ""
+    )
     return f"measured through: {r['engine_description']} ({r['why']}){served}"
 
 

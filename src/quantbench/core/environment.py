@@ -8,8 +8,19 @@ import subprocess
 from functools import cache
 from importlib import metadata
 
-LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "lm_eval", "numpy", "bitsandbytes", "gptqmodel",
-             "mlflow", "pydantic", "quantbench")
+LIBRARIES = (
+    "torch",
+    "transformers",
+    "llmcompressor",
+    "compressed-tensors",
+    "lm_eval",
+    "numpy",
+    "bitsandbytes",
+    "gptqmodel",
+    "mlflow",
+    "pydantic",
+    "quantbench",
+)
 
 
 @cache

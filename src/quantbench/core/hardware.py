@@ -19,8 +19,18 @@ from pathlib import Path
 DTYPES = ("bfloat16", "float16", "float32")
 
 # The features that decide speed and which engine kernels run, in the order doctor prints them
-FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-            "amx_fp16")
+FEATURES = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_fp16",
+)
 
 
 @dataclass(frozen=True)
@@ -74,11 +84,16 @@ _ABOVE_AVX2 = {"avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile
 ISA_CAPS = {
     "SSE41": _ABOVE_AVX2 | {"avx", "avx2", "fma", "f16c"},
     "AVX": _ABOVE_AVX2 | {"avx2", "fma"},
-    "AVX2": _ABOVE_AVX2, "AVX2_VNNI": _ABOVE_AVX2, "AVX2_VNNI_2": _ABOVE_AVX2,
-    "AVX512_CORE": _ABOVE_AVX2 - {"avx512f"}, "AVX512_CORE_VNNI": _ABOVE_AVX2 - {"avx512f", "avx512_vnni"},
+    "AVX2": _ABOVE_AVX2,
+    "AVX2_VNNI": _ABOVE_AVX2,
+    "AVX2_VNNI_2": _ABOVE_AVX2,
+    "AVX512_CORE": _ABOVE_AVX2 - {"avx512f"},
+    "AVX512_CORE_VNNI": _ABOVE_AVX2 - {"avx512f", "avx512_vnni"},
     "AVX512_CORE_BF16": {"avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16"},
-    "AVX512_CORE_FP16": {"amx_tile", "amx_bf16", "amx_fp16"}, "AVX10_1_512": {"amx_tile", "amx_bf16", "amx_fp16"},
-    "AVX512_CORE_AMX": {"amx_fp16"}, "AVX10_1_512_AMX": {"amx_fp16"},
+    "AVX512_CORE_FP16": {"amx_tile", "amx_bf16", "amx_fp16"},
+    "AVX10_1_512": {"amx_tile", "amx_bf16", "amx_fp16"},
+    "AVX512_CORE_AMX": {"amx_fp16"},
+    "AVX10_1_512_AMX": {"amx_fp16"},
 }
 
 

@@ -28,7 +28,12 @@ def perplexity(model, token_ids: list[int], window: int, batch_size: int = 1) ->
 def greedy_text(model, tokenizer, prompt: str, new_tokens: int) -> tuple[str, int]:
     """Greedy continuation of `prompt`: (decoded new text, number of new tokens)."""
     inputs = tokenizer(prompt, return_tensors="pt").to(next(model.parameters()).device)
-    out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    out = model.generate(
+        **inputs,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+    )
     new = out[0, inputs["input_ids"].shape[1] :]
     return tokenizer.decode(new, skip_special_tokens=True), int(new.numel())
 
@@ -66,8 +71,13 @@ class Reference:
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
-        tensors = {"hidden": self.hidden, "head_weight": self.head_weight, "nll": self.nll,
-                   "neg_entropy": self.neg_entropy, "top1": self.top1}
+        tensors = {
+            "hidden": self.hidden,
+            "head_weight": self.head_weight,
+            "nll": self.nll,
+            "neg_entropy": self.neg_entropy,
+            "top1": self.top1,
+        }
         if self.head_bias is not None:
             tensors["head_bias"] = self.head_bias
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
@@ -171,11 +181,17 @@ class Comparison:
         out = {
             **intervals.bounds(prefix + "ppl", cand.exp(), self.windows),
             **intervals.bounds(f"recovery/{prefix}ppl", (base - cand).exp(), self.windows),  # base ppl / candidate ppl
-            **intervals.bounds(prefix + "kld_mean", intervals.weighted_means(counts, sums(self.kld), sizes), self.windows),
-            **intervals.bounds(prefix + "top1_agreement", intervals.weighted_means(counts, sums(self.top1_agree), sizes), self.windows),
+            **intervals.bounds(
+                prefix + "kld_mean", intervals.weighted_means(counts, sums(self.kld), sizes), self.windows
+            ),
+            **intervals.bounds(
+                prefix + "top1_agreement", intervals.weighted_means(counts, sums(self.top1_agree), sizes), self.windows
+            ),
         }
         for q, name in ((0.90, "kld_p90"), (0.99, "kld_p99")):
-            out.update(intervals.bounds(prefix + name, intervals.resampled_quantile(self.kld, owner, counts, q), self.windows))
+            out.update(
+                intervals.bounds(prefix + name, intervals.resampled_quantile(self.kld, owner, counts, q), self.windows)
+            )
         return out
 
 

@@ -28,8 +28,10 @@ def parse_yaml(text: str, where: str, unique_keys: bool = True) -> tuple[Any, ya
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         size = _expanded_size(node, {})
         if size > MAX_YAML_VALUES:
-            raise UserError(f"{where}: the YAML expands to {size:,} values, more than {MAX_YAML_VALUES:,}: its aliases "
-                            "(*name) repeat anchored (&name) values many times over; write the values out")
+            raise UserError(
+                f"{where}: the YAML expands to {size:,} values, more than {MAX_YAML_VALUES:,}: its aliases "
+                "(*name) repeat anchored (&name) values many times over; write the values out"
+            )
         duplicates = _duplicate_keys(node, set()) if unique_keys else []
         if duplicates:
             raise UserError([f"{where}: {d}" for d in duplicates])
@@ -55,8 +57,10 @@ def _duplicate_keys(node: yaml.Node | None, seen: set[int], path: tuple[str, ...
                 line = key.start_mark.line + 1
                 if name in first:
                     field = ".".join((*path, name))
-                    found.append(f"{field}: given twice (lines {first[name]} and {line}); YAML would keep only the "
-                                 "last: remove one")
+                    found.append(
+                        f"{field}: given twice (lines {first[name]} and {line}); YAML would keep only the "
+                        "last: remove one"
+                    )
                 else:
                     first[name] = line
             found += _duplicate_keys(value, seen, (*path, name or "?"))

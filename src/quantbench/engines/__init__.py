@@ -90,7 +90,9 @@ class ServingEngine:
         return self.label
 
     # -- a server ------------------------------------------------------------------------------
-    def server_command(self, checkpoint: Path, port: int, settings: ServerSettings, tmp: Path) -> tuple[list[str], dict[str, str]]:
+    def server_command(
+        self, checkpoint: Path, port: int, settings: ServerSettings, tmp: Path
+    ) -> tuple[list[str], dict[str, str]]:
         """(command, environment) of a server for `checkpoint` on 127.0.0.1:`port`; `tmp` is a
         directory removed after the server stops."""
         raise NotImplementedError(f"{self.name} starts no server")
@@ -177,7 +179,7 @@ def serving_tags() -> tuple[str, ...]:
 
 
 def device() -> str:
-    """"cuda" where an NVIDIA driver answers, else "cpu"."""
+    """ "cuda" where an NVIDIA driver answers, else "cpu"."""
     from quantbench.core import hardware
 
     return "cuda" if hardware.cuda_gpu() else "cpu"
@@ -189,8 +191,9 @@ class Choice:
     why: str
 
 
-def choose(requested: str, server: str, checkpoint: Path | dict | None, base_path: Path | None,
-           flag: str = "--backend") -> Choice:
+def choose(
+    requested: str, server: str, checkpoint: Path | dict | None, base_path: Path | None, flag: str = "--backend"
+) -> Choice:
     """The engine for what was asked: a name is that engine (UserError where it does not serve
     both models here, naming one that does); `auto` the first in AUTO that serves both and can run
     here; `serve` the same among servers (or the one --server names)."""
@@ -200,7 +203,9 @@ def choose(requested: str, server: str, checkpoint: Path | dict | None, base_pat
         engine = get(requested, flag)
         problem = _problem(engine, checkpoint, base_path)
         if problem:
-            other = next((e for e in _candidates("auto") if e is not engine and _problem(e, checkpoint, base_path) is None), None)
+            other = next(
+                (e for e in _candidates("auto") if e is not engine and _problem(e, checkpoint, base_path) is None), None
+            )
             hint = f". `{flag} {other.name}` measures it through {other.label}" if other else ""
             raise UserError(f"{flag} {requested}: {problem}{hint}")
         return Choice(engine, f"asked for ({flag} {requested})")

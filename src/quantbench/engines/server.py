@@ -60,7 +60,9 @@ def http_client():
     would land in TTFT."""
     import httpx
 
-    return httpx.Client(timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+    return httpx.Client(
+        timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    )
 
 
 def stream_one(url: str, body: dict, client=None) -> Stream:
@@ -115,8 +117,12 @@ def stream_one(url: str, body: dict, client=None) -> Stream:
 
 
 @contextmanager
-def model_server(checkpoint: Path, log_path: Path, engine: ServingEngine | str = "transformers",
-                 settings: ServerSettings | None = None):
+def model_server(
+    checkpoint: Path,
+    log_path: Path,
+    engine: ServingEngine | str = "transformers",
+    settings: ServerSettings | None = None,
+):
     """A server engine serving one checkpoint on 127.0.0.1; yields (base URL, model name, pid).
     Ready once /health answers and one completion succeeds. Stopped with its process group
     whatever happens."""
@@ -143,7 +149,9 @@ def model_server(checkpoint: Path, log_path: Path, engine: ServingEngine | str =
 
     def failed(what: str) -> EndpointError:
         log.flush()
-        return EndpointError(f"{name} could not serve {checkpoint} ({what}): {engine.explain(log_path)} (full log: {log_path})")
+        return EndpointError(
+            f"{name} could not serve {checkpoint} ({what}): {engine.explain(log_path)} (full log: {log_path})"
+        )
 
     try:
         deadline = time.monotonic() + timeout

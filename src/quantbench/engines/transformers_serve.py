@@ -35,6 +35,8 @@ class TransformersServe(ServingEngine):
     def describe(self, compiled: bool = True) -> str:
         return f"transformers serve ({metadata.version('transformers')})"
 
-    def server_command(self, checkpoint: Path, port: int, settings: ServerSettings, tmp: Path) -> tuple[list[str], dict[str, str]]:
+    def server_command(
+        self, checkpoint: Path, port: int, settings: ServerSettings, tmp: Path
+    ) -> tuple[list[str], dict[str, str]]:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **settings.extra_env}
         return [str(_cli()), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)], env

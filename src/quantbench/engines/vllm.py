@@ -14,7 +14,9 @@ from quantbench.engines import vllm_env as vllm_engine
 # vLLM ends a failed start with generic lines ('Engine core initialization failed. See root cause
 # above'); the cause is the exception before them. Its log lines start with a process header.
 GENERIC = ("Engine core initialization failed", "Traceback", "See root cause above", "See stack trace for root cause")
-LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^\]]+\] ")  # "(Worker pid=1) ERROR 11-30 10:59:38 [x.py:9] "
+LOG_PREFIX = re.compile(
+    r"^\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^\]]+\] "
+)  # "(Worker pid=1) ERROR 11-30 10:59:38 [x.py:9] "
 
 
 class VLLM(ServingEngine):
@@ -47,19 +49,24 @@ class VLLM(ServingEngine):
         version = self.env.describe() if self.env is not None else f"vllm {vllm_engine.VERSION}"
         return f"vLLM ({version}, {'compiled' if compiled else 'eager'})"
 
-    def server_command(self, checkpoint: Path, port: int, settings: ServerSettings, tmp: Path) -> tuple[list[str], dict[str, str]]:
+    def server_command(
+        self, checkpoint: Path, port: int, settings: ServerSettings, tmp: Path
+    ) -> tuple[list[str], dict[str, str]]:
         self.ensure("serving a checkpoint")
         assert self.env is not None
-        cmd = vllm_engine.server_command(self.env, checkpoint, port, settings.max_len, compiled=settings.compiled,
-                                         dtype=settings.dtype)
+        cmd = vllm_engine.server_command(
+            self.env, checkpoint, port, settings.max_len, compiled=settings.compiled, dtype=settings.dtype
+        )
         return cmd, {**vllm_engine.server_env(tmp), **settings.extra_env}
 
     def request_body(self, model: str, prompt: str, max_tokens: int) -> dict:
         # exactly max_tokens for every request, and the total in a last usage chunk (as `vllm bench
         # serve` asks). Not continuous_usage_stats (a running count in every chunk): measured here, it
         # cost the server ~7 % of its inter-token latency (bench/serving_fidelity.py, docs/speed.md)
-        return super().request_body(model, prompt, max_tokens) | {"ignore_eos": True,
-                                                                   "stream_options": {"include_usage": True}}
+        return super().request_body(model, prompt, max_tokens) | {
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
 
     def explain(self, log_path: Path) -> str:
         return explain_log(log_path, LOG_PREFIX, GENERIC)
@@ -79,7 +86,9 @@ def serves_here() -> str:
         return "unquantized, compressed-tensors (W4A16, W8A16, W8A8, FP8), GPTQ, AWQ, bitsandbytes, FP8 KV cache"
     cpu = hardware.cpu()
     kv = "FP8 KV cache" if cpu.avx512 else "no FP8 KV cache (needs AVX-512)"
-    int4 = ("compressed-tensors W4A16 (4-bit integer weights), GPTQ and AWQ 4-bit, " if cpu.avx512 else "")
+    int4 = "compressed-tensors W4A16 (4-bit integer weights), GPTQ and AWQ 4-bit, " if cpu.avx512 else ""
     no_int4 = "" if cpu.avx512 else ", or 4-bit weights (its CPUWNA16 kernel needs AVX-512)"
-    return (f"on {cpu.klass}: unquantized, {int4}W8A8 INT8, FP8 (a slow fallback on CPU), {kv}; not bitsandbytes or "
-            f"8-bit weight-only (GPU kernels){no_int4}")
+    return (
+        f"on {cpu.klass}: unquantized, {int4}W8A8 INT8, FP8 (a slow fallback on CPU), {kv}; not bitsandbytes or "
+        f"8-bit weight-only (GPU kernels){no_int4}"
+    )

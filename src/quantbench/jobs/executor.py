@@ -57,7 +57,9 @@ class Job:
     overrides: list[str]
     sha: str
     status: str = "pending"  # pending | running | finished | failed | skipped
-    attempts: list[dict] = field(default_factory=list)  # {n, attempt, started, ended, exit, reason, run_id, log, node, host, pid}
+    attempts: list[dict] = field(
+        default_factory=list
+    )  # {n, attempt, started, ended, exit, reason, run_id, log, node, host, pid}
     run_id: str | None = None
     reason: str = ""
     wall_s: float = 0.0
@@ -147,8 +149,9 @@ class LocalExecutor:
     def start(self, job: Job, argv: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> _LocalAttempt:
         cmd = [sys.executable, "-m", "quantbench", *argv]
         with open(log_path, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                    preexec_fn=die_with_parent)
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, preexec_fn=die_with_parent
+            )
         return _LocalAttempt(proc, time.monotonic(), timeout_s, pid=proc.pid)
 
     def poll(self, handle: _LocalAttempt) -> Ended | None:
@@ -184,9 +187,20 @@ class _Running:
 
 
 class Runner:
-    def __init__(self, executor: Executor, limits: Limits, *, tracker: Tracker, experiment: str, outputs: Path,
-                 logs: Path, parent: str | None = None, on_change: Callable[[], None] = lambda: None,
-                 say: Callable[[str], None] | None = None, label: str = "sweep"):
+    def __init__(
+        self,
+        executor: Executor,
+        limits: Limits,
+        *,
+        tracker: Tracker,
+        experiment: str,
+        outputs: Path,
+        logs: Path,
+        parent: str | None = None,
+        on_change: Callable[[], None] = lambda: None,
+        say: Callable[[str], None] | None = None,
+        label: str = "sweep",
+    ):
         self.executor, self.limits, self.tracker = executor, limits, tracker
         self.experiment, self.outputs, self.logs, self.parent = experiment, outputs, logs, parent
         self.on_change, self.say, self.label = on_change, say or _say, label
@@ -249,8 +263,9 @@ class Runner:
         for attempt in self.running:  # Ctrl-C or SIGTERM: no orphan jobs
             self.executor.stop(attempt.handle)
             attempt.job.status = "pending"
-            attempt.job.attempts[-1].update(ended=time.time(), reason=f"the {self.label} was interrupted",
-                                            **_where(attempt.handle))
+            attempt.job.attempts[-1].update(
+                ended=time.time(), reason=f"the {self.label} was interrupted", **_where(attempt.handle)
+            )
         self.running.clear()
         self.on_change()
 
@@ -267,8 +282,18 @@ class Runner:
         env = {ENV_TAGS: json.dumps(tags), **({ENV_PARENT: self.parent} if self.parent else {})}
         handle = self.executor.start(job, argv, env, log_path, self.limits.timeout_s)
         job.status = "running"
-        job.attempts.append({"n": n, "attempt": attempt_id, "started": time.time(), "ended": None, "exit": None,
-                             "reason": "", "run_id": None, "log": str(log_path)})
+        job.attempts.append(
+            {
+                "n": n,
+                "attempt": attempt_id,
+                "started": time.time(),
+                "ended": None,
+                "exit": None,
+                "reason": "",
+                "run_id": None,
+                "log": str(log_path),
+            }
+        )
         self.on_change()
         self.say(f"start  {job.id} (try {self.tries[job.sha]}/{self.limits.retries + 1}) log: {log_path}")
         self.running.append(_Running(job, handle, time.monotonic()))
@@ -287,9 +312,15 @@ class Runner:
             self.say(f"done   {job.id} in {elapsed:.0f} s: run {job.run_id}{where}")
             return True
         code = outcome.code
-        reason = outcome.reason or (f"bad input (exit 2): {log_tail(log_path)}" if code == 2 else
-                                    f"exit {code}: {log_tail(log_path)}" if code and code > 0 else
-                                    f"killed by signal {-code}" if code else "no result in the log")
+        reason = outcome.reason or (
+            f"bad input (exit 2): {log_tail(log_path)}"
+            if code == 2
+            else f"exit {code}: {log_tail(log_path)}"
+            if code and code > 0
+            else f"killed by signal {-code}"
+            if code
+            else "no result in the log"
+        )
         record["reason"] = reason
         run = self._run_of(record["attempt"])
         if run is not None:
@@ -322,8 +353,6 @@ class Runner:
             log.warning("could not look up the run of attempt %s: %s", attempt_id, exc)
             return None
         return found[0] if found else None
-
-
 
 
 def _where(handle: Handle) -> dict:

@@ -46,9 +46,17 @@ class NoiseResult:
         return {"run_id": self.run_id, "recipe_runs": self.recipe_runs, "metrics": self.metrics}
 
 
-def run(source: str, *, suite: str | None = None, profile: str | None = None, bench: bool = True,
-        backend: str = "auto", recipe: str | None = None, experiment: str | None = None,
-        outputs: Path = Path("outputs")) -> NoiseResult:
+def run(
+    source: str,
+    *,
+    suite: str | None = None,
+    profile: str | None = None,
+    bench: bool = True,
+    backend: str = "auto",
+    recipe: str | None = None,
+    experiment: str | None = None,
+    outputs: Path = Path("outputs"),
+) -> NoiseResult:
     from transformers import AutoTokenizer
 
     from quantbench.quality import stage as evaluate_stage
@@ -63,17 +71,34 @@ def run(source: str, *, suite: str | None = None, profile: str | None = None, be
     plan = evaluate_stage.prepare(loaded_suite, tokenizer)
     seeds = _check_recipe(recipe, base, experiment) if recipe else None
     # the copy is the base re-saved: what serves the one serves the other
-    bench_plan = bench_stage.prepare(profile or DEFAULT_PROFILE, tokenizer, backend=backend, checkpoint=base.path,
-                                     base_path=base.path, field="--profile") if bench else None
+    bench_plan = (
+        bench_stage.prepare(
+            profile or DEFAULT_PROFILE,
+            tokenizer,
+            backend=backend,
+            checkpoint=base.path,
+            base_path=base.path,
+            field="--profile",
+        )
+        if bench
+        else None
+    )
 
     tracker = Tracker(experiment)
-    tags = {TAG + "role": "noise", TAG + "base_model": source, TAG + "base_fingerprint": base.fingerprint,
-            TAG + "license": base.license, TAG + "suite": loaded_suite.name, TAG + "suite_sha": plan.fingerprint,
-            **({TAG + "noise_recipe": recipe} if recipe else {}),
-            **{TAG + k: v for k, v in environment.describe().items()},
-            "mlflow.note.content": f"Noise floor of `{source}`: the base model re-saved in its own dtype, scored and "
-                                   f"benched against itself with suite `{loaded_suite.name}`"
-                                   + (f"; recipe `{recipe}` at two calibration seeds" if recipe else "") + "."}
+    tags = {
+        TAG + "role": "noise",
+        TAG + "base_model": source,
+        TAG + "base_fingerprint": base.fingerprint,
+        TAG + "license": base.license,
+        TAG + "suite": loaded_suite.name,
+        TAG + "suite_sha": plan.fingerprint,
+        **({TAG + "noise_recipe": recipe} if recipe else {}),
+        **{TAG + k: v for k, v in environment.describe().items()},
+        "mlflow.note.content": f"Noise floor of `{source}`: the base model re-saved in its own dtype, scored and "
+        f"benched against itself with suite `{loaded_suite.name}`"
+        + (f"; recipe `{recipe}` at two calibration seeds" if recipe else "")
+        + ".",
+    }
     with tracker.start_run(f"noise · {models.short_name(source)} · {loaded_suite.name}", tags) as noise_run:
         copy = outputs / "noise" / noise_run.run_id / "self"
         try:
@@ -85,10 +110,19 @@ def run(source: str, *, suite: str | None = None, profile: str | None = None, be
             spread, recipe_runs = _seeds(recipe, seeds, loaded_suite.name, noise_run.run_id, experiment, outputs)
             noise_run.log_metrics(spread)
             metrics.update(spread)
-        noise_run.log_dict({"base_model": source, "base_fingerprint": base.fingerprint, "suite": loaded_suite.name,
-                            "compared": "the base model against itself, re-saved in its own dtype",
-                            "recipe": recipe, "recipe_runs": recipe_runs, "metrics": metrics,
-                            "not_computed": notes}, "noise.json")
+        noise_run.log_dict(
+            {
+                "base_model": source,
+                "base_fingerprint": base.fingerprint,
+                "suite": loaded_suite.name,
+                "compared": "the base model against itself, re-saved in its own dtype",
+                "recipe": recipe,
+                "recipe_runs": recipe_runs,
+                "metrics": metrics,
+                "not_computed": notes,
+            },
+            "noise.json",
+        )
     return NoiseResult(noise_run.run_id, metrics, baseline_metrics, notes, recipe_runs)
 
 
@@ -107,7 +141,9 @@ def _self(base: models.ResolvedModel, copy: Path, plan, bench_plan, tracker: Tra
     model = AutoModelForCausalLM.from_pretrained(copy, dtype="auto")
     evaluation = evaluate_stage.evaluate(model, AutoTokenizer.from_pretrained(copy), base, plan, tracker)
     del model
-    noise_run.record(evaluation.metrics, {TAG + "baseline_run": evaluation.baseline_run}, {"evaluation.json": evaluation.report})
+    noise_run.record(
+        evaluation.metrics, {TAG + "baseline_run": evaluation.baseline_run}, {"evaluation.json": evaluation.report}
+    )
     metrics = dict(evaluation.metrics)
     if bench_plan is not None:
         result = bench_stage.bench(copy, base, bench_plan)
@@ -123,18 +159,23 @@ def _check_recipe(recipe: str, base: models.ResolvedModel, experiment: str | Non
 
     loaded = load_recipe(resolve_recipe_path(recipe))
     if not make_backend(loaded.recipe.quantize).calibrates:
-        raise UserError(f"--recipe {recipe}: {loaded.recipe.quantize.method} {loaded.recipe.quantize.scheme} does not "
-                        "calibrate, so its calibration seed changes nothing; name a calibrated recipe (gptq, awq, ...)")
+        raise UserError(
+            f"--recipe {recipe}: {loaded.recipe.quantize.method} {loaded.recipe.quantize.scheme} does not "
+            "calibrate, so its calibration seed changes nothing; name a calibrated recipe (gptq, awq, ...)"
+        )
     theirs = models.resolve(loaded.recipe.model.source, experiment=experiment)
     if theirs.fingerprint != base.fingerprint:
-        raise UserError(f"--recipe {recipe}: its model ({loaded.recipe.model.source}) is not the base model measured "
-                        "here; name the recipe's own model")
+        raise UserError(
+            f"--recipe {recipe}: its model ({loaded.recipe.model.source}) is not the base model measured "
+            "here; name the recipe's own model"
+        )
     seed = loaded.recipe.calibration.seed
     return seed, seed + 1
 
 
-def _seeds(recipe: str, seeds: tuple[int, int], suite: str, noise_run_id: str, experiment: str | None,
-           outputs: Path) -> tuple[dict[str, float], list[dict]]:
+def _seeds(
+    recipe: str, seeds: tuple[int, int], suite: str, noise_run_id: str, experiment: str | None, outputs: Path
+) -> tuple[dict[str, float], list[dict]]:
     """The recipe quantized and evaluated at two calibration seeds; |difference| of each quality metric."""
     from quantbench.jobs import pipeline
     from quantbench.sources.checkpoint import read_info
@@ -143,13 +184,20 @@ def _seeds(recipe: str, seeds: tuple[int, int], suite: str, noise_run_id: str, e
     with _child_tags({TAG + "noise_run": noise_run_id}):
         for seed in seeds:
             log.info("noise: %s at calibration seed %d", recipe, seed)
-            result = pipeline.quantize(recipe, overrides=(f"calibration.seed={seed}", f"evaluate={{suite: {suite}}}",
-                                                          "bench=null"), outputs=outputs, experiment=experiment)
+            result = pipeline.quantize(
+                recipe,
+                overrides=(f"calibration.seed={seed}", f"evaluate={{suite: {suite}}}", "bench=null"),
+                outputs=outputs,
+                experiment=experiment,
+            )
             weights = read_info(result.checkpoint).get("weights_sha")
             found.append({"seed": seed, "run_id": result.run_id, "weights_sha": weights, "metrics": result.metrics})
     a, b = found[0]["metrics"], found[1]["metrics"]
-    spread = {f"noise_seed/{k}": abs(a[k] - b[k]) for k in sorted(a.keys() & b.keys())
-              if k.startswith(SPREAD) and k not in NOT_SPREAD and ".ci_" not in k}
+    spread = {
+        f"noise_seed/{k}": abs(a[k] - b[k])
+        for k in sorted(a.keys() & b.keys())
+        if k.startswith(SPREAD) and k not in NOT_SPREAD and ".ci_" not in k
+    }
     return spread, found
 
 

@@ -70,7 +70,9 @@ class Job:
     evaluation: evaluate_stage.Plan | None  # the recipe's evaluate: section, prepared
     bench: bench_stage.Plan | None  # the recipe's bench: section, prepared
     compute_dtype: str = "float32"  # model.compute_dtype resolved on this device (quantbench.hardware)
-    produce_estimate: estimate.Estimate | None = None  # the produce step's expected wall time here, when it depends on data
+    produce_estimate: estimate.Estimate | None = (
+        None  # the produce step's expected wall time here, when it depends on data
+    )
     model: object = None  # the base model in the compute dtype, when the estimate loaded it (execute takes it)
 
     def take_model(self):
@@ -91,11 +93,22 @@ class JobResult:
 
     def summary(self) -> dict:
         """The JSON summary `quantbench quantize --json` prints."""
-        return {"run_id": self.run_id, "checkpoint": str(self.checkpoint), "log": str(self.log), "metrics": self.metrics}
+        return {
+            "run_id": self.run_id,
+            "checkpoint": str(self.checkpoint),
+            "log": str(self.log),
+            "metrics": self.metrics,
+        }
 
 
-def quantize(recipe: str, *, overrides: tuple[str, ...] = (), outputs: Path = Path("outputs"),
-             experiment: str | None = None, strict_budget: bool = False) -> JobResult:
+def quantize(
+    recipe: str,
+    *,
+    overrides: tuple[str, ...] = (),
+    outputs: Path = Path("outputs"),
+    experiment: str | None = None,
+    strict_budget: bool = False,
+) -> JobResult:
     job = prepare(recipe, overrides, experiment=experiment, outputs=outputs, strict_budget=strict_budget)
     return execute(job, outputs=outputs, experiment=experiment)
 
@@ -104,8 +117,14 @@ def quantize(recipe: str, *, overrides: tuple[str, ...] = (), outputs: Path = Pa
 # prepare: every input check, nothing written
 
 
-def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | None = None,
-            outputs: Path = Path("outputs"), strict_budget: bool = False) -> Job:
+def prepare(
+    recipe: str,
+    overrides: tuple[str, ...] = (),
+    *,
+    experiment: str | None = None,
+    outputs: Path = Path("outputs"),
+    strict_budget: bool = False,
+) -> Job:
     from transformers import AutoConfig, AutoTokenizer
 
     from quantbench.quality.suite import load_suite
@@ -135,9 +154,12 @@ def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | N
     if backend.calibrates:
         cal = spec.calibration
         with _prefixed(where):
-            text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
-            calibration = data.calibration_windows(data.text_ids(tokenizer, text), cal.samples, cal.seq_len, cal.seed,
-                                                   field="calibration.samples", bos=bos)
+            text = data.load_text(
+                cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split
+            )
+            calibration = data.calibration_windows(
+                data.text_ids(tokenizer, text), cal.samples, cal.seq_len, cal.seed, field="calibration.samples", bos=bos
+            )
         text_shas["calibration"] = data.text_sha(text)
     eval_text = data.python_docs("evaluation")
     text_shas["evaluation"] = data.text_sha(eval_text)
@@ -151,17 +173,42 @@ def prepare(recipe: str, overrides: tuple[str, ...] = (), *, experiment: str | N
         if spec.evaluate is not None:
             evaluation = evaluate_stage.prepare(load_suite(spec.evaluate.suite, "evaluate.suite"), tokenizer)
         if spec.bench is not None:
-            bench = bench_stage.prepare(spec.bench.profile, tokenizer, backend=spec.bench.backend,
-                                        checkpoint=_expected_config(base.path / "config.json", backend, spec.quantize),
-                                        base_path=base.path, field="bench.profile", backend_field="bench.backend")
+            bench = bench_stage.prepare(
+                spec.bench.profile,
+                tokenizer,
+                backend=spec.bench.backend,
+                checkpoint=_expected_config(base.path / "config.json", backend, spec.quantize),
+                base_path=base.path,
+                field="bench.profile",
+                backend_field="bench.backend",
+            )
     compute_dtype = spec.model.computes_in()
     produce_estimate, model = _estimate(loaded, base, backend, calibration, eval_ids, compute_dtype, strict_budget)
-    return Job(loaded, base, tokenizer, backend, calibration, check_ids, text_shas, evaluation, bench, compute_dtype,
-               produce_estimate, model)
+    return Job(
+        loaded,
+        base,
+        tokenizer,
+        backend,
+        calibration,
+        check_ids,
+        text_shas,
+        evaluation,
+        bench,
+        compute_dtype,
+        produce_estimate,
+        model,
+    )
 
 
-def _estimate(loaded: LoadedRecipe, base: models.ResolvedModel, backend: Backend, calibration: list[list[int]] | None,
-              eval_ids: list[int], dtype: str, strict: bool) -> tuple[estimate.Estimate | None, object]:
+def _estimate(
+    loaded: LoadedRecipe,
+    base: models.ResolvedModel,
+    backend: Backend,
+    calibration: list[list[int]] | None,
+    eval_ids: list[int],
+    dtype: str,
+    strict: bool,
+) -> tuple[estimate.Estimate | None, object]:
     """Time a few forward passes, say how long the produce step will take, and hold it to the
     recipe's budget_minutes (refused with `strict`: exit 2, before any run exists). Returns the
     estimate and the base model it loaded in the compute dtype, which the job then computes with
@@ -176,19 +223,26 @@ def _estimate(loaded: LoadedRecipe, base: models.ResolvedModel, backend: Backend
         windows = calibration
     else:  # a trained model: windows of its training length, from held-out text (only timed, never learnt)
         length = getattr(q, "seq_len", spec.calibration.seq_len)
-        windows = [eval_ids[i: i + length] for i in range(0, min(len(eval_ids), 3 * length), length)]
+        windows = [eval_ids[i : i + length] for i in range(0, min(len(eval_ids), 3 * length), length)]
     layers = AutoConfig.from_pretrained(base.path).num_hidden_layers
     model = AutoModelForCausalLM.from_pretrained(base.path, dtype=getattr(torch, dtype)).eval()
     found = estimate.estimate(q, model, windows, layers, dtype)
-    log.info("estimate: the produce step will take ~%.1f min here (%s; %s)", found.minutes(), found.basis,
-             hardware.device_line())
+    log.info(
+        "estimate: the produce step will take ~%.1f min here (%s; %s)",
+        found.minutes(),
+        found.basis,
+        hardware.device_line(),
+    )
     if found.over(spec.budget_minutes):
-        message = (f"{loaded.path}: budget_minutes: the produce step is estimated at {found.minutes():.1f} min on this "
-                   f"machine ({hardware.device_line()}), over the recipe's budget of {spec.budget_minutes:g} min. "
-                   "Options: fewer calibration windows (--set calibration.samples=N) or shorter ones "
-                   "(--set calibration.seq_len=N)" + (", fewer grid points (--set quantize.n_grid=N)" if q.method == "awq" else "")
-                   + (", fewer steps (--set quantize.steps=N)" if q.method == "distill" else "")
-                   + f", or a larger budget (--set budget_minutes={max(1, round(found.minutes() * 1.2))}).")
+        message = (
+            f"{loaded.path}: budget_minutes: the produce step is estimated at {found.minutes():.1f} min on this "
+            f"machine ({hardware.device_line()}), over the recipe's budget of {spec.budget_minutes:g} min. "
+            "Options: fewer calibration windows (--set calibration.samples=N) or shorter ones "
+            "(--set calibration.seq_len=N)"
+            + (", fewer grid points (--set quantize.n_grid=N)" if q.method == "awq" else "")
+            + (", fewer steps (--set quantize.steps=N)" if q.method == "distill" else "")
+            + f", or a larger budget (--set budget_minutes={max(1, round(found.minutes() * 1.2))})."
+        )
         if strict:
             raise UserError(message + " Refused: --strict-budget.")
         log.warning("%s Going on (--strict-budget refuses instead).", message)
@@ -203,7 +257,9 @@ def _expected_config(config_path: Path, backend: Backend, q) -> dict:
     from quantbench.engines.vllm_env import expected_quantization
 
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = expected_quantization(q.method, q.scheme, backend.format, getattr(q, "kv_cache", None))
+    config["quantization_config"] = expected_quantization(
+        q.method, q.scheme, backend.format, getattr(q, "kv_cache", None)
+    )
     return config
 
 
@@ -216,7 +272,9 @@ def _prefixed(where: str):
         raise UserError([f"{where}: {p}" for p in exc.problems]) from None
 
 
-def check_without_model(loaded: LoadedRecipe, experiment: str | None = None, skip: frozenset[str] = frozenset()) -> list[str]:
+def check_without_model(
+    loaded: LoadedRecipe, experiment: str | None = None, skip: frozenset[str] = frozenset()
+) -> list[str]:
     """Every check of a recipe that loads no model, each on its own so that no problem hides another:
     the model source, its files (whole safetensors, a readable GGUF) and its layer widths against the
     scheme; the calibration text and its size in tokens (where the tokenizer is on disk already); the
@@ -260,21 +318,32 @@ def _check_calibration(loaded: LoadedRecipe, experiment: str | None) -> None:
     tokenizer = models.tokenizer_dir(loaded.recipe.model.source, experiment)
     if tokenizer is not None:
         tok = AutoTokenizer.from_pretrained(tokenizer)
-        data.calibration_windows(data.text_ids(tok, text), cal.samples, cal.seq_len, cal.seed,
-                                 field="calibration.samples", bos=data.bos_id(tok))
+        data.calibration_windows(
+            data.text_ids(tok, text),
+            cal.samples,
+            cal.seq_len,
+            cal.seed,
+            field="calibration.samples",
+            bos=data.bos_id(tok),
+        )
 
 
 def check_outputs(loaded: LoadedRecipe, outputs: Path) -> None:
     """The recipe's name becomes a directory under `outputs`: it must be a plain name, and the
     directories must be directories (or can be created)."""
     if not SAFE_NAME.fullmatch(loaded.name):
-        raise UserError(f"{loaded.path}: the file name '{loaded.name}' cannot name an output directory; rename the "
-                        "recipe file (letters, digits, '.', '_', '+', '-'; not starting with '.')")
-    check_creatable_dir(outputs / loaded.name, f"outputs go to {outputs / loaded.name}/ (move the file away, or "
-                        "pass --outputs DIR)")
+        raise UserError(
+            f"{loaded.path}: the file name '{loaded.name}' cannot name an output directory; rename the "
+            "recipe file (letters, digits, '.', '_', '+', '-'; not starting with '.')"
+        )
+    check_creatable_dir(
+        outputs / loaded.name, f"outputs go to {outputs / loaded.name}/ (move the file away, or pass --outputs DIR)"
+    )
 
 
-def check_base(base: models.ResolvedModel, tokenizer, text_ids: list[int], tokens: int, window: int, field: str) -> None:
+def check_base(
+    base: models.ResolvedModel, tokenizer, text_ids: list[int], tokens: int, window: int, field: str
+) -> None:
     """Refuse a base model that predicts held-out text (`tokens` positions of `text_ids`) worse than a
     unigram model of its own tokens (verify.check_base_perplexity: measured with and without a BOS
     starting each window, judged as the tokenizer encodes); computed once per (model, tokenizer,
@@ -286,34 +355,54 @@ def check_base(base: models.ResolvedModel, tokenizer, text_ids: list[int], token
     def compute():
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        log.info("checking the base model %s once: perplexity on held-out text (with and without BOS) against "
-                 "a unigram model", base.name)
+        log.info(
+            "checking the base model %s once: perplexity on held-out text (with and without BOS) against "
+            "a unigram model",
+            base.name,
+        )
         calibration_ids = data.text_ids(tokenizer, data.python_docs("calibration"))
         model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto").eval()
         vocab_size = AutoConfig.from_pretrained(base.path).vocab_size
-        return verify.check_base_perplexity(model, text_ids, calibration_ids, tokens, window, vocab_size,
-                                            tokenizer.bos_token_id, wants_bos)
+        return verify.check_base_perplexity(
+            model, text_ids, calibration_ids, tokens, window, vocab_size, tokenizer.bos_token_id, wants_bos
+        )
 
-    key = {"model": base.fingerprint, "tokenizer": verify.tokenizer_sha(base.path),
-           "ids": data.text_sha(str(text_ids[:tokens])), "tokens": tokens, "window": window,
-           "bos": [tokenizer.bos_token_id, wants_bos], "calibration": data.text_sha(data.python_docs("calibration")),
-           "version": 2}
+    key = {
+        "model": base.fingerprint,
+        "tokenizer": verify.tokenizer_sha(base.path),
+        "ids": data.text_sha(str(text_ids[:tokens])),
+        "tokens": tokens,
+        "window": window,
+        "bos": [tokenizer.bos_token_id, wants_bos],
+        "calibration": data.text_sha(data.python_docs("calibration")),
+        "version": 2,
+    }
     result = verify.cached_check(key, compute)
-    log.info("base model %s: perplexity %s with BOS, %.4g without; the check used the windows %s BOS (its tokenizer %s)",
-             base.name, "n/a (no BOS token)" if result.ppl_with_bos is None else f"{result.ppl_with_bos:.4g}",
-             result.ppl_without_bos, "with" if result.bos else "without",
-             "adds one" if wants_bos else "adds none")
+    log.info(
+        "base model %s: perplexity %s with BOS, %.4g without; the check used the windows %s BOS (its tokenizer %s)",
+        base.name,
+        "n/a (no BOS token)" if result.ppl_with_bos is None else f"{result.ppl_with_bos:.4g}",
+        result.ppl_without_bos,
+        "with" if result.bos else "without",
+        "adds one" if wants_bos else "adds none",
+    )
     if hint := verify.bos_hint(result):
         log.warning("%s: %s", base.name, hint)
     if result.verdict == "near-uniform":
-        log.warning("the base model %s predicts nearly uniformly (%s): an untrained or random model; the perplexity "
-                    "bound does not apply", base.name, result.describe())
+        log.warning(
+            "the base model %s predicts nearly uniformly (%s): an untrained or random model; the perplexity "
+            "bound does not apply",
+            base.name,
+            result.describe(),
+        )
     elif result.verdict == "refused":
-        raise UserError(f"{field}: the base model {base.source} predicts held-out text worse than a unigram model of its "
-                        f"own tokens ({result.describe()}): it is broken before anything is quantized. Likely causes: "
-                        "its tokenizer does not match its weights (a converted tokenizer that splits text differently, "
-                        "another model's vocabulary), a BOS token it expects and does not get, or a dtype it cannot run "
-                        "in. Check the source; `check.base_ppl_bound: false` skips this for a model known to be random.")
+        raise UserError(
+            f"{field}: the base model {base.source} predicts held-out text worse than a unigram model of its "
+            f"own tokens ({result.describe()}): it is broken before anything is quantized. Likely causes: "
+            "its tokenizer does not match its weights (a converted tokenizer that splits text differently, "
+            "another model's vocabulary), a BOS token it expects and does not get, or a dtype it cannot run "
+            "in. Check the source; `check.base_ppl_bound: false` skips this for a model known to be random."
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,9 +434,13 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
                 run.set_tags({STAGING: staging.resolve()})
                 run.log_dict(_resolved_record(job), "resolved_recipe.json")  # the first artifact
                 run.log_params(loaded.resolved)
-                log.info("run %s: recipe %s (%s %s), base %s", run.run_id, loaded.name, q.method, q.scheme, job.base.path)
+                log.info(
+                    "run %s: recipe %s (%s %s), base %s", run.run_id, loaded.name, q.method, q.scheme, job.base.path
+                )
 
-                log.info("computing in %s, saving in %s (%s)", job.compute_dtype, spec.model.dtype, hardware.device_line())
+                log.info(
+                    "computing in %s, saving in %s (%s)", job.compute_dtype, spec.model.dtype, hardware.device_line()
+                )
                 model = job.take_model()  # loaded by prepare's estimate, in the same dtype
                 if model is None:
                     model = AutoModelForCausalLM.from_pretrained(job.base.path, dtype=getattr(torch, job.compute_dtype))
@@ -357,16 +450,32 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
 
                 step("produce")
                 staging.mkdir(parents=True)
-                inputs = Inputs(loaded, job.base, job.tokenizer, job.calibration, staging, log_path, workdir,
-                                (job.check_ids, spec.check.window), run, model=model)
+                inputs = Inputs(
+                    loaded,
+                    job.base,
+                    job.tokenizer,
+                    job.calibration,
+                    staging,
+                    log_path,
+                    workdir,
+                    (job.check_ids, spec.check.window),
+                    run,
+                    model=model,
+                )
                 del model  # the engine takes it (or lets it go)
                 produced = produce(backend, inputs)
                 del inputs
 
                 step("reload check")
                 log.info("reloading the saved checkpoint from disk and checking it")
-                check = reload_check(staging, spec.check, job.check_ids, base_ppl, produced.reference_ppl,
-                                     dtype=hardware.compute_dtype_of(staging, job.compute_dtype))
+                check = reload_check(
+                    staging,
+                    spec.check,
+                    job.check_ids,
+                    base_ppl,
+                    produced.reference_ppl,
+                    dtype=hardware.compute_dtype_of(staging, job.compute_dtype),
+                )
                 sha = weights_sha(staging)  # same recipe, same seed, same engine versions -> same hash
                 log.info("weights sha256 %s (%s)", sha, produced.pinned)
                 run.set_tags({TAG + "weights_sha": sha or "none", TAG + "deterministic": produced.pinned})
@@ -374,20 +483,28 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
                 size_mb = weights_size_mb(staging)
                 if job.produce_estimate is not None:
                     produced.metrics["quantize/estimate_s"] = job.produce_estimate.seconds
-                metrics = {**produced.metrics, "model/size_mb": size_mb, "model/base_size_mb": base_size_mb,
-                           "model/compression_ratio": base_size_mb / size_mb, **check.metrics}
+                metrics = {
+                    **produced.metrics,
+                    "model/size_mb": size_mb,
+                    "model/base_size_mb": base_size_mb,
+                    "model/compression_ratio": base_size_mb / size_mb,
+                    **check.metrics,
+                }
                 bits = bits_per_weight(staging)
                 if bits is not None:
                     metrics["model/bits_per_weight"] = bits
                 run.log_metrics(metrics)
-                info = card.CardInfo(loaded, job.base, backend.format, backend.loaders(), produced.card,
-                                     len(job.check_ids), run.run_id)
+                info = card.CardInfo(
+                    loaded, job.base, backend.format, backend.loaders(), produced.card, len(job.check_ids), run.run_id
+                )
                 card.write(staging, final, info, metrics, check.sample)
 
                 evaluation = bench = None
                 if job.evaluation is not None:
                     step("evaluate")
-                    evaluation = evaluate_stage.evaluate(check.model, check.tokenizer, job.base, job.evaluation, tracker)
+                    evaluation = evaluate_stage.evaluate(
+                        check.model, check.tokenizer, job.base, job.evaluation, tracker
+                    )
                     run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
                     metrics.update(evaluation.metrics)
                 sample = check.sample
@@ -456,10 +573,21 @@ def _candidate_tags(job: Job) -> dict[str, str]:
 
 def _resolved_record(job: Job) -> dict:
     """resolved_recipe.json: the recipe as run, with versions, hardware and git sha."""
-    return {"recipe": job.loaded.resolved, "recipe_file": str(job.loaded.path), "overrides": list(job.loaded.overrides),
-            "recipe_sha": job.loaded.sha, "base_model": {"source": job.base.source, "path": str(job.base.path),
-            "license": job.base.license, "fingerprint": job.base.fingerprint}, "text_sha256": job.text_shas,
-            "compute_dtype": job.compute_dtype, "environment": environment.describe()}
+    return {
+        "recipe": job.loaded.resolved,
+        "recipe_file": str(job.loaded.path),
+        "overrides": list(job.loaded.overrides),
+        "recipe_sha": job.loaded.sha,
+        "base_model": {
+            "source": job.base.source,
+            "path": str(job.base.path),
+            "license": job.base.license,
+            "fingerprint": job.base.fingerprint,
+        },
+        "text_sha256": job.text_shas,
+        "compute_dtype": job.compute_dtype,
+        "environment": environment.describe(),
+    }
 
 
 def _checkpoint_info(job: Job, run_id: str) -> dict:
@@ -474,8 +602,12 @@ def _checkpoint_info(job: Job, run_id: str) -> dict:
         "format": job.backend.format,
         "loaders": job.backend.loaders(),
         "kv_cache": getattr(q, "kv_cache", None),
-        "base_model": {"source": job.base.source, "name": job.base.name, "fingerprint": job.base.fingerprint,
-                       "license": job.base.license},
+        "base_model": {
+            "source": job.base.source,
+            "name": job.base.name,
+            "fingerprint": job.base.fingerprint,
+            "license": job.base.license,
+        },
         "parent_run": job.base.parent_run,
     }
 
@@ -528,8 +660,12 @@ def target_run(tracker: Tracker, tgt: Target, base: models.ResolvedModel, stage:
         return tracker.resume_run(tgt.run_id)
     return tracker.start_run(
         f"{stage} {tgt.checkpoint.name} · {models.short_name(tgt.base_source)}",
-        {TAG + "role": "candidate", TAG + "checkpoint": tgt.checkpoint.resolve(), TAG + "base_model": tgt.base_source,
-         TAG + "base_fingerprint": base.fingerprint},
+        {
+            TAG + "role": "candidate",
+            TAG + "checkpoint": tgt.checkpoint.resolve(),
+            TAG + "base_model": tgt.base_source,
+            TAG + "base_fingerprint": base.fingerprint,
+        },
     )
 
 
@@ -540,8 +676,14 @@ def _open_target(target: str, base: str | None, experiment: str | None) -> tuple
     return tracker, tgt, models.resolve(tgt.base_source, field="--base", experiment=experiment)
 
 
-def evaluate(target: str, *, suite: str | None = None, base: str | None = None, experiment: str | None = None,
-             engine: str | None = None) -> StageOutcome:
+def evaluate(
+    target: str,
+    *,
+    suite: str | None = None,
+    base: str | None = None,
+    experiment: str | None = None,
+    engine: str | None = None,
+) -> StageOutcome:
     """Quality against the base model through transformers; with `engine` ("vllm") also the suite's
     tasks scored on the checkpoint served by that engine, in the same run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -575,25 +717,43 @@ def evaluate(target: str, *, suite: str | None = None, base: str | None = None, 
     return StageOutcome(run.run_id, tgt.checkpoint, metrics, evaluation=evaluation, engine_tasks=engine_result)
 
 
-def bench(target: str, *, profile: str | None = None, backend: str = "auto", server: str = "auto", base: str | None = None,
-          experiment: str | None = None, endpoints: tuple[str, str] | None = None) -> StageOutcome:
+def bench(
+    target: str,
+    *,
+    profile: str | None = None,
+    backend: str = "auto",
+    server: str = "auto",
+    base: str | None = None,
+    experiment: str | None = None,
+    endpoints: tuple[str, str] | None = None,
+) -> StageOutcome:
     from transformers import AutoTokenizer
 
     from quantbench.speed.measure import DEFAULT_PROFILE
 
     tracker, tgt, base_model = _open_target(target, base, experiment)
-    plan = bench_stage.prepare(profile or DEFAULT_PROFILE, AutoTokenizer.from_pretrained(tgt.checkpoint),
-                               backend=backend, server=server, endpoints=endpoints, checkpoint=tgt.checkpoint,
-                               base_path=base_model.path)
+    plan = bench_stage.prepare(
+        profile or DEFAULT_PROFILE,
+        AutoTokenizer.from_pretrained(tgt.checkpoint),
+        backend=backend,
+        server=server,
+        endpoints=endpoints,
+        checkpoint=tgt.checkpoint,
+        base_path=base_model.path,
+    )
     with target_run(tracker, tgt, base_model, "bench") as run:
         result = _bench(run, tgt.checkpoint, base_model, plan)
-    engine = {"engine": result.report["engine"], "engine_description": result.report["engine_description"],
-              "why": result.report["why"]}
+    engine = {
+        "engine": result.report["engine"],
+        "engine_description": result.report["engine_description"],
+        "why": result.report["why"],
+    }
     return StageOutcome(run.run_id, tgt.checkpoint, result.metrics, bench=result, extra=engine)
 
 
-def speculative(draft: str, target: str | None = None, *, profile: str | None = None,
-                experiment: str | None = None) -> StageOutcome:
+def speculative(
+    draft: str, target: str | None = None, *, profile: str | None = None, experiment: str | None = None
+) -> StageOutcome:
     """`bench --draft`: the target model (default the draft's base) with and without the draft."""
     from quantbench.speed import speculative as spec_stage
     from quantbench.speed.measure import DEFAULT_PROFILE
@@ -610,5 +770,6 @@ def speculative(draft: str, target: str | None = None, *, profile: str | None = 
     with target_run(tracker, drafted, tgt, "bench") as run:
         result = spec_stage.run(plan)
         run.record(result.metrics, result.tags, {"bench_spec.json": result.report})
-    return StageOutcome(run.run_id, drafted.checkpoint, result.metrics,
-                        extra={"target": tgt.source, "draft": str(drafted.checkpoint)})
+    return StageOutcome(
+        run.run_id, drafted.checkpoint, result.metrics, extra={"target": tgt.source, "draft": str(drafted.checkpoint)}
+    )

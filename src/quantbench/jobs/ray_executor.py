@@ -82,14 +82,21 @@ class AttemptActor:
 
         node = ray.get_runtime_context().get_node_id()
         if not Path(cwd).is_dir():
-            raise RuntimeError(f"node {node[:12]} ({socket.gethostname()}) has no directory {cwd}, the sweep's working "
-                               "directory: every node needs the project at the same path (docs/ray.md)")
+            raise RuntimeError(
+                f"node {node[:12]} ({socket.gethostname()}) has no directory {cwd}, the sweep's working "
+                "directory: every node needs the project at the same path (docs/ray.md)"
+            )
         tags = {**json.loads(env.get(ENV_TAGS) or "{}"), TAG + "ray_node": node}
         fd, self.log_path = tempfile.mkstemp(prefix="quantbench-attempt-", suffix=".log")
         with os.fdopen(fd, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "quantbench", *argv], cwd=cwd, stdout=out,
-                                         stderr=subprocess.STDOUT, env={**os.environ, **env, ENV_TAGS: json.dumps(tags)},
-                                         preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "quantbench", *argv],
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env, ENV_TAGS: json.dumps(tags)},
+                preexec_fn=die_with_parent,
+            )
         self.started, self.elapsed, self.reason = time.monotonic(), None, ""
         self.settled = threading.Event()
         threading.Thread(target=self._watch, args=(timeout_s, grace_s), name="timeout", daemon=True).start()
@@ -118,8 +125,12 @@ class AttemptActor:
         done = settled and len(data) < CHUNK
         if done:
             os.unlink(self.log_path)
-        return {"exit": self.proc.returncode if done else None, "data": data, "reason": self.reason,
-                "elapsed": self.elapsed}
+        return {
+            "exit": self.proc.returncode if done else None,
+            "data": data,
+            "reason": self.reason,
+            "elapsed": self.elapsed,
+        }
 
     def stop(self, grace_s: float) -> None:
         """Kill the attempt's process tree now (the driver was interrupted)."""
@@ -153,8 +164,10 @@ class RayExecutor:
         try:
             import ray
         except ImportError:
-            raise UserError(f"--ray needs Ray, which is not installed in this environment: {INSTALL} "
-                            "(the same on every node of the cluster)") from None
+            raise UserError(
+                f"--ray needs Ray, which is not installed in this environment: {INSTALL} "
+                "(the same on every node of the cluster)"
+            ) from None
         self.placement_timeout_s, self.grace_s = placement_timeout_s, grace_s
         self.address, self.started_local = _connect(ray, address)
         self.actor_class = ray.remote(max_restarts=0, max_task_retries=0)(AttemptActor)
@@ -162,16 +175,30 @@ class RayExecutor:
         nodes = _alive_nodes(ray)
         self.has_gpus = any(n["Resources"].get("GPU", 0) > 0 for n in nodes)
         self.foreign = [f"{n['NodeManagerHostname']} ({n['NodeManagerAddress']})" for n in nodes if not _is_here(n)]
-        log.info("ray: %s, %d nodes%s", "a local Ray started for this sweep" if self.started_local else self.address,
-                 len(nodes), f" ({len(self.foreign)} on other machines)" if self.foreign else "")
+        log.info(
+            "ray: %s, %d nodes%s",
+            "a local Ray started for this sweep" if self.started_local else self.address,
+            len(nodes),
+            f" ({len(self.foreign)} on other machines)" if self.foreign else "",
+        )
 
     def describe(self) -> dict:
         import ray
 
-        return {"name": self.name, "address": self.address or "local", "started_local": self.started_local,
-                "nodes": [{"node": n["NodeID"], "host": n["NodeManagerHostname"], "ip": n["NodeManagerAddress"],
-                           "resources": {k: v for k, v in n["Resources"].items() if k in ("CPU", "GPU", "memory")}}
-                          for n in _alive_nodes(ray)]}
+        return {
+            "name": self.name,
+            "address": self.address or "local",
+            "started_local": self.started_local,
+            "nodes": [
+                {
+                    "node": n["NodeID"],
+                    "host": n["NodeManagerHostname"],
+                    "ip": n["NodeManagerAddress"],
+                    "resources": {k: v for k, v in n["Resources"].items() if k in ("CPU", "GPU", "memory")},
+                }
+                for n in _alive_nodes(ray)
+            ],
+        }
 
     def check_store(self, tracker: Tracker) -> None:
         """Jobs on other machines must reach the tracking store and its artifacts."""
@@ -184,21 +211,26 @@ class RayExecutor:
                 f"other machines ({where}) that cannot write to it. Start a tracking server that every node reaches, e.g. "
                 "`mlflow server --backend-store-uri postgresql://USER:PASS@DBHOST/mlflow --artifacts-destination "
                 "s3://BUCKET/mlflow --host 0.0.0.0 --port 5000` (credentials on the server only), then "
-                "`export MLFLOW_TRACKING_URI=http://SERVER:5000` and run the sweep again (docs/ray.md)")
+                "`export MLFLOW_TRACKING_URI=http://SERVER:5000` and run the sweep again (docs/ray.md)"
+            )
         location = tracker.artifact_location()
         if location is not None and not shares_artifacts(location):
             raise UserError(
                 f"--ray: the experiment '{tracker.experiment}' keeps its artifacts at {location}, a path each machine "
                 f"would write on its own disk, and the cluster has nodes on other machines ({where}). Serve artifacts "
                 "from the tracking server (`mlflow server --artifacts-destination s3://BUCKET/mlflow`) and use a new "
-                "experiment (--experiment) (docs/ray.md)")
+                "experiment (--experiment) (docs/ray.md)"
+            )
 
     # -- the Executor interface
 
     def start(self, job: Job, argv: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> RayAttempt:
         asked = job.resources or {}
         gpus = asked.get("num_gpus")
-        options = {"num_cpus": asked.get("num_cpus") or 1, "num_gpus": (1 if self.has_gpus else 0) if gpus is None else gpus}
+        options = {
+            "num_cpus": asked.get("num_cpus") or 1,
+            "num_gpus": (1 if self.has_gpus else 0) if gpus is None else gpus,
+        }
         if asked.get("memory_gb"):
             options["memory"] = int(asked["memory_gb"] * 2**30)
         request = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], "memory": options.get("memory", 0)}
@@ -304,10 +336,16 @@ class RayExecutor:
         if now - attempt.infeasible_since < self.placement_timeout_s:
             return None
         have = "; ".join(_resources(n["Resources"]) for n in nodes) or "no alive node"
-        return self._end(ray, attempt, Ended(
-            None, f"Ray cannot place it: it requires {_resources(attempt.request)} for placement, and no node of the "
-                  f"cluster has that (nodes: {have}); gave up after {self.placement_timeout_s:g} s (placement_timeout_s)",
-            retry=False))
+        return self._end(
+            ray,
+            attempt,
+            Ended(
+                None,
+                f"Ray cannot place it: it requires {_resources(attempt.request)} for placement, and no node of the "
+                f"cluster has that (nodes: {have}); gave up after {self.placement_timeout_s:g} s (placement_timeout_s)",
+                retry=False,
+            ),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,8 +358,10 @@ def _connect(ray, address: str) -> tuple[str | None, bool]:
     if address in ("", "auto"):
         target = _running_cluster(ray, address)
         if target is None and address == "auto":
-            raise UserError("--ray auto: no Ray cluster is running on this machine (start one with `ray start --head`, "
-                            "or give its address: --ray HOST:PORT)")
+            raise UserError(
+                "--ray auto: no Ray cluster is running on this machine (start one with `ray start --head`, "
+                "or give its address: --ray HOST:PORT)"
+            )
         given = f"{address} (RAY_ADDRESS={target})" if os.environ.get("RAY_ADDRESS") else f"{address} (found {target})"
     if target is not None:
         _check_reachable(target, given.strip())
@@ -332,7 +372,9 @@ def _connect(ray, address: str) -> tuple[str | None, bool]:
     try:
         ray.init(address=target or "local", **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise UserError(f"--ray {address or target or ''}: cannot connect to a Ray cluster at {target}: {exc}") from None
+        raise UserError(
+            f"--ray {address or target or ''}: cannot connect to a Ray cluster at {target}: {exc}"
+        ) from None
     if previous is not None and threading.current_thread() is threading.main_thread():
         # ray.init installs a SIGTERM handler that aborts the process; SIGTERM stays what it was
         # (the CLI's: an interrupt, so the attempts are stopped on their nodes and the state saved)
@@ -369,9 +411,11 @@ def _check_reachable(address: str, given: str) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as exc:
-        raise UserError(f"--ray {given or address}: no Ray cluster answers at {address} "
-                        f"({exc.strerror or exc.__class__.__name__}): is its head running (`ray start --head`), "
-                        "and is the port open from here?") from None
+        raise UserError(
+            f"--ray {given or address}: no Ray cluster answers at {address} "
+            f"({exc.strerror or exc.__class__.__name__}): is its head running (`ray start --head`), "
+            "and is the port open from here?"
+        ) from None
     # Something listens; Ray's GCS (and Ray Client) speak gRPC. ray.init would retry a port that
     # does not for many minutes.
     import grpc
@@ -380,8 +424,10 @@ def _check_reachable(address: str, given: str) -> None:
     try:
         grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
     except grpc.FutureTimeoutError:
-        raise UserError(f"--ray {given or address}: {address} accepts connections but does not speak gRPC as a Ray "
-                        "head does: is it the GCS port (6379 by default) or the Ray Client port (10001, ray://)?") from None
+        raise UserError(
+            f"--ray {given or address}: {address} accepts connections but does not speak gRPC as a Ray "
+            "head does: is it the GCS port (6379 by default) or the Ray Client port (10001, ray://)?"
+        ) from None
     finally:
         channel.close()
 
@@ -438,8 +484,12 @@ def _cause(exc) -> str:
     """The lines of a Ray error that say why (not its ids and tracebacks)."""
     text = str(exc)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    why = [ln for ln in lines if any(w in ln for w in ("because", "unexpectedly:", "node", "Error:", "died"))
-           and not ln.startswith(("class_name", "actor_id", "pid:", "namespace", "ip:", "File "))]
+    why = [
+        ln
+        for ln in lines
+        if any(w in ln for w in ("because", "unexpectedly:", "node", "Error:", "died"))
+        and not ln.startswith(("class_name", "actor_id", "pid:", "namespace", "ip:", "File "))
+    ]
     return "; ".join(why[-3:] or lines[-1:])[:600]
 
 

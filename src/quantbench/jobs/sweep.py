@@ -105,11 +105,21 @@ def load_sweep(name_or_path: str) -> tuple[Path, Sweep, list[Job]]:
             problems += [f"{path}: job {job_id}: {p}" for p in exc.problems]
             continue
         if loaded.sha in seen:
-            problems.append(f"{path}: job {job_id} is the same recipe as job {seen[loaded.sha]} (sha {loaded.sha[:12]})")
+            problems.append(
+                f"{path}: job {job_id} is the same recipe as job {seen[loaded.sha]} (sha {loaded.sha[:12]})"
+            )
             continue
         seen[loaded.sha] = job_id
-        jobs.append(Job(job_id, str(loaded.path), overrides, loaded.sha, tags={TAG + "sweep": path.stem, TAG + "sweep_job": job_id},
-                        resources=loaded.resources(sweep.resources)))
+        jobs.append(
+            Job(
+                job_id,
+                str(loaded.path),
+                overrides,
+                loaded.sha,
+                tags={TAG + "sweep": path.stem, TAG + "sweep_job": job_id},
+                resources=loaded.resources(sweep.resources),
+            )
+        )
     if problems:
         raise UserError(problems)
     return path, sweep, jobs
@@ -149,8 +159,14 @@ def _lock(directory: Path):
 # The verb
 
 
-def run(name_or_path: str, *, force: bool = False, outputs: Path = Path("outputs"), experiment: str | None = None,
-        ray: str | None = None) -> dict:
+def run(
+    name_or_path: str,
+    *,
+    force: bool = False,
+    outputs: Path = Path("outputs"),
+    experiment: str | None = None,
+    ray: str | None = None,
+) -> dict:
     """`ray`: None runs the jobs here; an address (or "" for a running cluster, else a local Ray
     started for the sweep) runs each attempt on a Ray cluster."""
     from tqdm import tqdm
@@ -182,11 +198,26 @@ def run(name_or_path: str, *, force: bool = False, outputs: Path = Path("outputs
                     job.status, job.reason = "pending", ""
             state.save(jobs)
             todo = [j for j in jobs if j.status == "pending"]
-            log.info("sweep %s: %d jobs, %d to run, %d done before (%s)", name, len(jobs), len(todo), len(jobs) - len(todo),
-                     executor.name)
+            log.info(
+                "sweep %s: %d jobs, %d to run, %d done before (%s)",
+                name,
+                len(jobs),
+                len(todo),
+                len(jobs) - len(todo),
+                executor.name,
+            )
             limits = Limits(sweep.timeout_s, sweep.retries, sweep.backoff_s, sweep.concurrency)
-            runner = Runner(executor, limits, tracker=tracker, experiment=tracker.experiment, outputs=outputs,
-                            logs=directory / "logs", parent=parent, on_change=lambda: state.save(jobs), say=tqdm_write)
+            runner = Runner(
+                executor,
+                limits,
+                tracker=tracker,
+                experiment=tracker.experiment,
+                outputs=outputs,
+                logs=directory / "logs",
+                parent=parent,
+                on_change=lambda: state.save(jobs),
+                say=tqdm_write,
+            )
             bar = tqdm(total=len(todo), desc=f"sweep {name}", unit="job", file=sys.stderr)
             threading.Thread(target=_preload, name="preload", daemon=True).start()
             try:
@@ -237,7 +268,9 @@ def _reap_stale_runs(tracker: Tracker, name: str) -> None:
                 os.killpg(int(owner.split()[1]), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        tracker.fail_run(run.info.run_id, f"left RUNNING by a sweep that died (job process {owner or '?'}); marked FAILED on resume")
+        tracker.fail_run(
+            run.info.run_id, f"left RUNNING by a sweep that died (job process {owner or '?'}); marked FAILED on resume"
+        )
         log.warning("sweep %s: run %s was left RUNNING by a dead sweep; marked FAILED", name, run.info.run_id)
 
 
@@ -245,26 +278,41 @@ def _parent_run(tracker: Tracker, state: State, name: str, sweep: Sweep) -> str:
     parent = state.data.get("parent_run")
     if parent and tracker.existing(parent) is not None:
         return parent
-    run = tracker.start_run(f"sweep · {name}", {TAG + "role": "sweep", TAG + "sweep": name,
-                                                "mlflow.note.content": sweep.description or f"sweep {name}"})
+    run = tracker.start_run(
+        f"sweep · {name}",
+        {TAG + "role": "sweep", TAG + "sweep": name, "mlflow.note.content": sweep.description or f"sweep {name}"},
+    )
     state.data["parent_run"] = run.run_id
     state.save()
     return run.run_id
 
 
-def _finish(tracker: Tracker, state: State, jobs: list[Job], parent: str, directory: Path, name: str, where: dict) -> dict:
-    rows = [f"{'job':44s} {'status':9s} {'tries':>5s} {'wall s':>7s} {'size MB':>8s} {'ppl ×':>7s} {'KLD':>7s} "
-            f"{'decode ×':>8s}  run / reason"]
+def _finish(
+    tracker: Tracker, state: State, jobs: list[Job], parent: str, directory: Path, name: str, where: dict
+) -> dict:
+    rows = [
+        f"{'job':44s} {'status':9s} {'tries':>5s} {'wall s':>7s} {'size MB':>8s} {'ppl ×':>7s} {'KLD':>7s} "
+        f"{'decode ×':>8s}  run / reason"
+    ]
     for j in jobs:
         m = j.metrics
         cell = lambda k, f: format(m[k], f) if k in m else "—"  # noqa: E731
-        rows.append(f"{j.id[:44]:44s} {j.status:9s} {len(j.attempts):5d} {j.wall_s:7.0f} {cell('model/size_mb', '8.1f'):>8s} "
-                    f"{cell('check/ppl_ratio', '7.3f'):>7s} {cell('quality/kld_mean', '7.4f'):>7s} "
-                    f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {j.run_id or j.reason}")
+        rows.append(
+            f"{j.id[:44]:44s} {j.status:9s} {len(j.attempts):5d} {j.wall_s:7.0f} {cell('model/size_mb', '8.1f'):>8s} "
+            f"{cell('check/ppl_ratio', '7.3f'):>7s} {cell('quality/kld_mean', '7.4f'):>7s} "
+            f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {j.run_id or j.reason}"
+        )
     table = "\n".join(rows)
     counts = {s: sum(j.status == s for j in jobs) for s in ("finished", "skipped", "failed")}
-    summary = {"sweep": name, "parent_run": parent, "counts": counts, "state": str(state.path), "executor": where,
-               "jobs": [asdict(j) for j in jobs], "table": table}
+    summary = {
+        "sweep": name,
+        "parent_run": parent,
+        "counts": counts,
+        "state": str(state.path),
+        "executor": where,
+        "jobs": [asdict(j) for j in jobs],
+        "table": table,
+    }
     run = tracker.resume_run(parent)
     with run:
         run.log_dict(summary, "sweep.json")
@@ -276,8 +324,9 @@ def _finish(tracker: Tracker, state: State, jobs: list[Job], parent: str, direct
         from quantbench.release import compare
 
         try:
-            summary["compare"] = str(compare.run(experiment=tracker.experiment, run_ids=finished,
-                                                 outputs=directory.parent.parent).outputs)
+            summary["compare"] = str(
+                compare.run(experiment=tracker.experiment, run_ids=finished, outputs=directory.parent.parent).outputs
+            )
         except UserError as exc:
             log.warning("sweep %s: no comparison: %s", name, "; ".join(exc.problems))
     return summary

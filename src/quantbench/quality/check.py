@@ -29,8 +29,15 @@ class CheckResult:
     tokenizer: object
 
 
-def reload_check(path: Path, spec, token_ids: list[int], base_ppl: float, trained_ppl: float | None = None, *,
-                 dtype: str | None = None) -> CheckResult:
+def reload_check(
+    path: Path,
+    spec,
+    token_ids: list[int],
+    base_ppl: float,
+    trained_ppl: float | None = None,
+    *,
+    dtype: str | None = None,
+) -> CheckResult:
     """Reload `path`, score it on `token_ids` and generate; CheckpointCheckFailed if it is broken.
     `spec` is the recipe's `check:` section; `dtype` the dtype to compute in (None: as saved)."""
     import torch
@@ -42,7 +49,9 @@ def reload_check(path: Path, spec, token_ids: list[int], base_ppl: float, traine
     sample, new_tokens = greedy_text(model, tokenizer, spec.prompt, spec.generate_tokens)
     ratio = reload_ppl / base_ppl
     log.info("base ppl %.3f, reloaded ppl %.3f (x%.3f); sample: %r", base_ppl, reload_ppl, ratio, sample)
-    reference, against = (base_ppl, "the base model's") if trained_ppl is None else (trained_ppl, "the trained student's (in memory)")
+    reference, against = (
+        (base_ppl, "the base model's") if trained_ppl is None else (trained_ppl, "the trained student's (in memory)")
+    )
     if not math.isfinite(reload_ppl) or reload_ppl / reference > spec.max_ppl_ratio:
         raise CheckpointCheckFailed(
             f"the saved checkpoint reloads with perplexity {reload_ppl:.4g} against {against} "

@@ -132,8 +132,10 @@ def prepare(suite: LoadedSuite, tokenizer) -> Plan:
         ood_text_ids, ood_sha = data.text_ids(tokenizer, ood), data.text_sha(ood)
         ood_ids = data.framed(ood_text_ids, spec.window, bos)[: spec.tokens]
         if len(ood_ids) < spec.window:
-            raise UserError(f"{where}: ood_text: the out-of-domain text has {len(ood_text_ids[: spec.tokens])} tokens, "
-                            f"shorter than one window (window={spec.window}); give a longer text, a smaller window, or ood_text: null")
+            raise UserError(
+                f"{where}: ood_text: the out-of-domain text has {len(ood_text_ids[: spec.tokens])} tokens, "
+                f"shorter than one window (window={spec.window}); give a longer text, a smaller window, or ood_text: null"
+            )
     docs = data.python_docs("evaluation")
     tasks_dir = paths.cache_dir() / "tasks" / data.text_sha(docs)[:16]
     counts = write_offline_suite(docs, tasks_dir)
@@ -169,14 +171,19 @@ def evaluate(model, tokenizer, base: models.ResolvedModel, p: Plan, tracker: Tra
     metrics.update(bounds)
     for note in notes:
         log.info("evaluate: no interval for %s", note)
-    tags = {TAG + "baseline_run": baseline.run_id, TAG + "suite": p.suite.name, TAG + "suite_sha": p.fingerprint,
-            TAG + "bos": p.bos_tag}
+    tags = {
+        TAG + "baseline_run": baseline.run_id,
+        TAG + "suite": p.suite.name,
+        TAG + "suite_sha": p.fingerprint,
+        TAG + "bos": p.bos_tag,
+    }
     report = {
         "suite": p.suite.name,
         "suite_sha": p.fingerprint,
         "suite_settings": spec.model_dump(mode="json"),
         # what every window of the quality pass starts with: the tokenizer's BOS, or none (the text itself)
-        "bos": p.bos_tag, "bos_id": p.bos,
+        "bos": p.bos_tag,
+        "bos_id": p.bos,
         "task_items_available": p.task_counts,
         "task_items_scored": tasks.counts,
         "baseline_run": baseline.run_id,
@@ -187,30 +194,44 @@ def evaluate(model, tokenizer, base: models.ResolvedModel, p: Plan, tracker: Tra
         "samples": {task: {str(k): v for k, v in items.items()} for task, items in tasks.correct.items()},
         "item_values": {task: {str(k): v for k, v in items.items()} for task, items in tasks.items.items()},
         "kld_per_position": [round(x, 6) for x in comparison.kld.tolist()],
-        "intervals": {"confidence": intervals.CONFIDENCE, "resamples": spec.intervals.resamples, "seed": spec.intervals.seed,
-                      "method": "paired percentile bootstrap: whole windows (quality pass), items (tasks, flips)",
-                      "windows": comparison.windows, "ood_windows": ood.windows if ood else None,
-                      "min_units": intervals.MIN_UNITS, "seconds": interval_s, "not_computed": notes},
+        "intervals": {
+            "confidence": intervals.CONFIDENCE,
+            "resamples": spec.intervals.resamples,
+            "seed": spec.intervals.seed,
+            "method": "paired percentile bootstrap: whole windows (quality pass), items (tasks, flips)",
+            "windows": comparison.windows,
+            "ood_windows": ood.windows if ood else None,
+            "min_units": intervals.MIN_UNITS,
+            "seconds": interval_s,
+            "not_computed": notes,
+        },
         # wall time of this stage: all of it, the part spent finding (or scoring) the baseline, the intervals
         "seconds": {"evaluate": time.perf_counter() - started, "baseline": baseline_s, "intervals": interval_s},
     }
     return Evaluation(metrics, baseline.metrics, baseline.run_id, baseline.reused, tags, report, notes)
 
 
-def _intervals(p: Plan, baseline: Baseline, comparison, ood, items: Items, metrics: dict[str, float]) -> tuple[dict, list[str]]:
+def _intervals(
+    p: Plan, baseline: Baseline, comparison, ood, items: Items, metrics: dict[str, float]
+) -> tuple[dict, list[str]]:
     """Every interval the suite has units for, and a note for each family left without one."""
     boot = p.bootstrap
     if boot.resamples == 0:
         return {}, ["every metric: the suite sets intervals.resamples: 0"]
     out, notes = {}, []
-    for prefix, result, reference in (("quality/", comparison, baseline.reference), ("quality_ood/", ood, baseline.reference_ood)):
+    for prefix, result, reference in (
+        ("quality/", comparison, baseline.reference),
+        ("quality_ood/", ood, baseline.reference_ood),
+    ):
         if result is None:
             continue
         if intervals.enough(result.windows):
             out.update(result.intervals(reference.nll, boot, prefix))
         else:
-            notes.append(f"{prefix}* and recovery/{prefix}ppl: {result.windows} windows, too few for an interval "
-                         f"(at least {intervals.MIN_UNITS}: raise tokens or lower window)")
+            notes.append(
+                f"{prefix}* and recovery/{prefix}ppl: {result.windows} windows, too few for an interval "
+                f"(at least {intervals.MIN_UNITS}: raise tokens or lower window)"
+            )
     task_bounds, task_notes = item_intervals(baseline.items, items, metrics, boot)
     return {**out, **task_bounds}, notes + task_notes
 
@@ -240,11 +261,18 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys:
     from quantbench.core.measures import reference
 
     spec = p.suite.suite
-    tags = {**keys, TAG + "base_model": base.source, TAG + "license": base.license, TAG + "suite": p.suite.name,
-            TAG + "bos": p.bos_tag,
-            **{TAG + k: v for k, v in environment.describe().items()}}
+    tags = {
+        **keys,
+        TAG + "base_model": base.source,
+        TAG + "license": base.license,
+        TAG + "suite": p.suite.name,
+        TAG + "bos": p.bos_tag,
+        **{TAG + k: v for k, v in environment.describe().items()},
+    }
     log.info("evaluate: scoring the base model %s once for suite %s (baseline run)", base.name, p.suite.name)
-    tags["mlflow.note.content"] = f"The base model `{base.source}` scored with suite `{p.suite.name}`; candidates reuse it."
+    tags["mlflow.note.content"] = (
+        f"The base model `{base.source}` scored with suite `{p.suite.name}`; candidates reuse it."
+    )
     with tracker.start_run(f"baseline · {models.short_name(base.source)} · {p.suite.name}", tags) as run:
         run.log_params({"suite": spec.model_dump(mode="json")})
         model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto")
@@ -254,9 +282,15 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys:
         ref_ood = None
         if p.ood_ids is not None:
             ref_ood = reference(model, p.ood_ids, spec.window, spec.batch_size)
-            metrics.update({"quality_ood/ppl": math.exp(ref_ood.nll.double().mean().item()),
-                            "quality_ood/positions": float(len(ref_ood.nll))})
-        tasks = run_tasks(model, tokenizer, spec.tasks, p.tasks_dir, limit=spec.task_limit, batch_size=spec.task_batch_size)
+            metrics.update(
+                {
+                    "quality_ood/ppl": math.exp(ref_ood.nll.double().mean().item()),
+                    "quality_ood/positions": float(len(ref_ood.nll)),
+                }
+            )
+        tasks = run_tasks(
+            model, tokenizer, spec.tasks, p.tasks_dir, limit=spec.task_limit, batch_size=spec.task_batch_size
+        )
         metrics.update(tasks.metrics)
         with tempfile.TemporaryDirectory() as tmp:
             samples_path = Path(tmp) / "task_samples.json"
@@ -264,11 +298,19 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys:
                 if kept is not None:
                     kept.save(Path(tmp) / name)
                     run.log_artifact(Path(tmp) / name, "baseline")
-            samples_path.write_text(json.dumps({"format": BASELINE_FORMAT, "tasks": {
-                t: {str(k): v for k, v in docs.items()} for t, docs in tasks.items.items()}}))
+            samples_path.write_text(
+                json.dumps(
+                    {
+                        "format": BASELINE_FORMAT,
+                        "tasks": {t: {str(k): v for k, v in docs.items()} for t, docs in tasks.items.items()},
+                    }
+                )
+            )
             run.log_artifact(samples_path, "baseline")
         run.log_metrics(metrics)
-        run.log_dict({"metrics": metrics, "lm_eval_results": tasks.raw, "task_items_scored": tasks.counts}, "evaluation.json")
+        run.log_dict(
+            {"metrics": metrics, "lm_eval_results": tasks.raw, "task_items_scored": tasks.counts}, "evaluation.json"
+        )
     return Baseline(run.run_id, metrics, ref, tasks.items, reused=False, reference_ood=ref_ood)
 
 
@@ -314,8 +356,10 @@ def prepare_engine(name: str, checkpoint: Path, p: Plan) -> EnginePlan:
     engine = engines.get(name, "--engine")
     if engine.kind != "server" or engine.quality != "prompt_logprobs":
         scoring = [e.name for e in engines.every() if e.kind == "server" and e.quality == "prompt_logprobs"]
-        raise UserError(f"--engine {name}: {engine.label} gives no prompt log-probabilities to score tasks with. "
-                        f"Engines that do: {', '.join(scoring)}")
+        raise UserError(
+            f"--engine {name}: {engine.label} gives no prompt log-probabilities to score tasks with. "
+            f"Engines that do: {', '.join(scoring)}"
+        )
     if not p.suite.suite.tasks:
         raise UserError(f"--engine {name}: suite '{p.suite.name}' has no lm-eval tasks to score through the engine")
     problem = engine.unavailable() or engine.unserved(checkpoint)
@@ -327,7 +371,9 @@ def prepare_engine(name: str, checkpoint: Path, p: Plan) -> EnginePlan:
     return EnginePlan(engine, checkpoint, dtype, min(limit, 4096))
 
 
-def engine_tasks(ep: EnginePlan, p: Plan, transformers_correct: dict[str, dict[int, bool]], logs: list[Path]) -> EngineTasks:
+def engine_tasks(
+    ep: EnginePlan, p: Plan, transformers_correct: dict[str, dict[int, bool]], logs: list[Path]
+) -> EngineTasks:
     """Serve the checkpoint with the engine (eager: start-up time matters here, not decode speed) and score
     the suite's tasks through lm-eval's local-completions model against it. The server's log is
     appended to `logs` before it starts (the caller keeps it whatever happens)."""
@@ -339,8 +385,14 @@ def engine_tasks(ep: EnginePlan, p: Plan, transformers_correct: dict[str, dict[i
     directory = Path(tempfile.mkdtemp(prefix="qb-engine-"))
     logs.append(directory / "engine.log")
     described = ep.engine.describe(compiled=False)
-    log.info("evaluate --engine %s: serving %s with %s (%s) and scoring %s", ep.engine.name, ep.checkpoint, described, ep.dtype,
-             ", ".join(spec.tasks))
+    log.info(
+        "evaluate --engine %s: serving %s with %s (%s) and scoring %s",
+        ep.engine.name,
+        ep.checkpoint,
+        described,
+        ep.dtype,
+        ", ".join(spec.tasks),
+    )
     settings = ServerSettings(ep.max_len, compiled=False, dtype=ep.dtype)
     with model_server(ep.checkpoint, logs[-1], ep.engine, settings) as (url, name, _):
         # max_tokens 1 is generated after the echoed prompt: the prompt gets one token less
@@ -349,7 +401,13 @@ def engine_tasks(ep: EnginePlan, p: Plan, transformers_correct: dict[str, dict[i
     metrics = {"task_engine/" + k.removeprefix("task/"): v for k, v in tasks.metrics.items()}
     metrics |= flips(transformers_correct, tasks.correct, prefix="quality/engine_flips")
     tags = {TAG + "task_engine": f"{described} ({ep.dtype})"}
-    report = {"engine": described, "dtype": ep.dtype, "max_model_len": ep.max_len, "metrics": metrics,
-              "task_items_scored": tasks.counts, "lm_eval_results": tasks.raw,
-              "samples": {t: {str(k): v for k, v in items.items()} for t, items in tasks.correct.items()}}
+    report = {
+        "engine": described,
+        "dtype": ep.dtype,
+        "max_model_len": ep.max_len,
+        "metrics": metrics,
+        "task_items_scored": tasks.counts,
+        "lm_eval_results": tasks.raw,
+        "samples": {t: {str(k): v for k, v in items.items()} for t, items in tasks.correct.items()},
+    }
     return EngineTasks(metrics, tags, report, list(logs))

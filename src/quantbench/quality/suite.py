@@ -64,8 +64,14 @@ class LoadedSuite:
             lm_eval = metadata.version("lm_eval")
         except metadata.PackageNotFoundError:
             lm_eval = "missing"
-        key = {"suite": self.suite.model_dump(mode="json"), "text": text_sha, "tasks_version": SUITE_VERSION, "lm_eval": lm_eval,
-               "ood_text": ood_sha, "baseline_format": BASELINE_FORMAT}
+        key = {
+            "suite": self.suite.model_dump(mode="json"),
+            "text": text_sha,
+            "tasks_version": SUITE_VERSION,
+            "lm_eval": lm_eval,
+            "ood_text": ood_sha,
+            "baseline_format": BASELINE_FORMAT,
+        }
         return canonical_sha(key)
 
 

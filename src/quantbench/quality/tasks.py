@@ -141,8 +141,10 @@ class TaskResults:
 
 
 def correct(items: Items) -> dict[str, dict[int, bool]]:
-    return {task: {doc: bool(values["acc"]) for doc, values in docs.items() if "acc" in values}
-            for task, docs in items.items()}
+    return {
+        task: {doc: bool(values["acc"]) for doc, values in docs.items() if "acc" in values}
+        for task, docs in items.items()
+    }
 
 
 @cache
@@ -162,7 +164,9 @@ def check_tasks(tasks: list[str], suite_dir: Path) -> None:
     online = None
     for task in tasks:
         if task not in known:
-            problems.append(f"evaluate.tasks: unknown task '{task}'." + did_you_mean(task, [*OFFLINE_TASKS, *_close(task, known)]))
+            problems.append(
+                f"evaluate.tasks: unknown task '{task}'." + did_you_mean(task, [*OFFLINE_TASKS, *_close(task, known)])
+            )
             continue
         if task in OFFLINE_TASKS:
             continue
@@ -182,7 +186,9 @@ def _close(word: str, known: set[str]) -> list[str]:
     return difflib.get_close_matches(word, known, n=5, cutoff=0.6)
 
 
-def run_tasks(model, tokenizer, tasks: list[str], suite_dir: Path, *, limit: int | None, batch_size: int) -> TaskResults:
+def run_tasks(
+    model, tokenizer, tasks: list[str], suite_dir: Path, *, limit: int | None, batch_size: int
+) -> TaskResults:
     """Score `tasks` on the already-loaded model through lm-eval's HFLM."""
     if not tasks:
         return TaskResults({}, {}, {}, {})
@@ -197,9 +203,18 @@ def served_lm(url: str, model: str, tokenizer: str, *, max_length: int, batch_si
     log-probabilities of the very token ids lm-eval sends (echo), batched."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    return LocalCompletionsAPI(base_url=url.rstrip("/") + "/completions", model=model, tokenizer=tokenizer,
-                               tokenizer_backend="huggingface", tokenized_requests=True, batch_size=batch_size,
-                               max_length=max_length, num_concurrent=1, max_retries=1, timeout=300)
+    return LocalCompletionsAPI(
+        base_url=url.rstrip("/") + "/completions",
+        model=model,
+        tokenizer=tokenizer,
+        tokenizer_backend="huggingface",
+        tokenized_requests=True,
+        batch_size=batch_size,
+        max_length=max_length,
+        num_concurrent=1,
+        max_retries=1,
+        timeout=300,
+    )
 
 
 def score(lm, tasks: list[str], suite_dir: Path, *, limit: int | None) -> TaskResults:
@@ -246,11 +261,17 @@ def _item_values(sample: dict) -> dict[str, float | list[float]]:
 
 def _paired_flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]]) -> list[tuple[bool, bool]]:
     """(base right?, candidate right?) for every item both scored, in a fixed order."""
-    return [(was_right, cand[task][doc_id]) for task, base_items in sorted(base.items())
-            for doc_id, was_right in sorted(base_items.items()) if doc_id in cand.get(task, {})]
+    return [
+        (was_right, cand[task][doc_id])
+        for task, base_items in sorted(base.items())
+        for doc_id, was_right in sorted(base_items.items())
+        if doc_id in cand.get(task, {})
+    ]
 
 
-def flips(base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]], prefix: str = "quality/flips") -> dict[str, float]:
+def flips(
+    base: dict[str, dict[int, bool]], cand: dict[str, dict[int, bool]], prefix: str = "quality/flips"
+) -> dict[str, float]:
     """Answers that changed between right and wrong, over the items both scored, and (for the
     candidate against the base) McNemar's exact test of whether they changed more often one way
     than the other."""
@@ -319,14 +340,20 @@ def item_intervals(base: Items, cand: Items, metrics: dict[str, float], boot) ->
         for metric in sorted(cand[task][docs[0]]):
             name = f"task/{task}/{metric}"
             try:
-                values = {who: torch.tensor([items[task][d][metric] for d in docs], dtype=torch.float64)
-                          for who, items in (("cand", cand), ("base", base))}
+                values = {
+                    who: torch.tensor([items[task][d][metric] for d in docs], dtype=torch.float64)
+                    for who, items in (("cand", cand), ("base", base))
+                }
             except (KeyError, TypeError, ValueError):
                 notes.append(f"{name}: not every item has a value for both models; no interval")
                 continue
             aggregate = _aggregate(metric)
             point = aggregate(ones, values["cand"]) if aggregate else None
-            if point is None or name not in metrics or not math.isclose(point.item(), metrics[name], rel_tol=1e-6, abs_tol=1e-9):
+            if (
+                point is None
+                or name not in metrics
+                or not math.isclose(point.item(), metrics[name], rel_tol=1e-6, abs_tol=1e-9)
+            ):
                 notes.append(f"{name}: its per-item values do not reproduce lm-eval's score; no interval")
                 continue
             draws = aggregate(counts, values["cand"])
@@ -341,12 +368,17 @@ def item_intervals(base: Items, cand: Items, metrics: dict[str, float], boot) ->
     pairs = _paired_flips(correct(base), correct(cand))
     if not intervals.enough(len(pairs)):
         if pairs:
-            notes.append(f"quality/flips_*: {len(pairs)} items, too few for an interval (at least {intervals.MIN_UNITS})")
+            notes.append(
+                f"quality/flips_*: {len(pairs)} items, too few for an interval (at least {intervals.MIN_UNITS})"
+            )
         return out, notes
     was = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
     now = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
     counts = boot.counts(len(pairs))
-    for name, flipped in (("flips_pct", (was != now).double()), ("flips_right_to_wrong_pct", was * (1 - now)),
-                          ("flips_wrong_to_right_pct", now * (1 - was))):
+    for name, flipped in (
+        ("flips_pct", (was != now).double()),
+        ("flips_right_to_wrong_pct", was * (1 - now)),
+        ("flips_wrong_to_right_pct", now * (1 - was)),
+    ):
         out.update(intervals.bounds(f"quality/{name}", 100.0 * (counts @ flipped) / len(pairs), len(pairs)))
     return out, notes

@@ -29,8 +29,12 @@ BACKENDS = {
     "awq/awq": "quantbench.quantize.gptqmodel:GPTQModelBackend",
 }
 # the package a backend module needs, for a clear error when it is missing
-PACKAGES = {"quantbench.quantize.llmcompressor": "llmcompressor", "quantbench.quantize.bnb": "bitsandbytes",
-            "quantbench.quantize.distill": "transformers", "quantbench.quantize.gptqmodel": "gptqmodel"}
+PACKAGES = {
+    "quantbench.quantize.llmcompressor": "llmcompressor",
+    "quantbench.quantize.bnb": "bitsandbytes",
+    "quantbench.quantize.distill": "transformers",
+    "quantbench.quantize.gptqmodel": "gptqmodel",
+}
 
 
 @dataclass
@@ -116,7 +120,9 @@ def get_backend(method: str, format: str | None = None) -> type[Backend]:
     except ModuleNotFoundError as exc:
         package = PACKAGES.get(module_name, exc.name)
         what = f"'{method}' with format '{format}'" if "/" in key else f"'{method}'"
-        raise UserError(f"quantize.method: {what} needs the package '{package}', which is not installed ({exc})") from None
+        raise UserError(
+            f"quantize.method: {what} needs the package '{package}', which is not installed ({exc})"
+        ) from None
     return getattr(module, attr)
 
 
@@ -161,5 +167,7 @@ def group_size_problem(loaded, config, group_size: int, field: str = "group_size
     detail = "; ".join(f"width {w} ({len(n)} layers, e.g. {n[0]})" for w, n in sorted(bad.items()))
     divisors = [g for g in (256, 128, 64, 32, 16) if all(w % g == 0 for w in widths)]
     hint = f" Group sizes that fit every layer: {', '.join(map(str, divisors))}." if divisors else ""
-    return [f"{loaded.path}: {loaded.where('quantize', field)}: {group_size} does not divide the input width of "
-            f"these layers of {loaded.recipe.model.source}: {detail}.{hint}"]
+    return [
+        f"{loaded.path}: {loaded.where('quantize', field)}: {group_size} does not divide the input width of "
+        f"these layers of {loaded.recipe.model.source}: {detail}.{hint}"
+    ]

@@ -51,9 +51,11 @@ class BnbBackend:
         if not bad:
             return []
         detail = "; ".join(f"width {w} ({len(n)} layers, e.g. {n[0]})" for w, n in sorted(bad.items()))
-        return [f"{loaded.path}: {loaded.where('quantize', 'scheme')}: {self.spec.scheme} cannot quantize these layers of "
-                f"{loaded.recipe.model.source} (bitsandbytes 4-bit on CPU packs weights in blocks of {BNB_4BIT_BLOCK} "
-                f"input features): {detail}. Use scheme INT8, or add them to quantize.ignore."]
+        return [
+            f"{loaded.path}: {loaded.where('quantize', 'scheme')}: {self.spec.scheme} cannot quantize these layers of "
+            f"{loaded.recipe.model.source} (bitsandbytes 4-bit on CPU packs weights in blocks of {BNB_4BIT_BLOCK} "
+            f"input features): {detail}. Use scheme INT8, or add them to quantize.ignore."
+        ]
 
     def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
         return {}
@@ -70,7 +72,9 @@ class BnbBackend:
         spec = self.spec
         skip = [name for name in spec.ignore if not name.startswith("re:")]
         if spec.scheme == "INT8":
-            return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=spec.int8_threshold, llm_int8_skip_modules=skip)
+            return BitsAndBytesConfig(
+                load_in_8bit=True, llm_int8_threshold=spec.int8_threshold, llm_int8_skip_modules=skip
+            )
         return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=spec.scheme.lower(),
@@ -83,8 +87,12 @@ class BnbBackend:
         """The base model, quantized while it loads (on this process's device: CPU here)."""
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, quantization_config=self.config(),
-                                                    device_map="cuda" if torch.cuda.is_available() else "cpu")
+        return AutoModelForCausalLM.from_pretrained(
+            base_path,
+            dtype=dtype,
+            quantization_config=self.config(),
+            device_map="cuda" if torch.cuda.is_available() else "cpu",
+        )
 
     def save(self, model, tokenizer, dest: Path) -> None:
         model.save_pretrained(dest)

@@ -73,19 +73,29 @@ class DistillBackend:
             keep = list(range(0, depth, 2)) if student.layers == "every-other" else list(student.layers)
             bad = [i for i in keep if i >= depth]
             if bad:
-                raise UserError(f"{where}: {loaded.where('quantize', 'student', 'layers')}: the teacher has "
-                                f"{depth} layers (0..{depth - 1}); no layer {', '.join(map(str, bad))}")
+                raise UserError(
+                    f"{where}: {loaded.where('quantize', 'student', 'layers')}: the teacher has "
+                    f"{depth} layers (0..{depth - 1}); no layer {', '.join(map(str, bad))}"
+                )
             self.keep = sorted(keep)
             self.init = f"{len(keep)} of the teacher's {depth} layers ({_ranges(self.keep)})"
         elif student.config is not None:
             unknown = [k for k in student.config if not hasattr(config, k)]
             if unknown:
-                raise UserError(f"{where}: {loaded.where('quantize', 'student', 'config')}: the teacher's config "
-                                f"({type(config).__name__}) has no field {', '.join(unknown)}")
+                raise UserError(
+                    f"{where}: {loaded.where('quantize', 'student', 'config')}: the teacher's config "
+                    f"({type(config).__name__}) has no field {', '.join(unknown)}"
+                )
             if student.config.get("vocab_size", config.vocab_size) != config.vocab_size:
-                raise UserError(f"{where}: {loaded.where('quantize', 'student', 'config')}: vocab_size must stay "
-                                f"{config.vocab_size}: the student learns the teacher's distribution over its vocabulary")
-            self.init = "the teacher's config with " + ", ".join(f"{k}={short(v)}" for k, v in student.config.items()) + " (random init)"
+                raise UserError(
+                    f"{where}: {loaded.where('quantize', 'student', 'config')}: vocab_size must stay "
+                    f"{config.vocab_size}: the student learns the teacher's distribution over its vocabulary"
+                )
+            self.init = (
+                "the teacher's config with "
+                + ", ".join(f"{k}={short(v)}" for k, v in student.config.items())
+                + " (random init)"
+            )
         else:
             try:
                 self.student_base = models.resolve(student.source, field="quantize.student.source")
@@ -94,20 +104,28 @@ class DistillBackend:
             other = AutoTokenizer.from_pretrained(self.student_base.path)
             mismatch = vocab_mismatch(tokenizer, other, config, AutoConfig.from_pretrained(self.student_base.path))
             if mismatch:
-                raise UserError(f"{where}: {loaded.where('quantize', 'student', 'source')}: {student.source} does "
-                                f"not share the teacher's tokenizer ({mismatch}); distillation compares "
-                                "distributions token by token, so the vocabularies must be the same")
+                raise UserError(
+                    f"{where}: {loaded.where('quantize', 'student', 'source')}: {student.source} does "
+                    f"not share the teacher's tokenizer ({mismatch}); distillation compares "
+                    "distributions token by token, so the vocabularies must be the same"
+                )
             self.init = f"`{student.source}`"
         try:
-            text = data.load_text(spec.data.source, field="quantize.data.source", text_field=spec.data.text_field,
-                                  hub_split=spec.data.split)  # builtin: the training split, never evaluation
+            text = data.load_text(
+                spec.data.source,
+                field="quantize.data.source",
+                text_field=spec.data.text_field,
+                hub_split=spec.data.split,
+            )  # builtin: the training split, never evaluation
         except UserError as exc:
             raise UserError([f"{where}: {p}" for p in exc.problems]) from None
         self.train_ids = data.text_ids(tokenizer, text)
         self.bos = data.bos_id(tokenizer)  # training windows start as the model expects, like every other window
         if len(self.train_ids) <= spec.seq_len:
-            raise UserError(f"{where}: {loaded.where('quantize', 'seq_len')}: {spec.seq_len} is longer than the "
-                            f"training text ({len(self.train_ids)} tokens)")
+            raise UserError(
+                f"{where}: {loaded.where('quantize', 'seq_len')}: {spec.seq_len} is longer than the "
+                f"training text ({len(self.train_ids)} tokens)"
+            )
         return {"training": data.text_sha(text)}
 
     # -----------------------------------------------------------------------------------------
@@ -135,7 +153,9 @@ class DistillBackend:
         self.save(student, inputs.tokenizer, inputs.staging)
         return Produced(metrics=summary, reference_ppl=summary["distill/ppl_after"], card=self.card(inputs.base))
 
-    def train(self, teacher, run, workdir: Path, held_out: tuple[list[int], int]) -> tuple[torch.nn.Module, dict[str, float]]:
+    def train(
+        self, teacher, run, workdir: Path, held_out: tuple[list[int], int]
+    ) -> tuple[torch.nn.Module, dict[str, float]]:
         """Train a student against `teacher`; checkpoints in `workdir` (resumed if any are there).
         `held_out` (token ids, window) scores the student against the teacher before and after
         training (`distill/kld_before`, `distill/kld_after`, `distill/ppl_*`). Returns the student
@@ -150,12 +170,20 @@ class DistillBackend:
         student.config.use_cache = False
         student.generation_config = teacher.generation_config
         counts = {"distill/student_params": _params(student), "distill/teacher_params": _params(teacher)}
-        log.info("student: %s, %.1fM parameters (teacher %.1fM)", self.init, counts["distill/student_params"] / 1e6,
-                 counts["distill/teacher_params"] / 1e6)
+        log.info(
+            "student: %s, %.1fM parameters (teacher %.1fM)",
+            self.init,
+            counts["distill/student_params"] / 1e6,
+            counts["distill/teacher_params"] / 1e6,
+        )
         ref = reference(teacher, *held_out)
         before = compare(student, *held_out, ref).metrics()
         counts.update({"distill/kld_before": before["quality/kld_mean"], "distill/ppl_before": before["quality/ppl"]})
-        log.info("untrained student: KLD to the teacher %.3f, perplexity %.1f", before["quality/kld_mean"], before["quality/ppl"])
+        log.info(
+            "untrained student: KLD to the teacher %.3f, perplexity %.1f",
+            before["quality/kld_mean"],
+            before["quality/ppl"],
+        )
         run.log_metrics(counts)
         windows = training_windows(self.train_ids, spec.steps * spec.batch_size, spec.seq_len, spec.seed, self.bos)
         resume = last_checkpoint(workdir)
@@ -188,9 +216,14 @@ class DistillBackend:
             disable_tqdm=False,
         )
         trainer = DistillTrainer(
-            teacher=teacher, temperature=spec.temperature, lm_loss_weight=spec.lm_loss_weight,
-            tokens_per_step=spec.batch_size * spec.seq_len, run=run,
-            model=student, args=args, train_dataset=windows,
+            teacher=teacher,
+            temperature=spec.temperature,
+            lm_loss_weight=spec.lm_loss_weight,
+            tokens_per_step=spec.batch_size * spec.seq_len,
+            run=run,
+            model=student,
+            args=args,
+            train_dataset=windows,
         )
         started = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
@@ -207,9 +240,15 @@ class DistillBackend:
             "distill/tokens": trainer.state.global_step * spec.batch_size * spec.seq_len,
             "distill/tokens_per_s": trained_steps * spec.batch_size * spec.seq_len / wall,
         }
-        log.info("trained %d steps in %.0f s (%.0f tokens/s), last logged loss %.4f; KLD to the teacher %.3f -> %.3f",
-                 trainer.state.global_step, wall, summary["distill/tokens_per_s"], summary["distill/final_loss"],
-                 summary["distill/kld_before"], summary["distill/kld_after"])
+        log.info(
+            "trained %d steps in %.0f s (%.0f tokens/s), last logged loss %.4f; KLD to the teacher %.3f -> %.3f",
+            trainer.state.global_step,
+            wall,
+            summary["distill/tokens_per_s"],
+            summary["distill/final_loss"],
+            summary["distill/kld_before"],
+            summary["distill/kld_after"],
+        )
         student.config.use_cache = True
         return student.eval(), summary
 
@@ -220,11 +259,13 @@ class DistillBackend:
     def card(self, teacher: models.ResolvedModel) -> str:
         spec = self.spec
         mix = f"{1 - spec.lm_loss_weight:g}·KD + {spec.lm_loss_weight:g}·LM" if spec.lm_loss_weight else "KD only"
-        return (f"- Distilled from the teacher {teacher.name} (`{teacher.source}`); student initialised from {self.init}\n"
-                f"- Loss: KL(teacher ‖ student) at temperature {spec.temperature:g} ({mix}); "
-                f"{spec.steps} steps × {spec.batch_size} × {spec.seq_len} tokens of `{spec.data.source}`"
-                f"{' (training split)' if spec.data.source.startswith('builtin:') else ''}, lr {spec.learning_rate:g}, "
-                f"warm-up {spec.warmup_steps}, seed {spec.seed}")
+        return (
+            f"- Distilled from the teacher {teacher.name} (`{teacher.source}`); student initialised from {self.init}\n"
+            f"- Loss: KL(teacher ‖ student) at temperature {spec.temperature:g} ({mix}); "
+            f"{spec.steps} steps × {spec.batch_size} × {spec.seq_len} tokens of `{spec.data.source}`"
+            f"{' (training split)' if spec.data.source.startswith('builtin:') else ''}, lr {spec.learning_rate:g}, "
+            f"warm-up {spec.warmup_steps}, seed {spec.seed}"
+        )
 
 
 class DistillTrainer(transformers.Trainer):
@@ -252,8 +293,16 @@ class DistillTrainer(transformers.Trainer):
         outputs = model(input_ids=ids)
         logits = outputs.logits.float()
         t = self.temperature
-        kd = F.kl_div(F.log_softmax(logits / t, -1).flatten(0, 1), F.log_softmax(target / t, -1).flatten(0, 1),
-                      log_target=True, reduction="batchmean") * t * t
+        kd = (
+            F.kl_div(
+                F.log_softmax(logits / t, -1).flatten(0, 1),
+                F.log_softmax(target / t, -1).flatten(0, 1),
+                log_target=True,
+                reduction="batchmean",
+            )
+            * t
+            * t
+        )
         lm = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         loss = (1 - self.lm_loss_weight) * kd + self.lm_loss_weight * lm
         self.parts["kd_loss"].append(kd.item())
@@ -277,8 +326,14 @@ class DistillTrainer(transformers.Trainer):
 
 def _curve(entry: dict) -> dict[str, float]:
     """A Trainer log entry -> the distill/* curve metrics."""
-    names = {"loss": "loss", "kd_loss": "kd_loss", "lm_loss": "lm_loss", "learning_rate": "learning_rate",
-             "grad_norm": "grad_norm", "tokens_per_s": "step_tokens_per_s"}
+    names = {
+        "loss": "loss",
+        "kd_loss": "kd_loss",
+        "lm_loss": "lm_loss",
+        "learning_rate": "learning_rate",
+        "grad_norm": "grad_norm",
+        "tokens_per_s": "step_tokens_per_s",
+    }
     return {PREFIX + out: float(entry[key]) for key, out in names.items() if isinstance(entry.get(key), (int, float))}
 
 
@@ -302,7 +357,9 @@ def prune_layers(teacher, keep: list[int]) -> torch.nn.Module:
     missing, unexpected = student.load_state_dict(renamed, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise RuntimeError(f"pruning did not map the weights one to one: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise RuntimeError(
+            f"pruning did not map the weights one to one: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     student.tie_weights()
     return student
 

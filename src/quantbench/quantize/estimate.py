@@ -70,8 +70,11 @@ def passes(quantize, windows: int, layers: int) -> tuple[float, float, str] | No
         n = windows * (AWQ_BASE + AWQ_PER_GRID * quantize.n_grid)
         return n, 0.0, f"{windows} windows x ({AWQ_BASE:g} + {AWQ_PER_GRID:g} x n_grid {quantize.n_grid})"
     if method in ("gptq", "smoothquant") or (method == "spinquant" and quantize.quantizer == "gptq"):
-        return (windows * GPTQ_PASSES, layers * GPTQ_SOLVE_S,
-                f"{windows} windows x {GPTQ_PASSES:g} + {layers} layers x {GPTQ_SOLVE_S:g} s")
+        return (
+            windows * GPTQ_PASSES,
+            layers * GPTQ_SOLVE_S,
+            f"{windows} windows x {GPTQ_PASSES:g} + {layers} layers x {GPTQ_SOLVE_S:g} s",
+        )
     if method == "autoround":  # each tuning step of a block runs one batch of windows, not all of them
         batch = min(windows, quantize.batch_size)
         n = batch * AUTOROUND_PER_ITER * quantize.iters

@@ -61,8 +61,10 @@ class GPTQModelBackend:
 
     def check(self, loaded, config) -> list[str]:
         if self.format == "awq" and loaded.recipe.model.dtype == "float32":
-            return [f"{loaded.path}: {loaded.where('model', 'dtype')}: GPTQModel's AWQ kernels run in bfloat16 or "
-                    "float16, not float32; use one of those (or format compressed-tensors)"]
+            return [
+                f"{loaded.path}: {loaded.where('model', 'dtype')}: GPTQModel's AWQ kernels run in bfloat16 or "
+                "float16, not float32; use one of those (or format compressed-tensors)"
+            ]
         problems = group_size_problem(loaded, config, self.spec.group_size) if self.spec.group_size else []
         if self.format == "awq":
             odd: dict[int, list[str]] = {}
@@ -71,10 +73,12 @@ class GPTQModelBackend:
                     odd.setdefault(width, []).append(name)
             if odd:
                 detail = "; ".join(f"output width {w} ({len(n)} layers, e.g. {n[0]})" for w, n in sorted(odd.items()))
-                problems.append(f"{loaded.path}: {loaded.where('quantize', 'format')}: GPTQModel's AWQ needs every quantized "
-                                f"layer's output width to be a multiple of {AWQ_OUT_BLOCK}; these layers of "
-                                f"{loaded.recipe.model.source} are not: {detail}. Use format compressed-tensors "
-                                "(llm-compressor), or add them to quantize.ignore.")
+                problems.append(
+                    f"{loaded.path}: {loaded.where('quantize', 'format')}: GPTQModel's AWQ needs every quantized "
+                    f"layer's output width to be a multiple of {AWQ_OUT_BLOCK}; these layers of "
+                    f"{loaded.recipe.model.source} are not: {detail}. Use format compressed-tensors "
+                    "(llm-compressor), or add them to quantize.ignore."
+                )
         return problems
 
     def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
@@ -82,8 +86,14 @@ class GPTQModelBackend:
 
     def produce(self, inputs: Inputs) -> Produced:
         inputs.drop_model()  # the child loads its own copy
-        self.write(inputs.base.path, inputs.loaded.recipe.model.dtype, inputs.calibration, inputs.staging, inputs.log_path,
-                   inputs.loaded.recipe.calibration.seed)
+        self.write(
+            inputs.base.path,
+            inputs.loaded.recipe.model.dtype,
+            inputs.calibration,
+            inputs.staging,
+            inputs.log_path,
+            inputs.loaded.recipe.calibration.seed,
+        )
         return Produced(card=calibration_card(inputs))
 
     def loaders(self) -> str:
@@ -94,14 +104,21 @@ class GPTQModelBackend:
             return f"GPTQ (gptqmodel {version}) — transformers (+optimum, gptqmodel), vLLM, SGLang"
         return f"AWQ GEMM (gptqmodel {version}) — transformers (+gptqmodel), vLLM, SGLang"
 
-    def write(self, base_path: Path, dtype: str, calibration: list[list[int]], dest: Path, log_path: Path,
-              seed: int = 0) -> None:
+    def write(
+        self, base_path: Path, dtype: str, calibration: list[list[int]], dest: Path, log_path: Path, seed: int = 0
+    ) -> None:
         """Quantize the base model with GPTQModel and save it into `dest`, in a child process
         (seeded and deterministic like the produce step: quantize/stage.py)."""
         from quantbench.core.processes import stop_group
 
-        job = {"base": str(base_path), "dtype": dtype, "spec": self.spec.model_dump(mode="json"),
-               "calibration": calibration, "dest": str(dest), "seed": seed}
+        job = {
+            "base": str(base_path),
+            "dtype": dtype,
+            "spec": self.spec.model_dump(mode="json"),
+            "calibration": calibration,
+            "dest": str(dest),
+            "seed": seed,
+        }
         env = dict(os.environ)
         if (os.cpu_count() or 1) <= 2:
             env.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -109,8 +126,13 @@ class GPTQModelBackend:
             json.dump(job, handle)
         tail = b""
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "quantbench.quantize.gptqmodel", handle.name], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "quantbench.quantize.gptqmodel", handle.name],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 with log_path.open("ab") as out:
                     while chunk := os.read(proc.stdout.fileno(), 65536):
@@ -136,10 +158,23 @@ def config(spec: GPTQSpec | AWQSpec):
     group = spec.group_size or -1  # -1: one scale per output channel
     skip = {f"-:{_pattern(name)}": {} for name in spec.ignore if name != "lm_head"}  # lm_head stays unquantized
     if isinstance(spec, AWQSpec):
-        return QuantizeConfig(bits=bits, group_size=group, sym=spec.symmetric, quant_method=METHOD.AWQ,
-                              format=FORMAT.GEMM, dynamic=skip or None)
-    return QuantizeConfig(bits=bits, group_size=group, sym=spec.symmetric, desc_act=spec.desc_act,
-                          damp_percent=spec.dampening_frac, format=FORMAT.GPTQ, dynamic=skip or None)
+        return QuantizeConfig(
+            bits=bits,
+            group_size=group,
+            sym=spec.symmetric,
+            quant_method=METHOD.AWQ,
+            format=FORMAT.GEMM,
+            dynamic=skip or None,
+        )
+    return QuantizeConfig(
+        bits=bits,
+        group_size=group,
+        sym=spec.symmetric,
+        desc_act=spec.desc_act,
+        damp_percent=spec.dampening_frac,
+        format=FORMAT.GPTQ,
+        dynamic=skip or None,
+    )
 
 
 def _pattern(name: str) -> str:
@@ -161,7 +196,13 @@ def _child(job_file: str) -> None:
         model = GPTQModel.load(job["base"], config(spec), dtype=getattr(torch, job["dtype"]))
         rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in job["calibration"]]
         # the kernel for GPTQModel's own forward passes after each layer (torch: runs on a CPU)
-        kernel = BACKEND.AUTO if torch.cuda.is_available() else BACKEND.AWQ_TORCH if spec.format == "awq" else BACKEND.GPTQ_TORCH
+        kernel = (
+            BACKEND.AUTO
+            if torch.cuda.is_available()
+            else BACKEND.AWQ_TORCH
+            if spec.format == "awq"
+            else BACKEND.GPTQ_TORCH
+        )
         model.quantize(rows, batch_size=1, backend=kernel)  # calibration_sort "desc": our windows, in a fixed order
         model.save(job["dest"])
     AutoTokenizer.from_pretrained(job["base"]).save_pretrained(job["dest"])

@@ -55,8 +55,14 @@ class LLMCompressorBackend:
     def check(self, loaded, config) -> list[str]:
         if isinstance(self.spec, MIXED) and self.spec.layers:
             return layer_problems(loaded, config) + rotation_problems(loaded, config)
-        group_size = default_scheme(self.spec).group_size if isinstance(self.spec, MIXED) else getattr(self.spec, "group_size", None)
-        return (group_size_problem(loaded, config, group_size) if group_size else []) + rotation_problems(loaded, config)
+        group_size = (
+            default_scheme(self.spec).group_size
+            if isinstance(self.spec, MIXED)
+            else getattr(self.spec, "group_size", None)
+        )
+        return (group_size_problem(loaded, config, group_size) if group_size else []) + rotation_problems(
+            loaded, config
+        )
 
     def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
         return {}
@@ -78,21 +84,40 @@ class LLMCompressorBackend:
         if isinstance(spec, MIXED):
             groups, ignore = config_groups(spec)
             if isinstance(spec, GPTQSpec):
-                return [GPTQModifier(config_groups=groups, ignore=ignore, block_size=spec.block_size,
-                                     dampening_frac=spec.dampening_frac, **kv)]
+                return [
+                    GPTQModifier(
+                        config_groups=groups,
+                        ignore=ignore,
+                        block_size=spec.block_size,
+                        dampening_frac=spec.dampening_frac,
+                        **kv,
+                    )
+                ]
             if isinstance(spec, RTNSpec):
                 return [QuantizationModifier(config_groups=groups, ignore=ignore, **kv)]
             if isinstance(spec, AutoRoundSpec):
                 from llmcompressor.modifiers.autoround import AutoRoundModifier
 
                 # torch.compile of the tuning loop needs a compiler toolchain and pays off on GPUs
-                return [AutoRoundModifier(config_groups=groups, ignore=ignore, iters=spec.iters, batch_size=spec.batch_size,
-                                          lr=spec.lr, enable_torch_compile=torch.accelerator.is_available(), **kv)]
+                return [
+                    AutoRoundModifier(
+                        config_groups=groups,
+                        ignore=ignore,
+                        iters=spec.iters,
+                        batch_size=spec.batch_size,
+                        lr=spec.lr,
+                        enable_torch_compile=torch.accelerator.is_available(),
+                        **kv,
+                    )
+                ]
             from llmcompressor.modifiers.transform import SpinQuantModifier
 
             rotate = SpinQuantModifier(rotations=spec.rotations, transform_type=spec.transform_type)
             if spec.quantizer == "gptq":
-                return [rotate, GPTQModifier(config_groups=groups, ignore=ignore, dampening_frac=spec.dampening_frac, **kv)]
+                return [
+                    rotate,
+                    GPTQModifier(config_groups=groups, ignore=ignore, dampening_frac=spec.dampening_frac, **kv),
+                ]
             return [rotate, QuantizationModifier(config_groups=groups, ignore=ignore, **kv)]
         if isinstance(spec, AWQSpec):
             # AWQ only rescales channels; the quantization modifier after it rounds the weights
@@ -109,7 +134,9 @@ class LLMCompressorBackend:
             return [QuantizationModifier(targets=["Linear"], scheme=spec.scheme, ignore=spec.ignore, **kv)]
         return [
             SmoothQuantModifier(smoothing_strength=spec.smoothing_strength),
-            GPTQModifier(targets=["Linear"], scheme=spec.scheme, ignore=spec.ignore, dampening_frac=spec.dampening_frac, **kv),
+            GPTQModifier(
+                targets=["Linear"], scheme=spec.scheme, ignore=spec.ignore, dampening_frac=spec.dampening_frac, **kv
+            ),
         ]
 
     def quantize(self, model, calibration: list[list[int]] | None) -> None:
@@ -134,8 +161,10 @@ class LLMCompressorBackend:
         with cpu_safe_pinning():
             oneshot(model=model, recipe=self.modifiers(), **kwargs)
         if isinstance(self.spec, AutoRoundSpec):
-            log.info("AutoRound: zero points of %d asymmetric layers carried into the checkpoint",
-                     carry_autoround_zero_points(model))
+            log.info(
+                "AutoRound: zero points of %d asymmetric layers carried into the checkpoint",
+                carry_autoround_zero_points(model),
+            )
 
     def save(self, model, tokenizer, dest: Path, dtype: str) -> None:
         """Saved in the recipe's dtype (`model.dtype`), whatever dtype the job computed in: unquantized
@@ -158,13 +187,20 @@ def carry_autoround_zero_points(model) -> int:
     carried = 0
     for name, module in model.named_modules():
         zp, args = getattr(module, "zp", None), getattr(getattr(module, "quantization_scheme", None), "weights", None)
-        if not isinstance(zp, torch.Tensor) or args is None or args.symmetric or not hasattr(module, "weight_zero_point"):
+        if (
+            not isinstance(zp, torch.Tensor)
+            or args is None
+            or args.symmetric
+            or not hasattr(module, "weight_zero_point")
+        ):
             continue
         target = module.weight_zero_point
         if torch.count_nonzero(target) == 0:
             if zp.numel() != target.numel():
-                raise RuntimeError(f"AutoRound's zero points of {name} ({tuple(zp.shape)}) do not fit the checkpoint's "
-                                   f"({tuple(target.shape)})")
+                raise RuntimeError(
+                    f"AutoRound's zero points of {name} ({tuple(zp.shape)}) do not fit the checkpoint's "
+                    f"({tuple(target.shape)})"
+                )
             signed = zp.detach().to(torch.float32).round() - 2 ** (args.num_bits - 1)
             target.data = signed.reshape(target.shape).to(device=target.device, dtype=target.dtype)
             carried += 1
@@ -213,11 +249,15 @@ def layer_problems(loaded, config) -> list[str]:
             if not any(match_name(n, target) for n in names):
                 close = difflib.get_close_matches(target, names, n=1, cutoff=0.6)
                 hint = f" Did you mean '{close[0]}'?" if close else f" Layers are named like '{names[0]}'."
-                problems.append(f"{loaded.path}: {loaded.where('quantize', 'layers', scheme_name)}: '{target}' matches no "
-                                f"quantizable Linear layer of {source}.{hint}")
+                problems.append(
+                    f"{loaded.path}: {loaded.where('quantize', 'layers', scheme_name)}: '{target}' matches no "
+                    f"quantizable Linear layer of {source}.{hint}"
+                )
     for name, claimed in schemes.overlaps(names, spec.layers).items():
-        problems.append(f"{loaded.path}: {loaded.where('quantize', 'layers')}: layer {name} is matched under "
-                        f"{' and '.join(claimed)}; give each layer one scheme")
+        problems.append(
+            f"{loaded.path}: {loaded.where('quantize', 'layers')}: layer {name} is matched under "
+            f"{' and '.join(claimed)}; give each layer one scheme"
+        )
     by_scheme: dict[str, list[str]] = {}
     for name, scheme_name in taken.items():
         scheme = default if scheme_name == default.name else schemes.get(scheme_name)
@@ -227,9 +267,11 @@ def layer_problems(loaded, config) -> list[str]:
         scheme = default if scheme_name == default.name else schemes.get(scheme_name)
         field = ("quantize", "group_size") if scheme_name == default.name else ("quantize", "layers", scheme_name)
         widths = sorted({shapes[n][0] for n in bad})
-        problems.append(f"{loaded.path}: {loaded.where(*field)}: {scheme_name} (group size {scheme.group_size}) does not "
-                        f"divide the input width of {len(bad)} layer(s) of {source} it applies to (widths "
-                        f"{', '.join(map(str, widths))}; e.g. {bad[0]})")
+        problems.append(
+            f"{loaded.path}: {loaded.where(*field)}: {scheme_name} (group size {scheme.group_size}) does not "
+            f"divide the input width of {len(bad)} layer(s) of {source} it applies to (widths "
+            f"{', '.join(map(str, widths))}; e.g. {bad[0]})"
+        )
     return problems
 
 
@@ -253,8 +295,10 @@ def rotation_problems(loaded, config) -> list[str]:
         ok = is_pow2(n) if spec.transform_type == "hadamard" else _fetch_hadamard_divisor(n, torch.float32) is not None
         if not ok:
             hint = " (try transform_type: random-hadamard)" if spec.transform_type == "hadamard" else ""
-            problems.append(f"{loaded.path}: {loaded.where('quantize', 'transform_type')}: no {spec.transform_type} "
-                            f"matrix of size {n}, the {what} of {loaded.recipe.model.source}, for rotation {rotation}{hint}")
+            problems.append(
+                f"{loaded.path}: {loaded.where('quantize', 'transform_type')}: no {spec.transform_type} "
+                f"matrix of size {n}, the {what} of {loaded.recipe.model.source}, for rotation {rotation}{hint}"
+            )
     return problems
 
 

@@ -51,13 +51,20 @@ def deterministic(seed: int):
 
 def produce(backend: Backend, inputs: Inputs) -> Produced:
     spec = inputs.loaded.recipe.quantize
-    log.info("%s %s with %s into %s", "training" if backend.trains else "quantizing", f"{spec.method} {spec.scheme}",
-             backend.engine, inputs.staging)
+    log.info(
+        "%s %s with %s into %s",
+        "training" if backend.trains else "quantizing",
+        f"{spec.method} {spec.scheme}",
+        backend.engine,
+        inputs.staging,
+    )
     started = time.perf_counter()
     with deterministic(inputs.loaded.recipe.calibration.seed) as pinned:
         produced = backend.produce(inputs)
     produced.pinned = pinned
     wall_s = time.perf_counter() - started
-    peak_rss_mb = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
+    peak_rss_mb = (
+        max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
+    )
     produced.metrics.update({"quantize/wall_s": wall_s, "quantize/peak_rss_mb": peak_rss_mb})
     return produced

@@ -150,11 +150,15 @@ class _TwoEngines(_LLMCompressorBase):
     @model_validator(mode="after")
     def _format_fits(self):
         if self.format != "compressed-tensors" and self.kv_cache is not None:
-            raise ValueError(f"kv_cache: fp8 needs format compressed-tensors (the {self.format} format has no KV-cache scales)")
+            raise ValueError(
+                f"kv_cache: fp8 needs format compressed-tensors (the {self.format} format has no KV-cache scales)"
+            )
         for name, (fmt, default) in self.ENGINE_ONLY.items():
             if self.format != fmt and getattr(self, name) != default:
                 engine = "llm-compressor" if fmt == "compressed-tensors" else "GPTQModel"
-                raise ValueError(f"{name} applies to format {fmt} ({engine}) only; this recipe's format is {self.format}")
+                raise ValueError(
+                    f"{name} applies to format {fmt} ({engine}) only; this recipe's format is {self.format}"
+                )
         return self
 
 
@@ -170,8 +174,11 @@ class GPTQSpec(_LayerSchemes, _TwoEngines):
     dampening_frac: float = Field(0.01, gt=0, lt=1)
     block_size: PositiveInt = 128  # llm-compressor only
     desc_act: bool = False  # GPTQ format only: quantize columns in activation order (act-order)
-    ENGINE_ONLY: ClassVar[dict[str, tuple[str, Any]]] = {"block_size": ("compressed-tensors", 128), "desc_act": ("gptq", False),
-                                                         "layers": ("compressed-tensors", {})}
+    ENGINE_ONLY: ClassVar[dict[str, tuple[str, Any]]] = {
+        "block_size": ("compressed-tensors", 128),
+        "desc_act": ("gptq", False),
+        "layers": ("compressed-tensors", {}),
+    }
 
 
 class AWQSpec(_TwoEngines):
@@ -185,8 +192,10 @@ class AWQSpec(_TwoEngines):
     symmetric: bool = False  # AWQ's usual grid: asymmetric with a zero point
     n_grid: PositiveInt = 20  # llm-compressor: grid points of the per-layer scale search; cost is linear in it
     duo_scaling: bool | Literal["both"] = True  # llm-compressor only
-    ENGINE_ONLY: ClassVar[dict[str, tuple[str, Any]]] = {"n_grid": ("compressed-tensors", 20),
-                                                         "duo_scaling": ("compressed-tensors", True)}
+    ENGINE_ONLY: ClassVar[dict[str, tuple[str, Any]]] = {
+        "n_grid": ("compressed-tensors", 20),
+        "duo_scaling": ("compressed-tensors", True),
+    }
 
 
 class RTNSpec(_LayerSchemes):
@@ -399,8 +408,7 @@ class Recipe(Strict):
 
 # method name -> its settings class, e.g. "gptq" -> GPTQSpec
 METHODS: dict[str, type[Strict]] = {
-    get_args(spec.model_fields["method"].annotation)[0]: spec
-    for spec in get_args(get_args(QuantizeSpec)[0])
+    get_args(spec.model_fields["method"].annotation)[0]: spec for spec in get_args(get_args(QuantizeSpec)[0])
 }
 
 
@@ -446,9 +454,11 @@ def load_named(directory: Path, name: str, schema: type[Settings], field: str, k
     if not path.is_file():
         available = sorted(p.stem for p in directory.glob("*.yaml"))
         if not available:  # no such directory here, or an empty one: say where they are looked for
-            raise UserError(f"{field}: unknown {kind} '{name}' (no {path}): there are no {kind} files in "
-                            f"{directory.resolve()}/. Run from the repository's root (where {directory.name}/ is), "
-                            f"or point QUANTBENCH_{directory.name.upper()} at the directory that holds them")
+            raise UserError(
+                f"{field}: unknown {kind} '{name}' (no {path}): there are no {kind} files in "
+                f"{directory.resolve()}/. Run from the repository's root (where {directory.name}/ is), "
+                f"or point QUANTBENCH_{directory.name.upper()} at the directory that holds them"
+            )
         raise UserError(f"{field}: unknown {kind} '{name}' (no {path})." + did_you_mean(name, available))
     return validate_file(path, schema)
 
@@ -463,13 +473,9 @@ def validate_file(path: Path, schema: type[Settings]) -> Settings:
     try:
         return schema.model_validate(data or {})
     except ValidationError as exc:
-        raise UserError([f"{path}: {'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg']}" for e in exc.errors()]) from None
-
-
-
-
-
-
+        raise UserError(
+            [f"{path}: {'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg']}" for e in exc.errors()]
+        ) from None
 
 
 def short(value: Any) -> str:
@@ -504,8 +510,7 @@ def resolve_recipe_path(name_or_path: str, directory: Path | None = None) -> Pat
     path = directory / f"{name_or_path}.yaml"
     if not path.is_file():
         raise UserError(
-            f"unknown recipe '{name_or_path}' (no {path})."
-            + did_you_mean(name_or_path, available_recipes(directory))
+            f"unknown recipe '{name_or_path}' (no {path})." + did_you_mean(name_or_path, available_recipes(directory))
         )
     return path
 
@@ -568,8 +573,6 @@ def _partial(path: Path, data: dict, invalid: frozenset[str], overrides) -> Load
     return LoadedRecipe(name=path.stem, path=path, recipe=recipe, overrides=tuple(overrides))
 
 
-
-
 def _apply_override(data: dict, item: str) -> tuple[str, ...]:
     """`calibration.samples=8`: the value is parsed as YAML (so 8 is an int, [a, b] a list).
     Returns the key path it set."""
@@ -591,8 +594,9 @@ def _apply_override(data: dict, item: str) -> tuple[str, ...]:
     return (*parents, leaf)
 
 
-def _explain(exc: ValidationError, data: dict, node: yaml.Node | None,
-             applied: list[tuple[tuple[str, ...], str]] = ()) -> list[str]:
+def _explain(
+    exc: ValidationError, data: dict, node: yaml.Node | None, applied: list[tuple[tuple[str, ...], str]] = ()
+) -> list[str]:
     """One line per problem: the field, where it was written (a line of the file, or the --set
     item that set it) and what is wrong."""
     lines = []
@@ -650,7 +654,9 @@ def _message(err: dict, loc: tuple, data: dict) -> str:
         return "missing 'method'. Available: " + ", ".join(sorted(METHODS))
     if kind == "literal_error" and isinstance(err.get("input"), str):
         choices = [c.strip().strip("'") for c in err["ctx"]["expected"].replace(" or ", ",").split(",")]
-        return f"unknown value {short(err['input'])}." + did_you_mean(err["input"][:QUOTE_CHARS], [c for c in choices if c])
+        return f"unknown value {short(err['input'])}." + did_you_mean(
+            err["input"][:QUOTE_CHARS], [c for c in choices if c]
+        )
     if kind == "value_error":  # our own validators: the message says what is wrong, the section is the input
         return err["msg"].removeprefix("Value error, ")
     return f"{err['msg']} (got {short(err['input'])})" if "input" in err and kind != "missing" else err["msg"]

@@ -64,26 +64,46 @@ class Scheme:
 
 
 def _int(bits: int, group: int | None, symmetric: bool = True) -> dict:
-    return {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group" if group else "channel",
-            "group_size": group}
+    return {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": symmetric,
+        "strategy": "group" if group else "channel",
+        "group_size": group,
+    }
 
 
 _TOKEN_INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
 _TOKEN_FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
 
-SCHEMES: dict[str, Scheme] = {s.name: s for s in (
-    Scheme("W4A16-G64", "INT4 weights, symmetric, a scale per 64 inputs; 16-bit activations", _int(4, 64)),
-    Scheme("W4A16-G32", "INT4 weights, symmetric, a scale per 32 inputs; 16-bit activations", _int(4, 32)),
-    Scheme("W4A16-G64-ASYM", "INT4 weights with a zero point, a scale and zero point per 64 inputs; 16-bit activations",
-           _int(4, 64, symmetric=False)),
-    Scheme("W4A16-G32-ASYM", "INT4 weights with a zero point, a scale and zero point per 32 inputs; 16-bit activations",
-           _int(4, 32, symmetric=False)),
-    Scheme("W8A16", "INT8 weights, a scale per output channel; 16-bit activations", _int(8, None)),
-    Scheme("W8A8", "INT8 weights per output channel, INT8 activations per token (dynamic)", _int(8, None), _TOKEN_INT8),
-    Scheme("FP8", "FP8 (E4M3) weights per output channel, FP8 activations per token (dynamic)",
-           {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "group_size": None}, _TOKEN_FP8),
-    Scheme("BF16", "left unquantized, stored in the model's 16-bit dtype", None),
-)}
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("W4A16-G64", "INT4 weights, symmetric, a scale per 64 inputs; 16-bit activations", _int(4, 64)),
+        Scheme("W4A16-G32", "INT4 weights, symmetric, a scale per 32 inputs; 16-bit activations", _int(4, 32)),
+        Scheme(
+            "W4A16-G64-ASYM",
+            "INT4 weights with a zero point, a scale and zero point per 64 inputs; 16-bit activations",
+            _int(4, 64, symmetric=False),
+        ),
+        Scheme(
+            "W4A16-G32-ASYM",
+            "INT4 weights with a zero point, a scale and zero point per 32 inputs; 16-bit activations",
+            _int(4, 32, symmetric=False),
+        ),
+        Scheme("W8A16", "INT8 weights, a scale per output channel; 16-bit activations", _int(8, None)),
+        Scheme(
+            "W8A8", "INT8 weights per output channel, INT8 activations per token (dynamic)", _int(8, None), _TOKEN_INT8
+        ),
+        Scheme(
+            "FP8",
+            "FP8 (E4M3) weights per output channel, FP8 activations per token (dynamic)",
+            {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "group_size": None},
+            _TOKEN_FP8,
+        ),
+        Scheme("BF16", "left unquantized, stored in the model's 16-bit dtype", None),
+    )
+}
 # What `quantbench tune` chooses from unless told: the schemes vLLM-CPU serves together.
 DEFAULT_TUNE_SCHEMES = ("W4A16-G64", "W4A16-G64-ASYM", "W4A16-G32", "W4A16-G32-ASYM", "W8A8", "BF16")
 

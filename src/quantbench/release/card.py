@@ -37,7 +37,9 @@ def write(dest: Path, final: Path, info: CardInfo, metrics: dict[str, float], sa
         "library_name": "transformers",
         "tags": ["quantbench", info.format, q.method, q.scheme.lower()],
     }
-    rows = "\n".join(f"| `{k}` | {v:.4g}{_interval(metrics, k)} |" for k, v in sorted(metrics.items()) if ".ci_" not in k)
+    rows = "\n".join(
+        f"| `{k}` | {v:.4g}{_interval(metrics, k)} |" for k, v in sorted(metrics.items()) if ".ci_" not in k
+    )
     distilled = q.method == "distill"
     kv = getattr(q, "kv_cache", None)
     lineage = f"\n- Made from the output of MLflow run `{info.base.parent_run}`" if info.base.parent_run else ""
@@ -87,6 +89,8 @@ or serve it: `vllm serve {final}`{" --kv-cache-dtype fp8" if kv else ""}.
 def _interval(metrics: dict[str, float], key: str) -> str:
     low, high = metrics.get(key + ".ci_low"), metrics.get(key + ".ci_high")
     return "" if low is None or high is None else f" [{low:.4g}, {high:.4g}]"
+
+
 def layer_groups(checkpoint: Path) -> str:
     """The scheme of every layer group of a compressed-tensors checkpoint (its config_groups and
     ignore list), with how many of the model's Linear layers each takes, as a markdown section."""
@@ -114,14 +118,20 @@ def layer_groups(checkpoint: Path) -> str:
         count = sum(1 for g in taken.values() if g == group)
         targets = ", ".join(f"`{t}`".replace("|", "\\|") for t in body.get("targets", []))
         scheme = schemes.name_of(body.get("weights"), body.get("input_activations"))
-        rows.append(f"| {group} | {scheme} | {_args(body.get('weights'))} | {_args(body.get('input_activations'))} | {count} "
-                    f"| {targets} |")
+        rows.append(
+            f"| {group} | {scheme} | {_args(body.get('weights'))} | {_args(body.get('input_activations'))} | {count} "
+            f"| {targets} |"
+        )
     unquantized = [n for n, g in taken.items() if g == "BF16"]
     if unquantized:
-        shown = ", ".join(f"`{n}`" for n in unquantized[:12]) + (f" and {len(unquantized) - 12} more" if len(unquantized) > 12 else "")
+        shown = ", ".join(f"`{n}`" for n in unquantized[:12]) + (
+            f" and {len(unquantized) - 12} more" if len(unquantized) > 12 else ""
+        )
         rows.append(f"| unquantized | BF16 | 16-bit | 16-bit | {len(unquantized)} | {shown} |")
-    return ("\n## Layer schemes\n\nEvery Linear layer but the output head, by the group whose scheme it takes "
-            "(a name beats a pattern, a pattern beats `Linear`).\n\n" + "\n".join(rows) + "\n")
+    return (
+        "\n## Layer schemes\n\nEvery Linear layer but the output head, by the group whose scheme it takes "
+        "(a name beats a pattern, a pattern beats `Linear`).\n\n" + "\n".join(rows) + "\n"
+    )
 
 
 def _args(args: dict | None) -> str:

@@ -67,12 +67,16 @@ class Candidate:
         served = catalogue.serving(self.tags)
         if served is None:
             return ""
-        name = self.tags.get(TAG + "bench_server") or ("hf" if not served else self.tags.get(TAG + "bench_backend", "?"))
+        name = self.tags.get(TAG + "bench_server") or (
+            "hf" if not served else self.tags.get(TAG + "bench_backend", "?")
+        )
         return name if served else f"{name}: {NOT_SERVING}"
 
     def gates(self) -> str:
         prefix = TAG + "gate."
-        found = {k.removeprefix(prefix): v for k, v in self.tags.items() if k.startswith(prefix) and not k.endswith(".at")}
+        found = {
+            k.removeprefix(prefix): v for k, v in self.tags.items() if k.startswith(prefix) and not k.endswith(".at")
+        }
         return ", ".join(f"{policy}: {verdict}" for policy, verdict in sorted(found.items()))
 
 
@@ -115,8 +119,11 @@ def collect(tracker: Tracker, run_ids: list[str] | None = None) -> list[Candidat
             problems.append(f"--runs: '{r.info.run_id}' is a {role or 'non-quantbench'} run, not a candidate")
         elif status != "FINISHED":
             error = r.data.tags.get(TAG + "error")
-            problems.append(f"--runs: '{r.info.run_id}' ({r.info.run_name}) is {status}, not FINISHED"
-                            + (f" ({error[:200]})" if error else "") + "; its numbers are partial: compare finished runs")
+            problems.append(
+                f"--runs: '{r.info.run_id}' ({r.info.run_name}) is {status}, not FINISHED"
+                + (f" ({error[:200]})" if error else "")
+                + "; its numbers are partial: compare finished runs"
+            )
         else:
             out.append(Candidate(r.info.run_id, r.info.run_name, status, dict(r.data.tags), dict(r.data.metrics)))
     if problems:
@@ -156,23 +163,34 @@ def check_metric(name: str, flag: str) -> None:
         raise UserError(f"{flag}: {problem}")
 
 
-def build(candidates: list[Candidate], quality: str | None, speed: str | None,
-          noise: list[Candidate] | None = None) -> Comparison:
+def build(
+    candidates: list[Candidate], quality: str | None, speed: str | None, noise: list[Candidate] | None = None
+) -> Comparison:
     quality = quality or DEFAULT_QUALITY
     check_metric(quality, "--quality")
     if speed is None:
         speed = DEFAULT_SPEED
         if candidates and not any(DEFAULT_SPEED in c.metrics for c in candidates):
-            log.warning("no candidate has %s yet (run `make bench RUN=<id>`); plotting against %s", DEFAULT_SPEED, FALLBACK_SPEED)
+            log.warning(
+                "no candidate has %s yet (run `make bench RUN=<id>`); plotting against %s",
+                DEFAULT_SPEED,
+                FALLBACK_SPEED,
+            )
             speed = FALLBACK_SPEED
     check_metric(speed, "--speed")
     comparison = Comparison(quality, speed, candidates, noise or [])
     frontier(candidates, quality, speed)
+
     # frontier first, then the other scored ones by quality (best first); those missing an axis last
     def key(c: Candidate):
         q = c.metrics.get(quality)
         scored = q is not None and speed in c.metrics
-        return (not c.frontier, not scored, q is None, (q if catalogue.direction(quality) == "lower" else -q) if q is not None else 0)
+        return (
+            not c.frontier,
+            not scored,
+            q is None,
+            (q if catalogue.direction(quality) == "lower" else -q) if q is not None else 0,
+        )
 
     comparison.candidates.sort(key=key)
     return comparison
@@ -188,8 +206,15 @@ def rows(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
     body = []
     for c in cmp.candidates + cmp.noise:
         marker = "≈" if c in cmp.noise else "★" if c.frontier else ""
-        row = [marker, c.run_id[:8], c.label, c.tags.get(TAG + "method", ""),
-               c.tags.get(TAG + "scheme", ""), c.tags.get(TAG + "format", ""), c.engine or "—"]
+        row = [
+            marker,
+            c.run_id[:8],
+            c.label,
+            c.tags.get(TAG + "method", ""),
+            c.tags.get(TAG + "scheme", ""),
+            c.tags.get(TAG + "format", ""),
+            c.engine or "—",
+        ]
         for _, key, fmt in COLUMNS:
             row.append(fmt.format(c.metrics[key]) if key in c.metrics else "—")
         row += [f"{c.metrics[t]:.3f}" if t in c.metrics else "—" for t in cmp.task_columns()]
@@ -203,31 +228,43 @@ def terminal(cmp: Comparison) -> str:
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + f"\n★ Pareto frontier on {cmp.quality} ({catalogue.direction(cmp.quality)} is better) " \
-                              f"vs {cmp.speed} ({catalogue.direction(cmp.speed)} is better); 'speed via': the engine " \
-                              f"speed was measured through ({NOT_SERVING}: in-process transformers generate)" + \
-        "".join("\n" + line for line in notes(cmp))
+    return (
+        "\n".join(lines) + f"\n★ Pareto frontier on {cmp.quality} ({catalogue.direction(cmp.quality)} is better) "
+        f"vs {cmp.speed} ({catalogue.direction(cmp.speed)} is better); 'speed via': the engine "
+        f"speed was measured through ({NOT_SERVING}: in-process transformers generate)"
+        + "".join("\n" + line for line in notes(cmp))
+    )
 
 
 def notes(cmp: Comparison) -> list[str]:
     """The lines under the table: the noise row, and the differences the intervals cannot tell apart."""
     lines = []
     if cmp.noise:
-        lines.append("≈ noise floor: the base model against itself re-saved (quantbench noise); differences of that "
-                     "size are what measuring the same model again gives")
+        lines.append(
+            "≈ noise floor: the base model against itself re-saved (quantbench noise); differences of that "
+            "size are what measuring the same model again gives"
+        )
     for metric in (cmp.quality, cmp.speed):
         pairs = cmp.not_distinguishable(metric)
         if pairs:
-            lines.append(f"not distinguishable on {metric} (each value inside the other's 95% interval): "
-                         + "; ".join(f"{a.label} ~ {b.label}" for a, b in pairs))
+            lines.append(
+                f"not distinguishable on {metric} (each value inside the other's 95% interval): "
+                + "; ".join(f"{a.label} ~ {b.label}" for a, b in pairs)
+            )
     return lines
 
 
 def markdown(cmp: Comparison, title: str) -> str:
     header, body = rows(cmp)
-    lines = [f"# {title}", "", f"Pareto frontier (★) on `{cmp.quality}` vs `{cmp.speed}`. *speed via*: the engine the "
-             f"speed was measured through (hf: {NOT_SERVING}, in-process transformers generate).", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [
+        f"# {title}",
+        "",
+        f"Pareto frontier (★) on `{cmp.quality}` vs `{cmp.speed}`. *speed via*: the engine the "
+        f"speed was measured through (hf: {NOT_SERVING}, in-process transformers generate).",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     lines += [""] + [f"- {line}" for line in notes(cmp)] if notes(cmp) else []
     return "\n".join(lines) + "\n\n![quality vs speed](compare.png)\n"
@@ -237,15 +274,18 @@ def html_page(cmp: Comparison, title: str) -> str:
     header, body = rows(cmp)
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     trs = "".join(
-        f"<tr class='{'frontier' if r[0] else ''}'>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>" for r in body
+        f"<tr class='{'frontier' if r[0] else ''}'>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>"
+        for r in body
     )
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
-            "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
-            "padding:4px 8px;text-align:right}tr.frontier{background:#eaf6ea;font-weight:bold}</style></head><body>"
-            f"<h1>{html.escape(title)}</h1><p>Pareto frontier (★) on <code>{html.escape(cmp.quality)}</code> vs "
-            f"<code>{html.escape(cmp.speed)}</code>.</p><table><tr>{head}</tr>{trs}</table>"
-            + "".join(f"<p>{html.escape(line)}</p>" for line in notes(cmp)) +
-            "<p><img src='compare.png' alt='quality vs speed'></p></body></html>\n")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+        "padding:4px 8px;text-align:right}tr.frontier{background:#eaf6ea;font-weight:bold}</style></head><body>"
+        f"<h1>{html.escape(title)}</h1><p>Pareto frontier (★) on <code>{html.escape(cmp.quality)}</code> vs "
+        f"<code>{html.escape(cmp.speed)}</code>.</p><table><tr>{head}</tr>{trs}</table>"
+        + "".join(f"<p>{html.escape(line)}</p>" for line in notes(cmp))
+        + "<p><img src='compare.png' alt='quality vs speed'></p></body></html>\n"
+    )
 
 
 def plot(cmp: Comparison, path: Path, title: str) -> Path:
@@ -266,8 +306,16 @@ def plot(cmp: Comparison, path: Path, title: str) -> Path:
         ax.scatter([x], [y], s=60, zorder=3, facecolors="none" if not_serving else color, edgecolors=color)
         xi, yi = interval_of(c.metrics, cmp.speed), interval_of(c.metrics, cmp.quality)
         if xi or yi:  # the 95 % intervals as error bars
-            ax.errorbar([x], [y], xerr=[[x - xi[0]], [xi[1] - x]] if xi else None,
-                        yerr=[[y - yi[0]], [yi[1] - y]] if yi else None, color=color, alpha=0.6, capsize=3, zorder=2)
+            ax.errorbar(
+                [x],
+                [y],
+                xerr=[[x - xi[0]], [xi[1] - x]] if xi else None,
+                yerr=[[y - yi[0]], [yi[1] - y]] if yi else None,
+                color=color,
+                alpha=0.6,
+                capsize=3,
+                zorder=2,
+            )
         label = f"{c.label} [{c.engine}]" if speed_axis and c.engine else c.label
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=9)
     for n in cmp.noise:  # what measuring the base model against itself gives: a band on each axis
@@ -310,13 +358,25 @@ def as_json(cmp: Comparison) -> dict:
         "quality": cmp.quality,
         "speed": cmp.speed,
         "frontier": [c.run_id for c in cmp.candidates if c.frontier],
-        "not_distinguishable": {m: [[a.run_id, b.run_id] for a, b in cmp.not_distinguishable(m)] for m in (cmp.quality, cmp.speed)},
+        "not_distinguishable": {
+            m: [[a.run_id, b.run_id] for a, b in cmp.not_distinguishable(m)] for m in (cmp.quality, cmp.speed)
+        },
         "noise": [{"run_id": n.run_id, "name": n.name, "metrics": n.metrics} for n in cmp.noise],
         "candidates": [
-            {"run_id": c.run_id, "name": c.name, "recipe": c.label, "status": c.status, "frontier": c.frontier,
-             "method": c.tags.get(TAG + "method"), "scheme": c.tags.get(TAG + "scheme"), "format": c.tags.get(TAG + "format"),
-             "speed_engine": c.engine or None, "serving_engine": catalogue.serving(c.tags), "gates": c.gates(),
-             "metrics": c.metrics}
+            {
+                "run_id": c.run_id,
+                "name": c.name,
+                "recipe": c.label,
+                "status": c.status,
+                "frontier": c.frontier,
+                "method": c.tags.get(TAG + "method"),
+                "scheme": c.tags.get(TAG + "scheme"),
+                "format": c.tags.get(TAG + "format"),
+                "speed_engine": c.engine or None,
+                "serving_engine": catalogue.serving(c.tags),
+                "gates": c.gates(),
+                "metrics": c.metrics,
+            }
             for c in cmp.candidates
         ],
     }
@@ -326,19 +386,33 @@ def as_json(cmp: Comparison) -> dict:
 # The verb
 
 
-def run(*, experiment: str | None = None, run_ids: list[str] | None = None, quality: str | None = None,
-        speed: str | None = None, outputs: Path = Path("outputs")) -> CompareResult:
+def run(
+    *,
+    experiment: str | None = None,
+    run_ids: list[str] | None = None,
+    quality: str | None = None,
+    speed: str | None = None,
+    outputs: Path = Path("outputs"),
+) -> CompareResult:
     check_creatable_dir(outputs / "compare", "pass --outputs DIR")
     tracker = Tracker(experiment)
     candidates = collect(tracker, run_ids)
     if not candidates:
-        raise UserError(f"no finished candidate runs in experiment '{tracker.experiment}' "
-                        "(run `make quantize RECIPE=...` first, or pass --experiment / --runs)")
+        raise UserError(
+            f"no finished candidate runs in experiment '{tracker.experiment}' "
+            "(run `make quantize RECIPE=...` first, or pass --experiment / --runs)"
+        )
     cmp = build(candidates, quality, speed, collect_noise(tracker, candidates))
-    title = f"quantbench compare · {tracker.experiment} · {len(candidates)} candidate{'s' if len(candidates) != 1 else ''}"
-    tags = {TAG + "role": "summary", TAG + "compared_runs": ",".join(c.run_id for c in candidates),
-            TAG + "quality_metric": cmp.quality, TAG + "speed_metric": cmp.speed,
-            "mlflow.note.content": f"Pareto frontier of {len(candidates)} candidates on {cmp.quality} vs {cmp.speed}."}
+    title = (
+        f"quantbench compare · {tracker.experiment} · {len(candidates)} candidate{'s' if len(candidates) != 1 else ''}"
+    )
+    tags = {
+        TAG + "role": "summary",
+        TAG + "compared_runs": ",".join(c.run_id for c in candidates),
+        TAG + "quality_metric": cmp.quality,
+        TAG + "speed_metric": cmp.speed,
+        "mlflow.note.content": f"Pareto frontier of {len(candidates)} candidates on {cmp.quality} vs {cmp.speed}.",
+    }
     with tracker.start_run(f"compare · {len(candidates)} candidates", tags) as run_:
         out = outputs / "compare" / run_.run_id
         out.mkdir(parents=True, exist_ok=True)
@@ -347,7 +421,9 @@ def run(*, experiment: str | None = None, run_ids: list[str] | None = None, qual
         (out / "compare.json").write_text(json.dumps(as_json(cmp), indent=2))
         plot(cmp, out / "compare.png", title)
         run_.log_artifacts(out, "compare")
-        run_.log_metrics({"compare/candidates": len(candidates), "compare/frontier": sum(c.frontier for c in candidates)})
+        run_.log_metrics(
+            {"compare/candidates": len(candidates), "compare/frontier": sum(c.frontier for c in candidates)}
+        )
     return CompareResult(run_.run_id, out, cmp)
 
 

@@ -50,7 +50,9 @@ SPEED_FAMILIES = ("speedup/", "speed/", "base_speed/")
 class Register(Strict):
     """Where a passing checkpoint goes in the MLflow Model Registry."""
 
-    model: str = Field("{base_model}", description="registered model name; may use {base_model} {recipe} {method} {scheme}")
+    model: str = Field(
+        "{base_model}", description="registered model name; may use {base_model} {recipe} {method} {scheme}"
+    )
     alias: str = "champion"
     previous_alias: str | None = Field("previous", description="alias kept on the version the new one replaces")
 
@@ -81,18 +83,20 @@ def _limit(limit: Limit) -> Bound:
 class Policy(Strict):
     """A release policy (policies/NAME.yaml). Example:
 
-        stages: [quantize, evaluate, bench]
-        recovery: {quality/ppl: 0.85}            # at least 85% of the base's score kept
-        max: {quality/kld_mean: {value: 0.2, on: ci_high}, quality/flips_pct: 15}
-        min: {speedup/decode_tok_s: {value: 1.0, on: ci_low}}
-        speed_engine: serving                    # speed measured through a serving engine only
-        licenses: [apache-2.0, mit]
-        registry: {model: "{base_model}", alias: champion}
+    stages: [quantize, evaluate, bench]
+    recovery: {quality/ppl: 0.85}            # at least 85% of the base's score kept
+    max: {quality/kld_mean: {value: 0.2, on: ci_high}, quality/flips_pct: 15}
+    min: {speedup/decode_tok_s: {value: 1.0, on: ci_low}}
+    speed_engine: serving                    # speed measured through a serving engine only
+    licenses: [apache-2.0, mit]
+    registry: {model: "{base_model}", alias: champion}
     """
 
     description: str = ""
     stages: list[Stage] = ["quantize", "evaluate"]
-    recovery: dict[str, Limit] = Field(default_factory=dict, description="minimum recovery/<metric> (1 = as good as the base)")
+    recovery: dict[str, Limit] = Field(
+        default_factory=dict, description="minimum recovery/<metric> (1 = as good as the base)"
+    )
     min: dict[str, Limit] = Field(default_factory=dict, description="absolute lower limits (higher-is-better metrics)")
     max: dict[str, Limit] = Field(default_factory=dict, description="absolute upper limits (lower-is-better metrics)")
     licenses: list[str] | None = Field(None, description="allowed licences of the base model; null allows any")
@@ -138,7 +142,9 @@ def load_policy(name_or_path: str) -> LoadedPolicy:
         if problem:
             problems.append(f"{path}: recovery.{key}: {problem}")
         elif not 0 < _limit(threshold).value:
-            problems.append(f"{path}: recovery.{key}: {_limit(threshold).value} is not a share of the base's score (e.g. 0.95)")
+            problems.append(
+                f"{path}: recovery.{key}: {_limit(threshold).value} is not a share of the base's score (e.g. 0.95)"
+            )
         else:
             problems += _interval_problems(path, "recovery", key, f"recovery/{key}", threshold)
     for bound, wrong in (("min", "lower"), ("max", "higher")):
@@ -150,13 +156,17 @@ def load_policy(name_or_path: str) -> LoadedPolicy:
                 problems += found
             elif catalogue.direction(key) == wrong:
                 right = "max" if bound == "min" else "min"
-                problems.append(f"{path}: {bound}.{key}: {wrong} is better for this metric, so its limit belongs under {right}:")
+                problems.append(
+                    f"{path}: {bound}.{key}: {wrong} is better for this metric, so its limit belongs under {right}:"
+                )
             elif catalogue.direction(key) is None:
                 problems.append(f"{path}: {bound}.{key}: a context value, not a score; it cannot be gated")
     fields = {f for _, f, _, _ in string.Formatter().parse(policy.registry.model) if f is not None}
     if fields - set(NAME_FIELDS):
-        problems.append(f"{path}: registry.model: unknown placeholder(s) {sorted(fields - set(NAME_FIELDS))}; "
-                        f"available: {', '.join('{' + f + '}' for f in NAME_FIELDS)}")
+        problems.append(
+            f"{path}: registry.model: unknown placeholder(s) {sorted(fields - set(NAME_FIELDS))}; "
+            f"available: {', '.join('{' + f + '}' for f in NAME_FIELDS)}"
+        )
     if problems:
         raise UserError(problems)
     sha = canonical_sha(policy.model_dump(mode="json"))
@@ -168,12 +178,16 @@ def _interval_problems(path: Path, section: str, key: str, name: str, limit: Lim
     never has one (`name` is the metric `key` stands for in `section`)."""
     bare = catalogue.without_interval_suffix(key)
     if bare != key:
-        return [f"{path}: {section}.{key}: name the metric and the interval's end with on:, e.g. "
-                f"{bare}: {{value: {_limit(limit).value}, on: {key.removeprefix(bare + '.')}}}"]
+        return [
+            f"{path}: {section}.{key}: name the metric and the interval's end with on:, e.g. "
+            f"{bare}: {{value: {_limit(limit).value}, on: {key.removeprefix(bare + '.')}}}"
+        ]
     if _limit(limit).on != "value" and not catalogue.has_interval(name):
-        return [f"{path}: {section}.{key}: on: {_limit(limit).on}, but {name} has no interval (intervals exist for "
-                "quality/* and quality_ood/* but maxima, counts and p-values; task/*, recovery/*, speedup/*; "
-                "docs/intervals.md)"]
+        return [
+            f"{path}: {section}.{key}: on: {_limit(limit).on}, but {name} has no interval (intervals exist for "
+            "quality/* and quality_ood/* but maxima, counts and p-values; task/*, recovery/*, speedup/*; "
+            "docs/intervals.md)"
+        ]
     return []
 
 
@@ -181,15 +195,22 @@ def _interval_problems(path: Path, section: str, key: str, name: str, limit: Lim
 # The checks
 
 
-def evaluate_policy(policy: Policy, status: str, tags: dict[str, str], metrics: dict[str, float],
-                    stored: bool = False) -> list[Check]:
+def evaluate_policy(
+    policy: Policy, status: str, tags: dict[str, str], metrics: dict[str, float], stored: bool = False
+) -> list[Check]:
     """Every check of the policy on one run's raw values; none is skipped when an earlier fails.
     `stored`: the run has its checkpoint as an artifact (so it need not be on this machine)."""
     checks = [Check("run status", status, "FINISHED", status == "FINISHED")]
     for stage in policy.stages:
         evidence = STAGE_EVIDENCE[stage]
         present = evidence in metrics
-        note = "" if present else f"no {evidence}: run `make {stage} RUN=<run id>`" if stage != "quantize" else "not a quantize run"
+        note = (
+            ""
+            if present
+            else f"no {evidence}: run `make {stage} RUN=<run id>`"
+            if stage != "quantize"
+            else "not a quantize run"
+        )
         if stage == "bench" and tags.get(TAG + "bench_partial") == "true":
             present, note = False, "the last bench was partial (its server died)"
         checks.append(Check(f"stage {stage}", "present" if present else "missing", "present", present, note))
@@ -207,14 +228,21 @@ def evaluate_policy(policy: Policy, status: str, tags: dict[str, str], metrics: 
         if speed and policy.speed_engine == "serving" and served is False:
             engine = tags.get(TAG + "bench_server", "hf")
             check.passed = False
-            check.note = (f"measured through {engine}: not a serving engine (policy speed_engine: serving); "
-                          "`make bench RUN=<run id>` measures through vLLM or transformers serve")
+            check.note = (
+                f"measured through {engine}: not a serving engine (policy speed_engine: serving); "
+                "`make bench RUN=<run id>` measures through vLLM or transformers serve"
+            )
     checks += limits
     checkpoint = tags.get(TAG + "checkpoint")
     on_disk = bool(checkpoint) and (Path(checkpoint) / "config.json").is_file()
     found = on_disk or stored
-    note = checkpoint if on_disk else "the run's checkpoint/ artifact" if stored else \
-        f"{checkpoint or 'no checkpoint tag'}: not on this machine nor in the run's artifacts; needed to register it"
+    note = (
+        checkpoint
+        if on_disk
+        else "the run's checkpoint/ artifact"
+        if stored
+        else f"{checkpoint or 'no checkpoint tag'}: not on this machine nor in the run's artifacts; needed to register it"
+    )
     checks.append(Check("checkpoint", "present" if found else "missing", "present", found, note))
     return checks
 
@@ -245,21 +273,30 @@ def table(checks: list[Check]) -> str:
     for c in checks:
         value = f"{c.value:.4g}" if isinstance(c.value, float) else str(c.value if c.value is not None else "—")
         note = f"  ({c.note})" if c.note else ""
-        rows.append(f"{c.check:40s} {value:>14s} {_interval_text(c):>22s} {str(c.threshold):>22s}  "
-                    f"{'pass' if c.passed else 'FAIL'}{note}")
+        rows.append(
+            f"{c.check:40s} {value:>14s} {_interval_text(c):>22s} {str(c.threshold):>22s}  "
+            f"{'pass' if c.passed else 'FAIL'}{note}"
+        )
     return "\n".join(rows)
 
 
 def text(report: dict) -> str:
     """What `quantbench gate` prints: the verdict, every check, what moved in the registry."""
     checks = [Check(**c) for c in report["checks"]]
-    lines = [f"gate {report['policy']} on run {report['run_id']} ({report['run_name']}): {'PASS' if report['passed'] else 'FAIL'}",
-             table(checks)]
+    lines = [
+        f"gate {report['policy']} on run {report['run_id']} ({report['run_name']}): {'PASS' if report['passed'] else 'FAIL'}",
+        table(checks),
+    ]
     registered = report["registered"]
     if registered:
-        lines.append(f"registered: {registered['model']} version {registered['version']} -> alias '{registered['alias']}'"
-                     + (f"; version {registered['previous']} keeps alias '{registered['previous_alias']}'"
-                        if registered["previous"] else ""))
+        lines.append(
+            f"registered: {registered['model']} version {registered['version']} -> alias '{registered['alias']}'"
+            + (
+                f"; version {registered['previous']} keeps alias '{registered['previous_alias']}'"
+                if registered["previous"]
+                else ""
+            )
+        )
     else:
         lines.append("nothing registered, no alias moved")
     return "\n".join(lines)
@@ -270,7 +307,9 @@ def markdown(checks: list[Check], header: str) -> str:
     for c in checks:
         value = repr(c.value) if isinstance(c.value, float) else str(c.value if c.value is not None else "—")
         interval = "—" if c.ci_low is None else f"[{c.ci_low!r}, {c.ci_high!r}]"
-        rows.append(f"| `{c.check}` | {value} | {interval} | {c.threshold} | {'pass' if c.passed else '**FAIL**'} {c.note} |")
+        rows.append(
+            f"| `{c.check}` | {value} | {interval} | {c.threshold} | {'pass' if c.passed else '**FAIL**'} {c.note} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -289,33 +328,59 @@ def run(run_id: str, policy_name: str, *, experiment: str | None = None) -> dict
     info, data = run_.info, run_.data
     tags, metrics = dict(data.tags), dict(data.metrics)
     if tags.get(TAG + "role") != "candidate":
-        raise UserError(f"MLflow run '{run_id}' is a {tags.get(TAG + 'role', 'non-quantbench')} run; gate a candidate run")
+        raise UserError(
+            f"MLflow run '{run_id}' is a {tags.get(TAG + 'role', 'non-quantbench')} run; gate a candidate run"
+        )
 
     try:
-        checks = evaluate_policy(loaded.policy, info.status, tags, metrics, stored=run_.has_artifact(f"{ARTIFACT}/config.json"))
+        checks = evaluate_policy(
+            loaded.policy, info.status, tags, metrics, stored=run_.has_artifact(f"{ARTIFACT}/config.json")
+        )
     except MissingInterval as exc:
-        why = ("fewer than 3 paired repetitions in its bench" if str(exc).startswith("speedup/")
-               else "too few windows or items in its suite, or intervals off; evaluation.json lists why")
-        raise UserError(f"{loaded.path}: {exc}: the policy holds an end of its interval to the limit, but run {run_id} "
-                        f"logged {exc} without an interval ({why}); nothing gated") from None
+        why = (
+            "fewer than 3 paired repetitions in its bench"
+            if str(exc).startswith("speedup/")
+            else "too few windows or items in its suite, or intervals off; evaluation.json lists why"
+        )
+        raise UserError(
+            f"{loaded.path}: {exc}: the policy holds an end of its interval to the limit, but run {run_id} "
+            f"logged {exc} without an interval ({why}); nothing gated"
+        ) from None
     passed = all(c.passed for c in checks)
     verdict = "PASS" if passed else "FAIL"
     stamp = time.strftime("%Y%m%dT%H%M%S")
     registered = _promote(loaded, run_, tags) if passed else None
-    report = {"run_id": run_id, "run_name": info.run_name, "policy": loaded.name, "policy_file": str(loaded.path),
-              "policy_sha": loaded.sha, "policy_settings": loaded.policy.model_dump(mode="json"), "passed": passed,
-              "checks": [asdict(c) for c in checks], "registered": registered, "at": stamp}
+    report = {
+        "run_id": run_id,
+        "run_name": info.run_name,
+        "policy": loaded.name,
+        "policy_file": str(loaded.path),
+        "policy_sha": loaded.sha,
+        "policy_settings": loaded.policy.model_dump(mode="json"),
+        "passed": passed,
+        "checks": [asdict(c) for c in checks],
+        "registered": registered,
+        "at": stamp,
+    }
     run_.log_dict(report, f"gate/{loaded.name}-{stamp}.json")
-    run_.log_text(markdown(checks, f"# Gate `{loaded.name}`: {verdict}\n\nrun `{run_id}` · policy sha "
-                           f"`{loaded.sha[:12]}` · {stamp}"), f"gate/{loaded.name}-{stamp}.md")
+    run_.log_text(
+        markdown(
+            checks, f"# Gate `{loaded.name}`: {verdict}\n\nrun `{run_id}` · policy sha `{loaded.sha[:12]}` · {stamp}"
+        ),
+        f"gate/{loaded.name}-{stamp}.md",
+    )
     run_.set_tags({f"{TAG}gate.{loaded.name}": "pass" if passed else "fail", f"{TAG}gate.{loaded.name}.at": stamp})
     return report
 
 
 def _promote(loaded: LoadedPolicy, run_, tags: dict[str, str]) -> dict:
     spec = loaded.policy.registry
-    fields = {"base_model": models.short_name(tags.get(TAG + "base_model", "model")), "recipe": tags.get(TAG + "recipe", ""),
-              "method": tags.get(TAG + "method", ""), "scheme": tags.get(TAG + "scheme", "")}
+    fields = {
+        "base_model": models.short_name(tags.get(TAG + "base_model", "model")),
+        "recipe": tags.get(TAG + "recipe", ""),
+        "method": tags.get(TAG + "method", ""),
+        "scheme": tags.get(TAG + "scheme", ""),
+    }
     name = spec.model.format(**fields)
     registry = Registry()
     version = registry.version_for_run(name, run_.run_id)
@@ -323,18 +388,34 @@ def _promote(loaded: LoadedPolicy, run_, tags: dict[str, str]) -> dict:
         if not run_.has_artifact(f"{ARTIFACT}/config.json"):
             upload(run_, Path(tags[TAG + "checkpoint"]))
         version = registry.register(
-            name, run_, ARTIFACT,
+            name,
+            run_,
+            ARTIFACT,
             description=f"{tags.get(TAG + 'recipe', '?')} ({tags.get(TAG + 'method')} {tags.get(TAG + 'scheme')}) of "
-                        f"{tags.get(TAG + 'base_model')}, passed policy {loaded.name}",
-            tags={TAG + "recipe": tags.get(TAG + "recipe", ""), TAG + "run": run_.run_id,
-                  TAG + "format": tags.get(TAG + "format", "")},
+            f"{tags.get(TAG + 'base_model')}, passed policy {loaded.name}",
+            tags={
+                TAG + "recipe": tags.get(TAG + "recipe", ""),
+                TAG + "run": run_.run_id,
+                TAG + "format": tags.get(TAG + "format", ""),
+            },
         )
     previous = registry.alias_version(name, spec.alias)
     if previous is not None and previous != version.version and spec.previous_alias:
         registry.set_alias(name, spec.previous_alias, previous)
     registry.set_alias(name, spec.alias, version.version)
-    registry.set_version_tags(name, version.version, {
-        f"{TAG}gate.{loaded.name}": "pass", f"{TAG}gate.policy_sha": loaded.sha, f"{TAG}gate.at": time.strftime("%Y%m%dT%H%M%S"),
-    })
-    return {"model": name, "version": version.version, "alias": spec.alias,
-            "previous": previous if previous != version.version else None, "previous_alias": spec.previous_alias}
+    registry.set_version_tags(
+        name,
+        version.version,
+        {
+            f"{TAG}gate.{loaded.name}": "pass",
+            f"{TAG}gate.policy_sha": loaded.sha,
+            f"{TAG}gate.at": time.strftime("%Y%m%dT%H%M%S"),
+        },
+    )
+    return {
+        "model": name,
+        "version": version.version,
+        "alias": spec.alias,
+        "previous": previous if previous != version.version else None,
+        "previous_alias": spec.previous_alias,
+    }

@@ -30,8 +30,12 @@ INFO = "quantbench.json"  # written by the quantize pipeline into every checkpoi
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 # quantization_config.quant_method -> the package transformers needs to load that format
-FORMAT_PACKAGES = {"compressed-tensors": "compressed_tensors", "bitsandbytes": "bitsandbytes", "gptq": "gptqmodel",
-                   "awq": "gptqmodel"}
+FORMAT_PACKAGES = {
+    "compressed-tensors": "compressed_tensors",
+    "bitsandbytes": "bitsandbytes",
+    "gptq": "gptqmodel",
+    "awq": "gptqmodel",
+}
 ARTIFACT = "checkpoint"  # the run's artifact directory that holds the checkpoint
 
 
@@ -45,8 +49,10 @@ def read_info(path: Path) -> dict:
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{info}: cannot read: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise UserError(f"{info}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); quantbench "
-                        "writes this file with the checkpoint: restore it, or remove it and name the base with --base") from None
+        raise UserError(
+            f"{info}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); quantbench "
+            "writes this file with the checkpoint: restore it, or remove it and name the base with --base"
+        ) from None
     if not isinstance(data, dict):
         raise UserError(f"{info}: not a JSON object")
     return data
@@ -97,8 +103,10 @@ def _resolve(target: str, tracker, base: str | None) -> Target:
     tags = run.data.tags
     checkpoint = local_checkpoint(run, tags)
     if checkpoint is None:
-        raise UserError(f"MLflow run '{target}' has no checkpoint on this machine (tag {TAG}checkpoint: "
-                        f"{tags.get(TAG + 'checkpoint') or 'none'}) nor a {ARTIFACT}/ artifact to download")
+        raise UserError(
+            f"MLflow run '{target}' has no checkpoint on this machine (tag {TAG}checkpoint: "
+            f"{tags.get(TAG + 'checkpoint') or 'none'}) nor a {ARTIFACT}/ artifact to download"
+        )
     return Target(checkpoint, target, base or tags[TAG + "base_model"], read_info(checkpoint))
 
 
@@ -149,15 +157,21 @@ def local_checkpoint(run, tags: dict[str, str]) -> Path | None:
     partial = root / f".{dest.name}.{os.getpid()}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        log.info("run %s: its checkpoint is not on this machine (%s); downloading its %s/ artifact", run.run_id,
-                 named or "no path recorded", ARTIFACT)
+        log.info(
+            "run %s: its checkpoint is not on this machine (%s); downloading its %s/ artifact",
+            run.run_id,
+            named or "no path recorded",
+            ARTIFACT,
+        )
         downloaded = run.download(ARTIFACT, partial)
         if sha is None:
             log.warning("run %s has no %scheckpoint_sha: its checkpoint cannot be verified", run.run_id, TAG)
         elif content_sha(downloaded) != sha:
-            raise UserError(f"MLflow run '{run.run_id}': the downloaded {ARTIFACT}/ artifact's content hash "
-                            f"{content_sha(downloaded)[:16]} differs from the run's {TAG}checkpoint_sha {sha[:16]}: "
-                            "the artifact changed after it was logged, or the download is incomplete; nothing was kept")
+            raise UserError(
+                f"MLflow run '{run.run_id}': the downloaded {ARTIFACT}/ artifact's content hash "
+                f"{content_sha(downloaded)[:16]} differs from the run's {TAG}checkpoint_sha {sha[:16]}: "
+                "the artifact changed after it was logged, or the download is incomplete; nothing was kept"
+            )
         try:
             os.rename(downloaded, dest)
         except OSError:  # another process put it there first
@@ -180,7 +194,9 @@ def check_loadable(checkpoint: Path) -> None:
     method = quant_method(checkpoint)
     package = FORMAT_PACKAGES.get(method)
     if package and importlib.util.find_spec(package) is None:
-        raise UserError(f"'{checkpoint}' is a {method} checkpoint; loading it needs the package '{package}', which is not installed")
+        raise UserError(
+            f"'{checkpoint}' is a {method} checkpoint; loading it needs the package '{package}', which is not installed"
+        )
 
 
 def weights_sha(path: Path) -> str | None:
@@ -225,14 +241,35 @@ def linear_layers(config) -> dict[str, tuple[int, int, bool]]:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     head = skeleton.get_output_embeddings()
-    return {name: (m.in_features, m.out_features, m.bias is not None) for name, m in skeleton.named_modules()
-            if isinstance(m, torch.nn.Linear) and m is not head}
+    return {
+        name: (m.in_features, m.out_features, m.bias is not None)
+        for name, m in skeleton.named_modules()
+        if isinstance(m, torch.nn.Linear) and m is not head
+    }
 
 
 # safetensors dtype names -> bytes per element
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-                "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "F4": 0.5, "F6_E2M3": 0.75,
-                "F6_E3M2": 0.75}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F4": 0.5,
+    "F6_E2M3": 0.75,
+    "F6_E3M2": 0.75,
+}
 
 
 def tensor_bytes(path: Path) -> dict[str, float]:
@@ -278,7 +315,7 @@ def param_bytes(model) -> int:
 
 
 def vocab_mismatch(a_tokenizer, b_tokenizer, a_config, b_config) -> str:
-    """"" when two models share a vocabulary (config size and every token id), else what differs
+    """ "" when two models share a vocabulary (config size and every token id), else what differs
     (a distillation student and its teacher, a speculative draft and its target)."""
     if a_config.vocab_size != b_config.vocab_size:
         return f"vocab_size {b_config.vocab_size} vs {a_config.vocab_size}"
@@ -300,18 +337,24 @@ def load_config(path: Path, field: str = "model.source"):
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{field}: cannot read {config_file}: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise UserError(f"{field}: {config_file} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+        raise UserError(
+            f"{field}: {config_file} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+        ) from None
     if not isinstance(raw, dict):
         raise UserError(f"{field}: {config_file} is not a JSON object")
     if raw.get("auto_map"):
-        raise UserError(f"{field}: {config_file} asks for custom model code (auto_map: {', '.join(sorted(raw['auto_map']))}); "
-                        "quantbench runs only architectures transformers ships (it never sets trust_remote_code)")
+        raise UserError(
+            f"{field}: {config_file} asks for custom model code (auto_map: {', '.join(sorted(raw['auto_map']))}); "
+            "quantbench runs only architectures transformers ships (it never sets trust_remote_code)"
+        )
     try:
         return AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{field}: transformers cannot read {config_file} (model_type "
-                        f"{raw.get('model_type', 'missing')!r}): {first[:300]}") from None
+        raise UserError(
+            f"{field}: transformers cannot read {config_file} (model_type "
+            f"{raw.get('model_type', 'missing')!r}): {first[:300]}"
+        ) from None
 
 
 def check_weights(path: Path, field: str = "model.source") -> None:
@@ -333,9 +376,11 @@ def check_weights(path: Path, field: str = "model.source") -> None:
     if not files:
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
         if pickles:
-            raise UserError(f"{field}: {path} holds only pickled weights ({', '.join(pickles[:3])}); loading a pickle "
-                            "runs code, so quantbench reads safetensors only. Convert them first, e.g. "
-                            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir2) where you trust the file")
+            raise UserError(
+                f"{field}: {path} holds only pickled weights ({', '.join(pickles[:3])}); loading a pickle "
+                "runs code, so quantbench reads safetensors only. Convert them first, e.g. "
+                "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir2) where you trust the file"
+            )
         raise UserError(f"{field}: {path} has no weight files (*.safetensors)")
     for file in files:
         problem = _safetensors_problem(file)

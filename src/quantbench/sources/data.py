@@ -74,15 +74,19 @@ def load_text(
             raise UserError(f"{field}: unknown builtin text '{name}'." + did_you_mean(name, BUILTIN_TEXTS))
         if name in EVALUATION_ONLY:
             if split != "evaluation":
-                raise UserError(f"{field}: '{source}' is held-out evaluation text (out of domain); it is never used "
-                                "for calibration or training. Use builtin:python-docs or a file of your own")
+                raise UserError(
+                    f"{field}: '{source}' is held-out evaluation text (out of domain); it is never used "
+                    "for calibration or training. Use builtin:python-docs or a file of your own"
+                )
             return numpy_license()
         return python_docs(split)
     if source.startswith("hub:"):
         return _hub_text(source, field, text_field, hub_split)
     path = Path(source).expanduser()
     if not path.is_file():
-        raise UserError(f"{field}: '{source}' does not exist (expected builtin:python-docs, a .txt/.jsonl file, or hub:DATASET)")
+        raise UserError(
+            f"{field}: '{source}' does not exist (expected builtin:python-docs, a .txt/.jsonl file, or hub:DATASET)"
+        )
     if path.suffix == ".txt":
         text = path.read_text(errors="replace")
     elif path.suffix == ".jsonl":
@@ -122,8 +126,9 @@ def _hub_text(source: str, field: str, text_field: str, split: str) -> str:
     return "\n\n".join(rows[text_field])
 
 
-def calibration_windows(token_ids: list[int], samples: int, seq_len: int, seed: int, *, field: str,
-                        bos: int | None = None) -> list[list[int]]:
+def calibration_windows(
+    token_ids: list[int], samples: int, seq_len: int, seed: int, *, field: str, bos: int | None = None
+) -> list[list[int]]:
     """`samples` disjoint windows of `seq_len` tokens, chosen by `seed` from the tokenized text
     (`text_ids`), each starting with `bos` when the tokenizer wants one (`bos_id`)."""
     available = len(token_ids) // span(seq_len, bos)

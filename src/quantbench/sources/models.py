@@ -51,8 +51,6 @@ class ResolvedModel:
     parent_run: str | None = None  # the MLflow run that wrote it (run: and recipe: sources)
 
 
-
-
 def short_name(source: str) -> str:
     """A model's name for run names: builtin:smollm2-135m-instruct -> smollm2-135m-instruct,
     hub:org/name -> name, /path/to/ckpt -> ckpt, model.gguf -> model."""
@@ -108,8 +106,6 @@ def read_config(source: str, field: str = "model.source", experiment: str | None
     return load_config(target, field)
 
 
-
-
 def check_files(source: str, field: str = "model.source") -> None:
     """The files of a local source are whole (safetensors weights, a readable GGUF), read without
     loading the model (for recipe validation; `resolve` checks the same)."""
@@ -137,10 +133,6 @@ def tokenizer_dir(source: str, experiment: str | None = None) -> Path | None:
     return None
 
 
-
-
-
-
 def _check_gguf(gguf: Path, field: str) -> None:
     """A .gguf that the gguf reader cannot parse (truncated, not GGUF) is a UserError naming it."""
     from gguf import GGUFReader
@@ -148,8 +140,10 @@ def _check_gguf(gguf: Path, field: str) -> None:
     try:
         GGUFReader(gguf)
     except Exception as exc:  # the reader raises ValueError, struct and numpy errors on a bad file
-        raise UserError(f"{field}: {gguf} is not a readable GGUF file ({type(exc).__name__}: "
-                        f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no detail'})") from None
+        raise UserError(
+            f"{field}: {gguf} is not a readable GGUF file ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no detail'})"
+        ) from None
 
 
 def _classify(source: str, field: str) -> tuple[str, Any]:  # (kind, a str or a Path by kind)
@@ -190,8 +184,10 @@ def _run_checkpoint(source: str, field: str, experiment: str | None = None) -> t
     if kind == "recipe":
         found = tracker.find_runs({TAG + "recipe": value, TAG + "role": "candidate"})
         if not found:
-            raise UserError(f"{field}: '{source}': no FINISHED run of the recipe '{value}' in the experiment "
-                            f"'{tracker.experiment}' ({tracking_uri()}); run `make quantize RECIPE={value}` first")
+            raise UserError(
+                f"{field}: '{source}': no FINISHED run of the recipe '{value}' in the experiment "
+                f"'{tracker.experiment}' ({tracking_uri()}); run `make quantize RECIPE={value}` first"
+            )
         run_id = found[0]
     else:
         run_id = value
@@ -201,8 +197,10 @@ def _run_checkpoint(source: str, field: str, experiment: str | None = None) -> t
     tags = run.data.tags
     checkpoint = local_checkpoint(run, tags) if run.info.status == "FINISHED" else None
     if checkpoint is None:
-        raise UserError(f"{field}: '{source}': run {run_id} ({run.info.status}) has no checkpoint on this machine "
-                        f"(tag {TAG}checkpoint: {tags.get(TAG + 'checkpoint') or 'none'}) nor a checkpoint/ artifact")
+        raise UserError(
+            f"{field}: '{source}': run {run_id} ({run.info.status}) has no checkpoint on this machine "
+            f"(tag {TAG}checkpoint: {tags.get(TAG + 'checkpoint') or 'none'}) nor a checkpoint/ artifact"
+        )
     return run_id, checkpoint, f"{tags.get(TAG + 'recipe', 'run')}-{run_id[:8]}"
 
 
@@ -233,7 +231,9 @@ def _from_gguf(source: str, gguf: Path, field: str = "model.source") -> Resolved
         _check_gguf(gguf, field)
         _convert_gguf(source, gguf, dest, field)
     info = json.loads(info_file.read_text())
-    return ResolvedModel(source=source, path=dest, name=info["name"], license=info["license"], fingerprint=info["fingerprint"])
+    return ResolvedModel(
+        source=source, path=dest, name=info["name"], license=info["license"], fingerprint=info["fingerprint"]
+    )
 
 
 def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.source") -> None:
@@ -247,13 +247,19 @@ def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.sourc
 
     log.info("converting %s to a safetensors checkpoint in %s (once)", gguf, dest)
     fields = GGUFReader(gguf).fields
-    meta = {key: fields[key].contents() for key in ("general.name", "general.license", "general.organization") if key in fields}
+    meta = {
+        key: fields[key].contents()
+        for key in ("general.name", "general.license", "general.organization")
+        if key in fields
+    }
     try:
         tokenizer = gguf_tokenizer(gguf)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except (ValueError, IndexError, KeyError, OverflowError, TypeError) as exc:
-        raise UserError(f"{field}: transformers cannot load {gguf} ({type(exc).__name__}: "
-                        f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no detail'})") from None
+        raise UserError(
+            f"{field}: transformers cannot load {gguf} ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no detail'})"
+        ) from None
     # transformers refuses to save a GGUF-loaded model; its weights are already plain float
     # tensors, so detaching the GGUF quantizer is all save_pretrained needs.
     model.hf_quantizer = None
@@ -267,7 +273,9 @@ def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.sourc
         tokenizer.save_pretrained(tmp)
         problems = verify_copy(tmp, tokenizer, model)
         if problems:
-            raise UserError([f"{field}: the checkpoint converted from {gguf} does not reproduce it: {p}" for p in problems])
+            raise UserError(
+                [f"{field}: the checkpoint converted from {gguf} does not reproduce it: {p}" for p in problems]
+            )
         info = {
             "source": source,
             "gguf": str(gguf),
@@ -294,8 +302,6 @@ def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.sourc
 # The hub, only when reachable
 
 
-
-
 def _from_hub(source: str, repo: str, field: str) -> ResolvedModel:
     if not hub_reachable():
         raise UserError(
@@ -304,8 +310,12 @@ def _from_hub(source: str, repo: str, field: str) -> ResolvedModel:
         )
     from huggingface_hub import snapshot_download
 
-    path = Path(snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "README.md"]))
-    return ResolvedModel(source=source, path=path, name=repo, license=_card_license(path), fingerprint=fingerprint(path))
+    path = Path(
+        snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "README.md"])
+    )
+    return ResolvedModel(
+        source=source, path=path, name=repo, license=_card_license(path), fingerprint=fingerprint(path)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,15 +61,22 @@ def gguf_tokenizer(gguf: Path):
     loaded = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokens = get("tokenizer.ggml.tokens") or []
     specials = {k: v for k, v in loaded.special_tokens_map.items() if isinstance(v, str)}
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
-                      ("pad_token", "padding_token_id")):
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
         token_id = get(f"tokenizer.ggml.{key}")
         if token_id is not None and 0 <= token_id < len(tokens):
             specials[name] = tokens[token_id]
-    return TokenizersBackend(tokenizer_object=loaded.backend_tokenizer, **specials,
-                             add_bos_token=bool(get("tokenizer.ggml.add_bos_token")),
-                             add_eos_token=bool(get("tokenizer.ggml.add_eos_token")),
-                             chat_template=getattr(loaded, "chat_template", None))
+    return TokenizersBackend(
+        tokenizer_object=loaded.backend_tokenizer,
+        **specials,
+        add_bos_token=bool(get("tokenizer.ggml.add_bos_token")),
+        add_eos_token=bool(get("tokenizer.ggml.add_eos_token")),
+        chat_template=getattr(loaded, "chat_template", None),
+    )
 
 
 def compare_tokenizers(reference, candidate, text: str = SAMPLE_TEXT) -> str | None:
@@ -79,9 +86,11 @@ def compare_tokenizers(reference, candidate, text: str = SAMPLE_TEXT) -> str | N
         return None
     i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     show = lambda tok, ids: tok.convert_ids_to_tokens(ids[max(0, i - 2) : i + 4])  # noqa: E731
-    return (f"the saved tokenizer splits text differently from the source: {len(b)} tokens instead of {len(a)} "
-            f"for a {len(text)}-character sample; first difference at token {i}: source {show(reference, a)} vs "
-            f"saved {show(candidate, b)}")
+    return (
+        f"the saved tokenizer splits text differently from the source: {len(b)} tokens instead of {len(a)} "
+        f"for a {len(text)}-character sample; first difference at token {i}: source {show(reference, a)} vs "
+        f"saved {show(candidate, b)}"
+    )
 
 
 def compare_special_tokens(tokenizer, config) -> str | None:
@@ -92,13 +101,21 @@ def compare_special_tokens(tokenizer, config) -> str | None:
         have = getattr(tokenizer, f"{name}_token_id", None)
         want = want if isinstance(want, list) else [want]
         if None not in want and have is not None and have not in want:
-            problems.append(f"{name}_token is {getattr(tokenizer, name + '_token')!r} (id {have}) but the model config's "
-                            f"{name}_token_id is {want if len(want) > 1 else want[0]}")
+            problems.append(
+                f"{name}_token is {getattr(tokenizer, name + '_token')!r} (id {have}) but the model config's "
+                f"{name}_token_id is {want if len(want) > 1 else want[0]}"
+            )
     return "; ".join(problems) or None
 
 
-def compare_logits(reference_model, candidate_model, token_ids: list[int], window: int = 64, windows: int = 3,
-                   rtol: float = LOGITS_RTOL) -> str | None:
+def compare_logits(
+    reference_model,
+    candidate_model,
+    token_ids: list[int],
+    window: int = 64,
+    windows: int = 3,
+    rtol: float = LOGITS_RTOL,
+) -> str | None:
     """Logits of both models on up to `windows` windows of `token_ids`, centred per position (softmax
     ignores a shift); None if they differ by at most `rtol` of the reference's largest centred logit
     (the same meaning for a real model and a random tiny one)."""
@@ -117,8 +134,10 @@ def compare_logits(reference_model, candidate_model, token_ids: list[int], windo
             worst = max(worst, diff if math.isfinite(diff) else math.inf)
             scale = max(scale, a.abs().max().item())
     if worst > rtol * scale:
-        return (f"the saved model's logits differ from the source's by up to {worst:.3g} ({worst / max(scale, 1e-30):.3g} "
-                f"of the logits' range; tolerance {rtol:g})")
+        return (
+            f"the saved model's logits differ from the source's by up to {worst:.3g} ({worst / max(scale, 1e-30):.3g} "
+            f"of the logits' range; tolerance {rtol:g})"
+        )
     return None
 
 
@@ -129,8 +148,11 @@ def verify_copy(dest: Path, ref_tokenizer, ref_model, text: str = SAMPLE_TEXT) -
 
     tokenizer = AutoTokenizer.from_pretrained(dest)
     model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
-    problems = [p for p in (compare_tokenizers(ref_tokenizer, tokenizer, text),
-                            compare_special_tokens(tokenizer, model.config)) if p]
+    problems = [
+        p
+        for p in (compare_tokenizers(ref_tokenizer, tokenizer, text), compare_special_tokens(tokenizer, model.config))
+        if p
+    ]
     ids = ref_tokenizer(text)["input_ids"]
     while len(ids) < 3 * 64:
         ids = ids + ids
@@ -156,11 +178,17 @@ class PerplexityCheck:
 
     def describe(self) -> str:
         other = self.ppl_without_bos if self.bos else self.ppl_with_bos
-        framing = (f" (windows {'with' if self.bos else 'without'} BOS, as the tokenizer encodes; "
-                   f"{'without' if self.bos else 'with'} BOS: {other:.4g})" if other is not None else "")
-        return (f"perplexity {self.ppl:.4g} on held-out text{framing}; a unigram model of the same tokens gets "
-                f"{self.unigram_ppl:.4g}; mean predictive entropy {self.entropy:.2f} nats (uniform: "
-                f"{math.log(self.vocab_size):.2f})")
+        framing = (
+            f" (windows {'with' if self.bos else 'without'} BOS, as the tokenizer encodes; "
+            f"{'without' if self.bos else 'with'} BOS: {other:.4g})"
+            if other is not None
+            else ""
+        )
+        return (
+            f"perplexity {self.ppl:.4g} on held-out text{framing}; a unigram model of the same tokens gets "
+            f"{self.unigram_ppl:.4g}; mean predictive entropy {self.entropy:.2f} nats (uniform: "
+            f"{math.log(self.vocab_size):.2f})"
+        )
 
 
 def unigram_nll(counted: list[int], scored: list[int], vocab_size: int) -> float:
@@ -170,7 +198,9 @@ def unigram_nll(counted: list[int], scored: list[int], vocab_size: int) -> float
     return -sum(math.log((counts[t] + 1) / total) for t in scored) / len(scored)
 
 
-def check_perplexity(model, token_ids: list[int], calibration_ids: list[int], window: int, vocab_size: int) -> PerplexityCheck:
+def check_perplexity(
+    model, token_ids: list[int], calibration_ids: list[int], window: int, vocab_size: int
+) -> PerplexityCheck:
     """The model's NLL and predictive entropy on `token_ids` against the unigram baseline."""
     import torch
 
@@ -194,15 +224,23 @@ def check_perplexity(model, token_ids: list[int], calibration_ids: list[int], wi
     return PerplexityCheck(math.exp(nll), math.exp(unigram), entropy, vocab_size, verdict)
 
 
-def check_base_perplexity(model, text_ids: list[int], calibration_ids: list[int], tokens: int, window: int,
-                          vocab_size: int, bos_token_id: int | None, wants_bos: bool) -> PerplexityCheck:
+def check_base_perplexity(
+    model,
+    text_ids: list[int],
+    calibration_ids: list[int],
+    tokens: int,
+    window: int,
+    vocab_size: int,
+    bos_token_id: int | None,
+    wants_bos: bool,
+) -> PerplexityCheck:
     """check_perplexity on the first `tokens` positions of `text_ids` laid out as windows of `window`,
     once with a BOS at the start of every window and once without (one, when there is no BOS token):
     the verdict is the framing the tokenizer uses (`wants_bos`), both perplexities are kept."""
     from quantbench.sources import data
 
     results = {}
-    for with_bos in ([False, True] if bos_token_id is not None else [False]):
+    for with_bos in [False, True] if bos_token_id is not None else [False]:
         ids = data.framed(text_ids, window, bos_token_id if with_bos else None)[:tokens]
         results[with_bos] = check_perplexity(model, ids, calibration_ids, window, vocab_size)
     used = results[wants_bos and bos_token_id is not None]
@@ -218,10 +256,12 @@ def bos_hint(result: PerplexityCheck) -> str | None:
     other = result.ppl_without_bos if result.bos else result.ppl_with_bos
     if other is None or other * BOS_HINT_RATIO > result.ppl:
         return None
-    return (f"the base model predicts held-out text far better {'without' if result.bos else 'with'} a BOS starting each "
-            f"window (perplexity {other:.4g}) than as its tokenizer encodes ({result.ppl:.4g}, "
-            f"{'with' if result.bos else 'without'} BOS): check the tokenizer's add_bos_token (every window of the "
-            "job follows the tokenizer)")
+    return (
+        f"the base model predicts held-out text far better {'without' if result.bos else 'with'} a BOS starting each "
+        f"window (perplexity {other:.4g}) than as its tokenizer encodes ({result.ppl:.4g}, "
+        f"{'with' if result.bos else 'without'} BOS): check the tokenizer's add_bos_token (every window of the "
+        "job follows the tokenizer)"
+    )
 
 
 def cached_check(key: dict, compute) -> PerplexityCheck:

@@ -90,9 +90,18 @@ class BenchFailed(RuntimeError):
         self.partial = partial
 
 
-def prepare(profile_name: str, tokenizer, *, backend: str = "auto", server: str = "auto",
-            endpoints: tuple[str, str] | None = None, checkpoint: Path | dict | None = None, base_path: Path | None = None,
-            field: str = "--profile", backend_field: str = "--backend") -> Plan:
+def prepare(
+    profile_name: str,
+    tokenizer,
+    *,
+    backend: str = "auto",
+    server: str = "auto",
+    endpoints: tuple[str, str] | None = None,
+    checkpoint: Path | dict | None = None,
+    base_path: Path | None = None,
+    field: str = "--profile",
+    backend_field: str = "--backend",
+) -> Plan:
     """Load the profile, check every prompt length against the evaluation text, and pick the
     engine. `checkpoint`: its directory, or (a recipe's checkpoint not written yet) the config it
     will have. Creates vLLM's environment if the engine is vLLM and it does not exist yet."""
@@ -104,14 +113,20 @@ def prepare(profile_name: str, tokenizer, *, backend: str = "auto", server: str 
         from quantbench.speed.serving import check_endpoint
 
         if not (endpoints and all(endpoints)):
-            raise UserError("--backend openai needs --endpoint URL (the checkpoint) and --base-endpoint URL (its base model)")
+            raise UserError(
+                "--backend openai needs --endpoint URL (the checkpoint) and --base-endpoint URL (its base model)"
+            )
         check_endpoint(endpoints[0], "--endpoint")
         check_endpoint(endpoints[1], "--base-endpoint")
-        return Plan(profile_name, profile, ids, engines.get("openai"), endpoints, backend, "asked for (--backend openai)")
+        return Plan(
+            profile_name, profile, ids, engines.get("openai"), endpoints, backend, "asked for (--backend openai)"
+        )
     chosen = engines.choose(backend, server, checkpoint, base_path, backend_field)
     if chosen.engine.kind == "in-process" and profile.request_rates:
-        raise UserError(f"{field}: request_rates need a server (open-loop arrivals); the hf backend measures "
-                        "batched generate only. Drop request_rates or measure through a server")
+        raise UserError(
+            f"{field}: request_rates need a server (open-loop arrivals); the hf backend measures "
+            "batched generate only. Drop request_rates or measure through a server"
+        )
     plan = Plan(profile_name, profile, ids, chosen.engine, None, backend, chosen.why)
     if chosen.engine.kind == "server":
         chosen.engine.ensure(f"{backend_field} {backend}")
@@ -119,8 +134,10 @@ def prepare(profile_name: str, tokenizer, *, backend: str = "auto", server: str 
         for path in (checkpoint, base_path):
             limit = chosen.engine.max_model_len(path) if isinstance(path, Path) else None
             if limit is not None and longest > limit:
-                raise UserError(f"{field}: prompts of {max(profile.prompt_tokens)} tokens plus {profile.output_tokens} "
-                                f"output tokens exceed {path}'s max_position_embeddings ({limit})")
+                raise UserError(
+                    f"{field}: prompts of {max(profile.prompt_tokens)} tokens plus {profile.output_tokens} "
+                    f"output tokens exceed {path}'s max_position_embeddings ({limit})"
+                )
     return plan
 
 
@@ -129,21 +146,40 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
     fails part-way."""
     plan = _recheck(plan, checkpoint)
     engine = plan.describe()
-    log.info("bench: %s vs base %s, profile %s, through %s (%s)", checkpoint, base.name, plan.profile_name, engine, plan.why)
-    report = {"backend": plan.backend, "server": plan.server, "engine": plan.engine.tag_name, "engine_description": engine,
-              "why": plan.why, "requested": plan.requested, "profile": plan.profile_name,
-              "profile_settings": plan.profile.model_dump(mode="json"), "hardware": environment.describe()}
+    log.info(
+        "bench: %s vs base %s, profile %s, through %s (%s)", checkpoint, base.name, plan.profile_name, engine, plan.why
+    )
+    report = {
+        "backend": plan.backend,
+        "server": plan.server,
+        "engine": plan.engine.tag_name,
+        "engine_description": engine,
+        "why": plan.why,
+        "requested": plan.requested,
+        "profile": plan.profile_name,
+        "profile_settings": plan.profile.model_dump(mode="json"),
+        "hardware": environment.describe(),
+    }
     base_dtype = plan.profile.base_dtype if plan.backend == "hf" else plan.profile.serve_dtype
-    tags = {TAG + "bench_backend": plan.backend, TAG + "bench_profile": plan.profile_name, TAG + "bench_server": plan.engine.tag_name,
-            TAG + "bench_engine": engine, TAG + "bench_base_dtype": base_dtype}
+    tags = {
+        TAG + "bench_backend": plan.backend,
+        TAG + "bench_profile": plan.profile_name,
+        TAG + "bench_server": plan.engine.tag_name,
+        TAG + "bench_engine": engine,
+        TAG + "bench_base_dtype": base_dtype,
+    }
     logs: list[Path] = []
     try:
         with _measurers(plan, checkpoint, base, logs) as measurers:
             result = bench_pair(measurers, plan.token_ids, plan.profile)
     except PartialBench as exc:
         tags |= _served_dtypes(plan, logs)
-        partial = BenchResult({}, {**tags, TAG + "bench_partial": "true"},
-                              {**report, "partial": True, "error": str(exc), "samples": spread(exc.samples)}, logs)
+        partial = BenchResult(
+            {},
+            {**tags, TAG + "bench_partial": "true"},
+            {**report, "partial": True, "error": str(exc), "samples": spread(exc.samples)},
+            logs,
+        )
         raise BenchFailed(exc, partial) from exc
     tags |= _served_dtypes(plan, logs)
     metrics = {**result.metrics, "model/size_mb": weights_size_mb(checkpoint)}
@@ -151,8 +187,13 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
     if logs:  # a server backend: its load levels have latencies to plot
         plot = load_plot(metrics, logs[0].parent / PLOT, f"{checkpoint.name} vs {base.name} · {engine}")
         plots = [plot] if plot else []
-    report = {**report, "partial": False, "metrics": metrics, "samples": spread(result.samples),
-              "dtypes": {"candidate": tags.get(TAG + "bench_dtype"), "base": tags[TAG + "bench_base_dtype"]}}
+    report = {
+        **report,
+        "partial": False,
+        "metrics": metrics,
+        "samples": spread(result.samples),
+        "dtypes": {"candidate": tags.get(TAG + "bench_dtype"), "base": tags[TAG + "bench_base_dtype"]},
+    }
     return BenchResult(metrics, tags, report, logs, plots)
 
 
@@ -184,7 +225,9 @@ def _served_dtypes(plan: Plan, logs: list[Path]) -> dict[str, str]:
 def spread(samples: dict[str, dict[str, list[float]]]) -> dict:
     """Per sample name: the median (the metric's own statistic), min, max and every value."""
     return {
-        model: {key: {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v} for key, v in rows.items()}
+        model: {
+            key: {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v} for key, v in rows.items()
+        }
         for model, rows in samples.items()
     }
 
@@ -221,8 +264,10 @@ def _measurers(plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: l
         length = max(profile.prompt_tokens) + profile.output_tokens + 64
         limits = [x for x in (engine.max_model_len(checkpoint), engine.max_model_len(base.path)) if x]
         settings = ServerSettings(min([length, *limits]), compiled=profile.compile, dtype=profile.serve_dtype)
-        with model_server(checkpoint, directory / "candidate.log", engine, settings) as cand, \
-                model_server(base.path, directory / "base.log", engine, settings) as ref:
+        with (
+            model_server(checkpoint, directory / "candidate.log", engine, settings) as cand,
+            model_server(base.path, directory / "base.log", engine, settings) as ref,
+        ):
             yield {
                 "candidate": openai_measurer(cand[0], cand[1], tokenizer, profile, server_pid=cand[2], engine=engine),
                 "base": openai_measurer(ref[0], ref[1], tokenizer, profile, server_pid=ref[2], engine=engine),
@@ -260,8 +305,10 @@ def load_plot(metrics: dict[str, float], path: Path, title: str) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
-    for ax, key, label in ((axes[0], "ttft_ms_p50", "time to first token, p50 (ms)"),
-                           (axes[1], "itl_ms_p50", "inter-token latency, p50 (ms)")):
+    for ax, key, label in (
+        (axes[0], "ttft_ms_p50", "time to first token, p50 (ms)"),
+        (axes[1], "itl_ms_p50", "inter-token latency, p50 (ms)"),
+    ):
         for model, color in (("candidate", "tab:green"), ("base", "tab:gray")):
             points = [p for p in curve[model] if key in p]
             if not points:

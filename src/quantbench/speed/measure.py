@@ -76,8 +76,11 @@ class Profile(Strict):
 
     @property
     def max_requests(self) -> int:
-        return max([max(self.concurrency)] + [self.level_requests(n) for n in self.concurrency]
-                   + [self.level_requests(None) for _ in self.request_rates])
+        return max(
+            [max(self.concurrency)]
+            + [self.level_requests(n) for n in self.concurrency]
+            + [self.level_requests(None) for _ in self.request_rates]
+        )
 
 
 def profiles_dir() -> Path:
@@ -93,7 +96,10 @@ def prompts(token_ids: list[int], length: int, count: int, seed: int) -> list[li
     if len(token_ids) < length:
         raise UserError(f"profile: prompt_tokens {length} is longer than the evaluation text ({len(token_ids)} tokens)")
     rng = random.Random(f"{seed}-{length}")
-    return [token_ids[start : start + length] for start in (rng.randrange(len(token_ids) - length + 1) for _ in range(count))]
+    return [
+        token_ids[start : start + length]
+        for start in (rng.randrange(len(token_ids) - length + 1) for _ in range(count))
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

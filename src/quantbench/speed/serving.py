@@ -52,18 +52,19 @@ def check_endpoint(url: str, field: str) -> None:
 # One request
 
 
-
-
-
-
-
-
 # ---------------------------------------------------------------------------------------------
 # A load level
 
 
-def load_level(url: str, bodies: list[dict], *, concurrency: int | None = None, rate: float | None = None,
-               seed: int = 0, client=None) -> dict[str, float]:
+def load_level(
+    url: str,
+    bodies: list[dict],
+    *,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+    client=None,
+) -> dict[str, float]:
     """Send `bodies` with at most `concurrency` in flight, or at Poisson arrivals of `rate`/s;
     the level's throughput and latency percentiles (ms)."""
     results: list[Stream | BaseException | None] = [None] * len(bodies)
@@ -116,9 +117,15 @@ def load_level(url: str, bodies: list[dict], *, concurrency: int | None = None, 
     ttft = [s.ttft * 1000 for s in streams]
     e2e = [s.e2e * 1000 for s in streams]
     gaps = [g * 1000 for s in streams for g in s.gaps]
-    out = {"throughput_tok_s": sum(s.tokens for s in streams) / wall, "requests_s": len(streams) / wall,
-           "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p95": pct(ttft, 0.95), "ttft_ms_p99": pct(ttft, 0.99),
-           "e2e_ms_p50": statistics.median(e2e), "e2e_ms_p95": pct(e2e, 0.95)}
+    out = {
+        "throughput_tok_s": sum(s.tokens for s in streams) / wall,
+        "requests_s": len(streams) / wall,
+        "ttft_ms_p50": statistics.median(ttft),
+        "ttft_ms_p95": pct(ttft, 0.95),
+        "ttft_ms_p99": pct(ttft, 0.99),
+        "e2e_ms_p50": statistics.median(e2e),
+        "e2e_ms_p95": pct(e2e, 0.95),
+    }
     if gaps:
         out |= {"itl_ms_p50": statistics.median(gaps), "itl_ms_p95": pct(gaps, 0.95), "itl_ms_p99": pct(gaps, 0.99)}
     return out
@@ -133,8 +140,9 @@ def level_name(concurrency: int | None = None, rate: float | None = None) -> str
 # The measurer bench_pair calls
 
 
-def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | None = None,
-                    engine: ServingEngine | None = None):
+def openai_measurer(
+    url: str, model: str, tokenizer, profile, server_pid: int | None = None, engine: ServingEngine | None = None
+):
     """Backends openai and serve: one repetition = a streamed request per prompt length, then each
     load level (concurrency levels, then request rates) with the longest prompts. `engine`: whose
     request body to send (default: a plain OpenAI one, as to a user's endpoint)."""
@@ -155,8 +163,10 @@ def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | 
             rows = prompt_sets[max(prompt_sets)]
             for n, rate in [(n, None) for n in profile.concurrency] + [(None, r) for r in profile.request_rates]:
                 count = profile.level_requests(n)
-                bodies = [request_body(model, tokenizer.decode(rows[(rep + i) % len(rows)]), profile.output_tokens)
-                          for i in range(count)]
+                bodies = [
+                    request_body(model, tokenizer.decode(rows[(rep + i) % len(rows)]), profile.output_tokens)
+                    for i in range(count)
+                ]
                 level = load_level(url, bodies, concurrency=n, rate=rate, seed=profile.seed + rep, client=client)
                 out.update({f"{level_name(n, rate)}/{k}": v for k, v in level.items()})
         if server_pid is not None:
@@ -168,5 +178,3 @@ def openai_measurer(url: str, model: str, tokenizer, profile, server_pid: int | 
 
 # ---------------------------------------------------------------------------------------------
 # Servers
-
-

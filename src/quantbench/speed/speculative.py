@@ -55,10 +55,16 @@ def prepare(draft: Path, target: models.ResolvedModel, profile_name: str, draft_
 
     settings = load_profile(profile_name)
     tokenizer = AutoTokenizer.from_pretrained(target.path)
-    mismatch = vocab_mismatch(tokenizer, AutoTokenizer.from_pretrained(draft),
-                              AutoConfig.from_pretrained(target.path), AutoConfig.from_pretrained(draft))
+    mismatch = vocab_mismatch(
+        tokenizer,
+        AutoTokenizer.from_pretrained(draft),
+        AutoConfig.from_pretrained(target.path),
+        AutoConfig.from_pretrained(draft),
+    )
     if mismatch:
-        raise UserError(f"{draft_field}: its tokenizer is not the target's ({mismatch}); a draft must share the vocabulary")
+        raise UserError(
+            f"{draft_field}: its tokenizer is not the target's ({mismatch}); a draft must share the vocabulary"
+        )
     ids = tokenizer(data.python_docs("evaluation"))["input_ids"]
     rows = prompts(ids, max(settings.prompt_tokens), settings.warmup + settings.repetitions, settings.seed)
     return Plan(draft, target, profile_name, settings, rows)
@@ -70,8 +76,14 @@ def run(plan: Plan) -> SpecResult:
     from transformers import AutoModelForCausalLM
 
     settings = plan.profile
-    log.info("speculative decoding: target %s, draft %s, %d prompts of %d tokens, %d new tokens", plan.target.name,
-             plan.draft, settings.repetitions, len(plan.rows[0]), settings.output_tokens)
+    log.info(
+        "speculative decoding: target %s, draft %s, %d prompts of %d tokens, %d new tokens",
+        plan.target.name,
+        plan.draft,
+        settings.repetitions,
+        len(plan.rows[0]),
+        settings.output_tokens,
+    )
     dtype = "auto" if settings.base_dtype == "auto" else getattr(torch, settings.base_dtype)
     target_model = AutoModelForCausalLM.from_pretrained(plan.target.path, dtype=dtype).eval()
     draft_model = AutoModelForCausalLM.from_pretrained(plan.draft, dtype=target_model.dtype).eval()
@@ -84,12 +96,21 @@ def run(plan: Plan) -> SpecResult:
     }
     metrics["speedup/spec_decode_tok_s"] = metrics["speed/spec_decode_tok_s"] / metrics["base_speed/spec_decode_tok_s"]
     if not samples["same_tokens"]:
-        log.warning("assisted generation produced different tokens from the target alone (numerics of batched "
-                    "verification); the speed figures stand, the outputs differ in places")
+        log.warning(
+            "assisted generation produced different tokens from the target alone (numerics of batched "
+            "verification); the speed figures stand, the outputs differ in places"
+        )
     tags = {TAG + "spec_target": plan.target.source, TAG + "spec_draft": str(plan.draft.resolve())}
-    report = {"target": plan.target.source, "draft": str(plan.draft), "profile": plan.profile_name,
-              "profile_settings": settings.model_dump(mode="json"), "same_tokens": samples["same_tokens"],
-              "samples": samples, "metrics": metrics, "hardware": environment.describe()}
+    report = {
+        "target": plan.target.source,
+        "draft": str(plan.draft),
+        "profile": plan.profile_name,
+        "profile_settings": settings.model_dump(mode="json"),
+        "same_tokens": samples["same_tokens"],
+        "samples": samples,
+        "metrics": metrics,
+        "hardware": environment.describe(),
+    }
     return SpecResult(metrics, tags, report, samples["same_tokens"])
 
 
@@ -98,8 +119,15 @@ def measure(target, draft, rows: list[list[int]], new_tokens: int, warmup: int) 
     import torch
     from tqdm import tqdm
 
-    out: dict = {"alone_tok_s": [], "assisted_tok_s": [], "accepted": 0, "proposed": 0, "new_tokens": 0,
-                 "target_steps": 0, "same_tokens": True}
+    out: dict = {
+        "alone_tok_s": [],
+        "assisted_tok_s": [],
+        "accepted": 0,
+        "proposed": 0,
+        "new_tokens": 0,
+        "target_steps": 0,
+        "same_tokens": True,
+    }
     for index, row in enumerate(tqdm(rows, desc="speculative", unit="prompt")):
         batch = torch.tensor([row])
         alone, alone_s = _generate(target, batch, new_tokens)
@@ -134,8 +162,15 @@ def _generate(model, batch, new_tokens: int, **kwargs):
 
     start = time.perf_counter()
     with torch.inference_mode():
-        tokens = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+        tokens = model.generate(
+            input_ids=batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
     return tokens, time.perf_counter() - start
 
 

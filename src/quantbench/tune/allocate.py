@@ -57,8 +57,9 @@ class Allocation:
         return out
 
 
-def problem(sens, scheme_names: list[str], dtype_bits: int, fixed_bytes: float,
-            unquantized: set[str] = frozenset()) -> Problem:
+def problem(
+    sens, scheme_names: list[str], dtype_bits: int, fixed_bytes: float, unquantized: set[str] = frozenset()
+) -> Problem:
     """The allocation problem of a sensitivity result over `scheme_names`; UserError naming every
     unit that no scheme fits. Units with a layer in `unquantized` (the recipe ignores it) stay BF16."""
     index = {name: sens.schemes.index(name) for name in scheme_names}
@@ -79,10 +80,12 @@ def problem(sens, scheme_names: list[str], dtype_bits: int, fixed_bytes: float,
     if stuck:
         groups = {s: schemes.get(s).group_size for s in scheme_names}
         widths = sorted({u.in_features for u in stuck})
-        raise UserError(f"--schemes: no scheme of {', '.join(scheme_names)} fits {len(stuck)} layer(s) of this model "
-                        f"(input widths {', '.join(map(str, widths))}, e.g. {stuck[0].layers[0]}); group sizes "
-                        f"{', '.join(f'{s}: {g}' for s, g in groups.items() if g)} do not divide them. Add a scheme that "
-                        "fits (W4A16-G32, a per-channel scheme such as W8A8, or BF16)")
+        raise UserError(
+            f"--schemes: no scheme of {', '.join(scheme_names)} fits {len(stuck)} layer(s) of this model "
+            f"(input widths {', '.join(map(str, widths))}, e.g. {stuck[0].layers[0]}); group sizes "
+            f"{', '.join(f'{s}: {g}' for s, g in groups.items() if g)} do not divide them. Add a scheme that "
+            "fits (W4A16-G32, a per-channel scheme such as W8A8, or BF16)"
+        )
     return Problem([u.name for u in sens.units], [u.params for u in sens.units], options, fixed_bytes)
 
 
@@ -123,16 +126,19 @@ def solve(p: Problem, budget_bits: float, resolution: int = RESOLUTION) -> Alloc
         low = cheapest[u][1]
         k -= 0 if bits <= low + 1e-9 else math.ceil((bits - low) / step - 1e-9)
     choice = {unit: choice[unit] for unit in p.units}
-    return Allocation(choice, spent_bits, total_kld, spent_bits / p.total_params,
-                      (p.fixed_bytes + spent_bits / 8) / 2**20)
+    return Allocation(
+        choice, spent_bits, total_kld, spent_bits / p.total_params, (p.fixed_bytes + spent_bits / 8) / 2**20
+    )
 
 
 def for_bits(p: Problem, bits_per_weight: float) -> Allocation:
     """`--bits B`: at most B stored bits per quantizable weight on average."""
     cheapest, _ = p.bounds()
     if bits_per_weight * p.total_params < cheapest - 1e-6:
-        raise UserError(f"--bits {bits_per_weight:g}: below {cheapest / p.total_params:.3f}, what the cheapest scheme "
-                        "that fits each layer needs (scales included); give a larger budget or a cheaper scheme")
+        raise UserError(
+            f"--bits {bits_per_weight:g}: below {cheapest / p.total_params:.3f}, what the cheapest scheme "
+            "that fits each layer needs (scales included); give a larger budget or a cheaper scheme"
+        )
     return solve(p, bits_per_weight * p.total_params)
 
 
@@ -141,6 +147,8 @@ def for_size(p: Problem, size_mb: float) -> Allocation:
     cheapest, _ = p.bounds()
     smallest = (p.fixed_bytes + cheapest / 8) / 2**20
     if size_mb < smallest - 1e-9:
-        raise UserError(f"--max-size-mb {size_mb:g}: below {smallest:.1f} MiB, the smallest checkpoint the schemes "
-                        f"allow ({p.fixed_bytes / 2**20:.1f} MiB of it are embeddings and norms, never quantized here)")
+        raise UserError(
+            f"--max-size-mb {size_mb:g}: below {smallest:.1f} MiB, the smallest checkpoint the schemes "
+            f"allow ({p.fixed_bytes / 2**20:.1f} MiB of it are embeddings and norms, never quantized here)"
+        )
     return solve(p, p.bits_for_size(size_mb))

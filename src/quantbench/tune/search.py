@@ -137,22 +137,33 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     template, *alternatives = [_template(name) for name in [request.template, *request.alternatives]]
     spec = template.recipe.quantize
     for other in alternatives:
-        if other.recipe.model.source != template.recipe.model.source or other.recipe.model.dtype != template.recipe.model.dtype \
-                or other.recipe.quantize.ignore != spec.ignore:
-            raise UserError(f"--from {other.name}: every template must name the same model, dtype and ignore list as "
-                            f"{template.name} (the allocation is made for one model)")
+        if (
+            other.recipe.model.source != template.recipe.model.source
+            or other.recipe.model.dtype != template.recipe.model.dtype
+            or other.recipe.quantize.ignore != spec.ignore
+        ):
+            raise UserError(
+                f"--from {other.name}: every template must name the same model, dtype and ignore list as "
+                f"{template.name} (the allocation is made for one model)"
+            )
     base = models.resolve(template.recipe.model.source, experiment=experiment)
     config = AutoConfig.from_pretrained(base.path)
     shapes = linear_layers(config)
     taken = schemes.assign(list(shapes), "quantized", {}, spec.ignore)
     unquantized = {n for n in shapes if taken[n] == "BF16"}  # the template's ignore list stays ignored
-    stuck = {n: s for n, s in shapes.items() if n not in unquantized and not any(schemes.get(x).fits(s[0]) for x in names)}
+    stuck = {
+        n: s for n, s in shapes.items() if n not in unquantized and not any(schemes.get(x).fits(s[0]) for x in names)
+    }
     if stuck:
         widths = sorted({s[0] for s in stuck.values()})
-        groups = ", ".join(f"{x} needs a multiple of {schemes.get(x).group_size}" for x in names if schemes.get(x).group_size)
-        raise UserError(f"--schemes: no scheme of {', '.join(names)} fits {len(stuck)} layer(s) of {base.source} "
-                        f"(input widths {', '.join(map(str, widths))}, e.g. {next(iter(stuck))}; {groups}). Add one "
-                        "that fits: W4A16-G32, a per-channel scheme (W8A8, W8A16, FP8) or BF16")
+        groups = ", ".join(
+            f"{x} needs a multiple of {schemes.get(x).group_size}" for x in names if schemes.get(x).group_size
+        )
+        raise UserError(
+            f"--schemes: no scheme of {', '.join(names)} fits {len(stuck)} layer(s) of {base.source} "
+            f"(input widths {', '.join(map(str, widths))}, e.g. {next(iter(stuck))}; {groups}). Add one "
+            "that fits: W4A16-G32, a per-channel scheme (W8A8, W8A16, FP8) or BF16"
+        )
     # the templates' own group sizes do not matter (each candidate gets its schemes); what the
     # method needs of the model's shapes does (SpinQuant's rotation sizes)
     from quantbench.quantize.llmcompressor import rotation_problems
@@ -164,21 +175,42 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     fixed_bytes = _fixed_bytes(base.path, shapes, dtype_bits)
     _check_budget(request, names, shapes, unquantized, dtype_bits, fixed_bytes)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
-    key = {"policy": policy.sha, "template": template.sha, "schemes": sorted(names),
-           **({"alternatives": [t.sha for t in alternatives]} if alternatives else {}), "bits": request.bits,
-           "max_size_mb": request.max_size_mb, "budget_runs": request.budget_runs, "base": base.fingerprint,
-           "sensitivity": asdict(request.sensitivity)}
+    key = {
+        "policy": policy.sha,
+        "template": template.sha,
+        "schemes": sorted(names),
+        **({"alternatives": [t.sha for t in alternatives]} if alternatives else {}),
+        "bits": request.bits,
+        "max_size_mb": request.max_size_mb,
+        "budget_runs": request.budget_runs,
+        "base": base.fingerprint,
+        "sensitivity": asdict(request.sensitivity),
+    }
     tune_id = canonical_sha(key)[:12]
-    return Plan(request, policy, template, alternatives, base, tokenizer, shapes, unquantized, dtype_bits, fixed_bytes, tune_id,
-                outputs / "tune" / f"{policy.name}-{tune_id}")
+    return Plan(
+        request,
+        policy,
+        template,
+        alternatives,
+        base,
+        tokenizer,
+        shapes,
+        unquantized,
+        dtype_bits,
+        fixed_bytes,
+        tune_id,
+        outputs / "tune" / f"{policy.name}-{tune_id}",
+    )
 
 
 def _template(name: str) -> LoadedRecipe:
     loaded = load_recipe(resolve_recipe_path(name))
     spec = loaded.recipe.quantize
     if spec.method not in MIXED_METHODS or getattr(spec, "format", "compressed-tensors") != "compressed-tensors":
-        raise UserError(f"--from {name}: method {spec.method} cannot take per-layer schemes; a tune needs a "
-                        f"recipe of method {', '.join(MIXED_METHODS)} (compressed-tensors)")
+        raise UserError(
+            f"--from {name}: method {spec.method} cannot take per-layer schemes; a tune needs a "
+            f"recipe of method {', '.join(MIXED_METHODS)} (compressed-tensors)"
+        )
     return loaded
 
 
@@ -197,29 +229,44 @@ def _fixed_bytes(path: Path, shapes: dict, dtype_bits: int) -> float:
     return (sum(seen.values()) - quantizable) * dtype_bits / 8
 
 
-def _check_budget(request: Request, names: list[str], shapes: dict, unquantized: set[str], dtype_bits: int,
-                  fixed_bytes: float) -> None:
-    cheapest = sum(min(schemes.get(x).bits(i, o, dtype_bits, b) * i * o
-                       for x in (["BF16"] if n in unquantized else names) if schemes.get(x).fits(i))
-                   for n, (i, o, b) in shapes.items())
+def _check_budget(
+    request: Request, names: list[str], shapes: dict, unquantized: set[str], dtype_bits: int, fixed_bytes: float
+) -> None:
+    cheapest = sum(
+        min(
+            schemes.get(x).bits(i, o, dtype_bits, b) * i * o
+            for x in (["BF16"] if n in unquantized else names)
+            if schemes.get(x).fits(i)
+        )
+        for n, (i, o, b) in shapes.items()
+    )
     params = sum(i * o for i, o, _ in shapes.values())
     if request.bits is not None and request.bits * params < cheapest - 1e-6:
-        raise UserError(f"--bits {request.bits:g}: below {cheapest / params:.3f}, what the cheapest of "
-                        f"{', '.join(names)} takes on every layer (scales included); raise it or add a cheaper scheme")
+        raise UserError(
+            f"--bits {request.bits:g}: below {cheapest / params:.3f}, what the cheapest of "
+            f"{', '.join(names)} takes on every layer (scales included); raise it or add a cheaper scheme"
+        )
     if request.max_size_mb is not None:
         smallest = (fixed_bytes + cheapest / 8) / 2**20
         if request.max_size_mb < smallest - 1e-9:
-            raise UserError(f"--max-size-mb {request.max_size_mb:g}: below {smallest:.1f} MiB, the smallest checkpoint "
-                            f"{', '.join(names)} allow ({fixed_bytes / 2**20:.1f} MiB of it embeddings and norms, "
-                            "which a tune does not quantize)")
+            raise UserError(
+                f"--max-size-mb {request.max_size_mb:g}: below {smallest:.1f} MiB, the smallest checkpoint "
+                f"{', '.join(names)} allow ({fixed_bytes / 2**20:.1f} MiB of it embeddings and norms, "
+                "which a tune does not quantize)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
 # Candidates: an allocation written as a recipe file
 
 
-def write_recipe(plan: Plan, alloc: allocate.Allocation, units: list[sensitivity.Unit], parent: str,
-                 template: LoadedRecipe | None = None) -> tuple[Path, str, str]:
+def write_recipe(
+    plan: Plan,
+    alloc: allocate.Allocation,
+    units: list[sensitivity.Unit],
+    parent: str,
+    template: LoadedRecipe | None = None,
+) -> tuple[Path, str, str]:
     """The allocation as a recipe file in the tune's directory: the template (by default the
     tune's first) with `layers:` (the most common scheme the method can take as its own becomes the
     recipe's `scheme`); returns (path, name, sha)."""
@@ -244,14 +291,18 @@ def write_recipe(plan: Plan, alloc: allocate.Allocation, units: list[sensitivity
         doc["bench"] = {"profile": "cpu-smoke", "backend": "auto"}
     counts = ", ".join(f"{n} x {s}" for s, n in sorted(alloc.counts().items(), key=lambda x: -x[1]))
     name = f"{template.name}-mixed-{alloc.bits_per_weight:.3f}b"
-    doc["description"] = (f"{template.name} with per-layer schemes by `quantbench tune --policy {plan.policy.name}`: "
-                          f"{alloc.bits_per_weight:.3f} bits per weight ({counts} units)")
+    doc["description"] = (
+        f"{template.name} with per-layer schemes by `quantbench tune --policy {plan.policy.name}`: "
+        f"{alloc.bits_per_weight:.3f} bits per weight ({counts} units)"
+    )
     path = plan.directory / "recipes" / f"{name}.yaml"
-    header = (f"# Run: make quantize RECIPE={path}\n"
-              f"# Made by `quantbench tune --policy {plan.policy.name}` (tune {plan.tune_id}, MLflow parent run {parent})\n"
-              f"# from recipe {template.path}: predicted KLD {alloc.predicted_kld:.4g} (sum of the units' sensitivities "
-              f"on calibration text),\n# predicted size {alloc.size_mb:.1f} MiB, {alloc.bits_per_weight:.3f} bits per "
-              f"quantizable weight. Units: {counts}.\n")
+    header = (
+        f"# Run: make quantize RECIPE={path}\n"
+        f"# Made by `quantbench tune --policy {plan.policy.name}` (tune {plan.tune_id}, MLflow parent run {parent})\n"
+        f"# from recipe {template.path}: predicted KLD {alloc.predicted_kld:.4g} (sum of the units' sensitivities "
+        f"on calibration text),\n# predicted size {alloc.size_mb:.1f} MiB, {alloc.bits_per_weight:.3f} bits per "
+        f"quantizable weight. Units: {counts}.\n"
+    )
     text = header + yaml.safe_dump(doc, sort_keys=False, width=200)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, text)
@@ -262,8 +313,13 @@ def write_recipe(plan: Plan, alloc: allocate.Allocation, units: list[sensitivity
 def _own_scheme(method: str, layers_of: dict[str, list[str]]) -> tuple[str, int | None, bool] | None:
     """The most common chosen scheme a recipe of `method` can name as its own (scheme, group_size,
     symmetric)."""
-    own = {"W4A16-G64": ("W4A16", 64, True), "W4A16-G32": ("W4A16", 32, True), "W4A16-G64-ASYM": ("W4A16", 64, False),
-           "W4A16-G32-ASYM": ("W4A16", 32, False), "W8A16": ("W8A16", None, True)}
+    own = {
+        "W4A16-G64": ("W4A16", 64, True),
+        "W4A16-G32": ("W4A16", 32, True),
+        "W4A16-G64-ASYM": ("W4A16", 64, False),
+        "W4A16-G32-ASYM": ("W4A16", 32, False),
+        "W8A16": ("W8A16", None, True),
+    }
     if method == "rtn":
         own["W8A8"] = ("W8A8", None, True)
     ranked = sorted(layers_of, key=lambda s: -len(layers_of[s]))
@@ -313,8 +369,9 @@ class JobOutcome:
     reason: str = ""
 
 
-def run_quantize_jobs(jobs: list[QuantizeJob], *, executor, tracker: Tracker, outputs: Path,
-                      parent: str | None) -> list[JobOutcome]:
+def run_quantize_jobs(
+    jobs: list[QuantizeJob], *, executor, tracker: Tracker, outputs: Path, parent: str | None
+) -> list[JobOutcome]:
     """Run `quantbench quantize RECIPE --json` for each job, one after the other, through the
     sweep's attempt loop (`executor.Runner`): here as a child process, or on a Ray node
     (`executor`), each child's run carrying `job.tags` and the parent run id, its output into
@@ -325,11 +382,19 @@ def run_quantize_jobs(jobs: list[QuantizeJob], *, executor, tracker: Tracker, ou
     outcomes = []
     for job in jobs:
         job.log.parent.mkdir(parents=True, exist_ok=True)
-        task = Job(job.name, str(job.recipe), [], job.name, tags=job.tags,
-                   resources=load_recipe(job.recipe).resources())
-        runner = Runner(executor, Limits(timeout_s=CANDIDATE_TIMEOUT_S, retries=0, backoff_s=0, concurrency=1),
-                        tracker=tracker, experiment=tracker.experiment, outputs=outputs, logs=job.log.parent,
-                        parent=parent, label="tune")
+        task = Job(
+            job.name, str(job.recipe), [], job.name, tags=job.tags, resources=load_recipe(job.recipe).resources()
+        )
+        runner = Runner(
+            executor,
+            Limits(timeout_s=CANDIDATE_TIMEOUT_S, retries=0, backoff_s=0, concurrency=1),
+            tracker=tracker,
+            experiment=tracker.experiment,
+            outputs=outputs,
+            logs=job.log.parent,
+            parent=parent,
+            label="tune",
+        )
         runner.run([task])
         attempt = task.attempts[-1]
         Path(attempt["log"]).replace(job.log)  # the candidate's log where the tune's state names it
@@ -343,8 +408,17 @@ def run_quantize_jobs(jobs: list[QuantizeJob], *, executor, tracker: Tracker, ou
 
 
 class Search:
-    def __init__(self, plan: Plan, tracker: Tracker, sens: sensitivity.Sensitivity, parent, experiment: str,
-                 outputs: Path, state: dict, executor):
+    def __init__(
+        self,
+        plan: Plan,
+        tracker: Tracker,
+        sens: sensitivity.Sensitivity,
+        parent,
+        experiment: str,
+        outputs: Path,
+        state: dict,
+        executor,
+    ):
         self.plan, self.tracker, self.sens, self.parent, self.executor = plan, tracker, sens, parent, executor
         self.experiment, self.outputs, self.state = experiment, outputs, state
         self.problem = allocate.problem(sens, plan.request.schemes, plan.dtype_bits, plan.fixed_bytes, plan.unquantized)
@@ -357,7 +431,9 @@ class Search:
             self.measure(allocate.for_bits(self.problem, request.bits), request.bits * self.problem.total_params)
             return
         if request.max_size_mb is not None:
-            self.measure(allocate.for_size(self.problem, request.max_size_mb), self.problem.bits_for_size(request.max_size_mb))
+            self.measure(
+                allocate.for_size(self.problem, request.max_size_mb), self.problem.bits_for_size(request.max_size_mb)
+            )
             return
         cheapest, best = self.problem.bounds()
         lo, hi = cheapest, best  # bits: lo fails (assumed until measured), hi passes (assumed)
@@ -367,8 +443,10 @@ class Search:
             target = self._target(limit, lo, hi, lo_measured, hi_measured)
             alloc = allocate.solve(self.problem, target)
             if any(_same(alloc, c) for c in self.candidates):
-                log.info("tune: the allocation at %.3f bits/weight was measured already; the search has converged",
-                         target / self.problem.total_params)
+                log.info(
+                    "tune: the allocation at %.3f bits/weight was measured already; the search has converged",
+                    target / self.problem.total_params,
+                )
                 break
             cand = self.measure(alloc, target)
             if cand.status == "failed":
@@ -378,8 +456,10 @@ class Search:
             else:
                 lo, lo_measured = alloc.bits, True
                 if alloc.bits >= best - 1e-6:
-                    log.info("tune: even the allocation with the least predicted KLD fails the policy's quality checks; "
-                             "more bits cannot help with these schemes")
+                    log.info(
+                        "tune: even the allocation with the least predicted KLD fails the policy's quality checks; "
+                        "more bits cannot help with these schemes"
+                    )
                     break
             if hi_measured and (hi - lo) / self.problem.total_params < TOLERANCE_BITS:
                 break
@@ -430,15 +510,22 @@ class Search:
             return
         alloc = self.allocations[chosen.sha]
         for template in self.plan.alternatives:
-            log.info("tune: the chosen allocation (%.3f bits/weight) with %s (method %s)", alloc.bits_per_weight, template.name,
-                     template.recipe.quantize.method)
+            log.info(
+                "tune: the chosen allocation (%.3f bits/weight) with %s (method %s)",
+                alloc.bits_per_weight,
+                template.name,
+                template.recipe.quantize.method,
+            )
             self.measure(alloc, chosen.budget_bits, template)
 
-    def measure(self, alloc: allocate.Allocation, budget_bits: float, template: LoadedRecipe | None = None) -> Candidate:
+    def measure(
+        self, alloc: allocate.Allocation, budget_bits: float, template: LoadedRecipe | None = None
+    ) -> Candidate:
         path, name, sha = write_recipe(self.plan, alloc, self.sens.units, self.parent.run_id, template)
         self.allocations[sha] = alloc
-        cand = Candidate(name, str(path), sha, budget_bits, alloc.predicted_kld, alloc.size_mb, alloc.bits_per_weight,
-                         alloc.counts())
+        cand = Candidate(
+            name, str(path), sha, budget_bits, alloc.predicted_kld, alloc.size_mb, alloc.bits_per_weight, alloc.counts()
+        )
         self.candidates.append(cand)
         step = len(self.candidates)
         done = self.tracker.find_runs({TAG + "recipe_sha": sha})
@@ -446,13 +533,24 @@ class Search:
             cand.run_id, cand.status = done[0], "reused"
             log.info("tune [%d] %s: measured before (run %s)", step, name, done[0])
         else:
-            log.info("tune [%d] %s: predicted KLD %.4g, %.3f bits/weight, %.1f MiB -> quantize, evaluate, bench", step, name,
-                     alloc.predicted_kld, alloc.bits_per_weight, alloc.size_mb)
-            job = QuantizeJob(name, path, self.plan.directory / "logs" / f"{name}.log",
-                              {TAG + "tune": self.plan.tune_id, TAG + "tune_policy": self.plan.policy.name})
+            log.info(
+                "tune [%d] %s: predicted KLD %.4g, %.3f bits/weight, %.1f MiB -> quantize, evaluate, bench",
+                step,
+                name,
+                alloc.predicted_kld,
+                alloc.bits_per_weight,
+                alloc.size_mb,
+            )
+            job = QuantizeJob(
+                name,
+                path,
+                self.plan.directory / "logs" / f"{name}.log",
+                {TAG + "tune": self.plan.tune_id, TAG + "tune_policy": self.plan.policy.name},
+            )
             self._save(status=f"running {name}")
-            outcome = run_quantize_jobs([job], executor=self.executor, tracker=self.tracker, outputs=self.outputs,
-                                        parent=self.parent.run_id)[0]
+            outcome = run_quantize_jobs(
+                [job], executor=self.executor, tracker=self.tracker, outputs=self.outputs, parent=self.parent.run_id
+            )[0]
             cand.wall_s = outcome.wall_s
             if outcome.result is None:
                 cand.status, cand.reason = "failed", outcome.reason
@@ -469,14 +567,29 @@ class Search:
         cand.quality_passed = all(c.passed for c in checks if not _beyond_bits(c.check))
         run.log_metrics({"tune/predicted_kld": alloc.predicted_kld, "tune/predicted_size_mb": alloc.size_mb})
         measured = cand.metrics.get("quality/kld_mean")
-        self.parent.log_metrics({k: v for k, v in {
-            "tune/predicted_kld": alloc.predicted_kld, "tune/measured_kld": measured,
-            "tune/bits_per_weight": cand.metrics.get("model/bits_per_weight"), "tune/size_mb": cand.metrics.get("model/size_mb"),
-            "tune/passed": float(cand.passed)}.items() if v is not None}, step=step)
-        log.info("tune [%d] %s: measured KLD %s (predicted %.4g), %s MiB: %s", step, name,
-                 f"{measured:.4g}" if measured is not None else "—", alloc.predicted_kld,
-                 f"{cand.metrics.get('model/size_mb', float('nan')):.1f}",
-                 "PASS" if cand.passed else "fails " + ", ".join(c["check"] for c in cand.failed_checks()))
+        self.parent.log_metrics(
+            {
+                k: v
+                for k, v in {
+                    "tune/predicted_kld": alloc.predicted_kld,
+                    "tune/measured_kld": measured,
+                    "tune/bits_per_weight": cand.metrics.get("model/bits_per_weight"),
+                    "tune/size_mb": cand.metrics.get("model/size_mb"),
+                    "tune/passed": float(cand.passed),
+                }.items()
+                if v is not None
+            },
+            step=step,
+        )
+        log.info(
+            "tune [%d] %s: measured KLD %s (predicted %.4g), %s MiB: %s",
+            step,
+            name,
+            f"{measured:.4g}" if measured is not None else "—",
+            alloc.predicted_kld,
+            f"{cand.metrics.get('model/size_mb', float('nan')):.1f}",
+            "PASS" if cand.passed else "fails " + ", ".join(c["check"] for c in cand.failed_checks()),
+        )
         self._save()
         return cand
 
@@ -495,7 +608,10 @@ def _beyond_bits(check: str) -> bool:
 
 
 def _same(alloc: allocate.Allocation, cand: Candidate) -> bool:
-    return abs(alloc.bits_per_weight - cand.bits_per_weight) < 1e-9 and abs(alloc.predicted_kld - cand.predicted_kld) < 1e-12
+    return (
+        abs(alloc.bits_per_weight - cand.bits_per_weight) < 1e-9
+        and abs(alloc.predicted_kld - cand.predicted_kld) < 1e-12
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,8 +647,12 @@ def shipped_references(tracker: Tracker, base_fingerprint: str) -> list:
     newest = {}
     for r in tracker.search({TAG + "role": "candidate", TAG + "base_fingerprint": base_fingerprint}):
         recipe = r.data.tags.get(TAG + "recipe")
-        if recipe in shipped and TAG + "tune" not in r.data.tags and "quality/kld_mean" in r.data.metrics \
-                and recipe not in newest:
+        if (
+            recipe in shipped
+            and TAG + "tune" not in r.data.tags
+            and "quality/kld_mean" in r.data.metrics
+            and recipe not in newest
+        ):
             newest[recipe] = r
     return list(newest.values())
 
@@ -543,23 +663,54 @@ def frontier(candidates: list[Candidate], references: list, policy: str) -> list
     points = []
     for c in candidates:
         if c.run_id and "quality/kld_mean" in c.metrics and "model/size_mb" in c.metrics:
-            points.append({"kind": "tuned", "run_id": c.run_id, "recipe": c.recipe, "name": c.name, "passed": c.passed,
-                           "size_mb": c.metrics["model/size_mb"], "kld": c.metrics["quality/kld_mean"],
-                           "bits_per_weight": c.metrics.get("model/bits_per_weight"), "predicted_kld": c.predicted_kld,
-                           "decode_speedup": c.metrics.get("speedup/decode_tok_s")})
+            points.append(
+                {
+                    "kind": "tuned",
+                    "run_id": c.run_id,
+                    "recipe": c.recipe,
+                    "name": c.name,
+                    "passed": c.passed,
+                    "size_mb": c.metrics["model/size_mb"],
+                    "kld": c.metrics["quality/kld_mean"],
+                    "bits_per_weight": c.metrics.get("model/bits_per_weight"),
+                    "predicted_kld": c.predicted_kld,
+                    "decode_speedup": c.metrics.get("speedup/decode_tok_s"),
+                }
+            )
     for r in references:
         m = r.data.metrics
         if "model/size_mb" in m:
-            points.append({"kind": "shipped", "run_id": r.info.run_id, "recipe": r.data.tags.get(TAG + "recipe"),
-                           "name": r.data.tags.get(TAG + "recipe"), "passed": r.data.tags.get(f"{TAG}gate.{policy}") == "pass",
-                           "size_mb": m["model/size_mb"], "kld": m["quality/kld_mean"],
-                           "bits_per_weight": m.get("model/bits_per_weight"), "predicted_kld": None,
-                           "decode_speedup": m.get("speedup/decode_tok_s")})
+            points.append(
+                {
+                    "kind": "shipped",
+                    "run_id": r.info.run_id,
+                    "recipe": r.data.tags.get(TAG + "recipe"),
+                    "name": r.data.tags.get(TAG + "recipe"),
+                    "passed": r.data.tags.get(f"{TAG}gate.{policy}") == "pass",
+                    "size_mb": m["model/size_mb"],
+                    "kld": m["quality/kld_mean"],
+                    "bits_per_weight": m.get("model/bits_per_weight"),
+                    "predicted_kld": None,
+                    "decode_speedup": m.get("speedup/decode_tok_s"),
+                }
+            )
     for p in points:
-        p["frontier"] = not any(q is not p and q["size_mb"] <= p["size_mb"] and q["kld"] <= p["kld"]
-                                and (q["size_mb"] < p["size_mb"] or q["kld"] < p["kld"]) for q in points)
-        p["dominated_by"] = [q["name"] for q in points if q["kind"] == "shipped" and q["size_mb"] < p["size_mb"]
-                             and q["kld"] < p["kld"]] if p["kind"] == "tuned" else []
+        p["frontier"] = not any(
+            q is not p
+            and q["size_mb"] <= p["size_mb"]
+            and q["kld"] <= p["kld"]
+            and (q["size_mb"] < p["size_mb"] or q["kld"] < p["kld"])
+            for q in points
+        )
+        p["dominated_by"] = (
+            [
+                q["name"]
+                for q in points
+                if q["kind"] == "shipped" and q["size_mb"] < p["size_mb"] and q["kld"] < p["kld"]
+            ]
+            if p["kind"] == "tuned"
+            else []
+        )
     return sorted(points, key=lambda p: p["size_mb"])
 
 
@@ -580,7 +731,9 @@ def plot_frontier(points: list[dict], path: Path, title: str) -> Path:
         for p in shown:
             tuned = p["kind"] == "tuned"
             color = ("tab:green" if p["passed"] else "tab:orange") if tuned else "tab:gray"
-            ax.scatter([p[x_key]], [p["kld"]], s=60 if tuned else 45, color=color, marker="o" if tuned else "s", zorder=3)
+            ax.scatter(
+                [p[x_key]], [p["kld"]], s=60 if tuned else 45, color=color, marker="o" if tuned else "s", zorder=3
+            )
             label = f"{p['bits_per_weight']:.2f} b/w" if tuned and p.get("bits_per_weight") else p["name"]
             ax.annotate(label, (p[x_key], p["kld"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
         if x_key == "size_mb":
@@ -618,8 +771,11 @@ def answer(candidates: list[Candidate]) -> tuple[Candidate | None, list[dict]]:
     if passing:
         return min(passing, key=size), []
     quality = [c for c in measured if c.quality_passed]
-    best = min(quality, key=size) if quality else \
-        min(measured, key=lambda c: (len(c.failed_checks()), c.metrics.get("quality/kld_mean", math.inf)))
+    best = (
+        min(quality, key=size)
+        if quality
+        else min(measured, key=lambda c: (len(c.failed_checks()), c.metrics.get("quality/kld_mean", math.inf)))
+    )
     unmet = []
     for i, check in enumerate(measured[0].checks):
         if any(c.checks[i]["passed"] for c in measured if len(c.checks) > i):
@@ -660,26 +816,51 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
     request = plan.request
     state = _read_state(plan.directory)
     _reap_children(tracker, plan.tune_id)
-    sens = sensitivity.get(tracker, plan.base, plan.tokenizer, request.schemes, plan.template.recipe.calibration,
-                           request.sensitivity)
+    sens = sensitivity.get(
+        tracker, plan.base, plan.tokenizer, request.schemes, plan.template.recipe.calibration, request.sensitivity
+    )
     parent_id = state.get("parent_run")
     resumed = bool(parent_id and tracker.existing(parent_id) is not None)
-    tags = {TAG + "role": "tune", TAG + "tune": plan.tune_id, TAG + "tune_policy": plan.policy.name,
-            TAG + "base_model": plan.base.source, TAG + "base_fingerprint": plan.base.fingerprint,
-            TAG + "recipe": plan.template.name, TAG + "sensitivity_run": sens.run_id,
-            "mlflow.note.content": f"`quantbench tune --policy {plan.policy.name}` from recipe `{plan.template.name}` on "
-                                   f"`{plan.base.source}`: per-layer schemes from {', '.join(request.schemes)}."}
-    run_ = tracker.resume_run(parent_id) if resumed else \
-        tracker.start_run(f"tune · {plan.policy.name} · {models.short_name(plan.base.source)}", tags)
-    state = {"tune": plan.tune_id, "parent_run": run_.run_id, "policy": plan.policy.name, "candidates": [], "status": ""}
+    tags = {
+        TAG + "role": "tune",
+        TAG + "tune": plan.tune_id,
+        TAG + "tune_policy": plan.policy.name,
+        TAG + "base_model": plan.base.source,
+        TAG + "base_fingerprint": plan.base.fingerprint,
+        TAG + "recipe": plan.template.name,
+        TAG + "sensitivity_run": sens.run_id,
+        "mlflow.note.content": f"`quantbench tune --policy {plan.policy.name}` from recipe `{plan.template.name}` on "
+        f"`{plan.base.source}`: per-layer schemes from {', '.join(request.schemes)}.",
+    }
+    run_ = (
+        tracker.resume_run(parent_id)
+        if resumed
+        else tracker.start_run(f"tune · {plan.policy.name} · {models.short_name(plan.base.source)}", tags)
+    )
+    state = {
+        "tune": plan.tune_id,
+        "parent_run": run_.run_id,
+        "policy": plan.policy.name,
+        "candidates": [],
+        "status": "",
+    }
     _write_state(plan.directory, state)
     with run_:
         if not resumed:
-            run_.log_params({"tune": {"policy": plan.policy.name, "template": str(plan.template.path),
-                                      "alternatives": ",".join(str(t.path) for t in plan.alternatives),
-                                      "schemes": ",".join(request.schemes), "bits": request.bits,
-                                      "max_size_mb": request.max_size_mb, "budget_runs": request.budget_runs,
-                                      "sensitivity": request.sensitivity.method}})
+            run_.log_params(
+                {
+                    "tune": {
+                        "policy": plan.policy.name,
+                        "template": str(plan.template.path),
+                        "alternatives": ",".join(str(t.path) for t in plan.alternatives),
+                        "schemes": ",".join(request.schemes),
+                        "bits": request.bits,
+                        "max_size_mb": request.max_size_mb,
+                        "budget_runs": request.budget_runs,
+                        "sensitivity": request.sensitivity.method,
+                    }
+                }
+            )
         search = Search(plan, tracker, sens, run_, tracker.experiment, outputs, state, executor)
         search.budgets()
         search.alternatives()
@@ -691,8 +872,11 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
             verdict = gate.run(best.run_id, str(plan.policy.path), experiment=tracker.experiment)
         summary = _summary(plan, sens, search.candidates, best, unmet, points, verdict, run_.run_id, resumed)
         out = plan.directory
-        plot_frontier(points, out / "frontier.png", f"tune {plan.policy.name} · {models.short_name(plan.base.source)}: "
-                                                    "size vs KLD")
+        plot_frontier(
+            points,
+            out / "frontier.png",
+            f"tune {plan.policy.name} · {models.short_name(plan.base.source)}: size vs KLD",
+        )
         (out / "tune.json").write_text(json.dumps(summary, indent=2, default=str))
         (out / "tune.txt").write_text(text(summary) + "\n")
         run_.log_artifact(out / "tune.json", "tune")
@@ -700,13 +884,22 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
         run_.log_artifact(out / "frontier.png", "tune")
         for c in search.candidates:
             run_.log_artifact(Path(c.recipe), "tune/recipes")
-        run_.set_tags({TAG + "tune_best_run": best.run_id if best else "", TAG + "tune_passed": str(summary["passed"]).lower(),
-                       TAG + "tune_runs": ",".join(c.run_id for c in search.candidates if c.run_id)})
+        run_.set_tags(
+            {
+                TAG + "tune_best_run": best.run_id if best else "",
+                TAG + "tune_passed": str(summary["passed"]).lower(),
+                TAG + "tune_runs": ",".join(c.run_id for c in search.candidates if c.run_id),
+            }
+        )
         final = {"tune/candidates": len(search.candidates), "tune/passed_final": float(summary["passed"])}
         if best is not None:
-            final.update({"tune/best_size_mb": best.metrics.get("model/size_mb", math.nan),
-                          "tune/best_kld": best.metrics.get("quality/kld_mean", math.nan),
-                          "tune/best_bits_per_weight": best.metrics.get("model/bits_per_weight", math.nan)})
+            final.update(
+                {
+                    "tune/best_size_mb": best.metrics.get("model/size_mb", math.nan),
+                    "tune/best_kld": best.metrics.get("quality/kld_mean", math.nan),
+                    "tune/best_bits_per_weight": best.metrics.get("model/bits_per_weight", math.nan),
+                }
+            )
         run_.log_metrics({k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))})
         state["status"] = "done"
         _write_state(plan.directory, state)
@@ -725,7 +918,9 @@ def _reap_children(tracker: Tracker, tune_id: str) -> None:
                 os.killpg(int(owner.split()[1]), signal.SIGKILL)
             except (ProcessLookupError, PermissionError, ValueError):
                 pass
-        tracker.fail_run(r.info.run_id, f"left RUNNING by a tune that died (job process {owner or '?'}); marked FAILED on resume")
+        tracker.fail_run(
+            r.info.run_id, f"left RUNNING by a tune that died (job process {owner or '?'}); marked FAILED on resume"
+        )
 
 
 def _summary(plan, sens, candidates, best, unmet, points, verdict, parent, resumed) -> dict:
@@ -743,40 +938,61 @@ def _summary(plan, sens, candidates, best, unmet, points, verdict, parent, resum
         "sensitivity_run": sens.run_id,
         "sensitivity_reused": sens.reused,
         "frontier": points,
-        "candidates": [{k: v for k, v in asdict(c).items() if k != "checks"} | {"failed_checks": [x["check"] for x in c.failed_checks()]}
-                       for c in candidates],
+        "candidates": [
+            {k: v for k, v in asdict(c).items() if k != "checks"}
+            | {"failed_checks": [x["check"] for x in c.failed_checks()]}
+            for c in candidates
+        ],
         "directory": str(plan.directory),
     }
 
 
 def text(summary: dict) -> str:
     """What `quantbench tune` prints: the candidates, the frontier, the answer."""
-    rows = [f"{'#':>2s} {'candidate':38s} {'status':8s} {'bits/w':>7s} {'MiB':>7s} {'KLD pred':>9s} {'KLD':>8s} "
-            f"{'decode x':>8s}  verdict"]
+    rows = [
+        f"{'#':>2s} {'candidate':38s} {'status':8s} {'bits/w':>7s} {'MiB':>7s} {'KLD pred':>9s} {'KLD':>8s} "
+        f"{'decode x':>8s}  verdict"
+    ]
     for i, c in enumerate(summary["candidates"], 1):
         m = c["metrics"]
         cell = lambda k, f: format(m[k], f) if k in m else "—"  # noqa: E731
-        verdict = "pass" if c["passed"] else ("fails " + ", ".join(c["failed_checks"]) if c["failed_checks"] else c["reason"])
-        rows.append(f"{i:2d} {c['name'][:38]:38s} {c['status']:8s} {cell('model/bits_per_weight', '7.3f'):>7s} "
-                    f"{cell('model/size_mb', '7.1f'):>7s} {c['predicted_kld']:9.4f} {cell('quality/kld_mean', '8.4f'):>8s} "
-                    f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {verdict}")
+        verdict = (
+            "pass" if c["passed"] else ("fails " + ", ".join(c["failed_checks"]) if c["failed_checks"] else c["reason"])
+        )
+        rows.append(
+            f"{i:2d} {c['name'][:38]:38s} {c['status']:8s} {cell('model/bits_per_weight', '7.3f'):>7s} "
+            f"{cell('model/size_mb', '7.1f'):>7s} {c['predicted_kld']:9.4f} {cell('quality/kld_mean', '8.4f'):>8s} "
+            f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {verdict}"
+        )
     shipped = [p for p in summary["frontier"] if p["kind"] == "shipped"]
     if shipped:
-        rows.append("shipped uniform recipes (reference): " + "; ".join(
-            f"{p['name']} {p['size_mb']:.1f} MiB KLD {p['kld']:.4f}" for p in shipped))
+        rows.append(
+            "shipped uniform recipes (reference): "
+            + "; ".join(f"{p['name']} {p['size_mb']:.1f} MiB KLD {p['kld']:.4f}" for p in shipped)
+        )
     if summary["best_run"] is None:
         rows.append("no candidate was measured")
     elif summary["passed"]:
-        rows.append(f"PASS: {summary['best_run']} ({summary['recipe']}) passes {summary['policy']}"
-                    + (f"; registered {summary['registered']['model']} v{summary['registered']['version']} -> "
-                       f"alias '{summary['registered']['alias']}'" if summary.get("registered") else ""))
+        rows.append(
+            f"PASS: {summary['best_run']} ({summary['recipe']}) passes {summary['policy']}"
+            + (
+                f"; registered {summary['registered']['model']} v{summary['registered']['version']} -> "
+                f"alias '{summary['registered']['alias']}'"
+                if summary.get("registered")
+                else ""
+            )
+        )
     else:
-        rows.append(f"no candidate passes {summary['policy']}; best: {summary['best_run']} ({summary['recipe']}), which "
-                    f"still fails: {', '.join(c['check'] for c in summary['failed_checks'])}")
+        rows.append(
+            f"no candidate passes {summary['policy']}; best: {summary['best_run']} ({summary['recipe']}), which "
+            f"still fails: {', '.join(c['check'] for c in summary['failed_checks'])}"
+        )
         for u in summary["unmet_checks"]:
             closest = u["closest"]
             got = f"closest {closest['value']:.4g} ({closest['name']})" if closest else "never measured"
             rows.append(f"  no candidate met {u['check']} {u['threshold']}: {got}")
-    rows.append(f"parent run: {summary['parent_run']}   sensitivity run: {summary['sensitivity_run']}"
-                f"{' (reused)' if summary['sensitivity_reused'] else ''}   outputs: {summary['directory']}")
+    rows.append(
+        f"parent run: {summary['parent_run']}   sensitivity run: {summary['sensitivity_run']}"
+        f"{' (reused)' if summary['sensitivity_reused'] else ''}   outputs: {summary['directory']}"
+    )
     return "\n".join(rows)

@@ -102,19 +102,42 @@ class Sensitivity:
     extra: dict = field(default_factory=dict)
 
     def as_json(self) -> dict:
-        return {"settings": asdict(self.settings), "schemes": self.schemes, "units": [asdict(u) for u in self.units],
-                "kld": self.kld, "wall_s": self.wall_s, "key": self.key, "version": VERSION, **self.extra}
+        return {
+            "settings": asdict(self.settings),
+            "schemes": self.schemes,
+            "units": [asdict(u) for u in self.units],
+            "kld": self.kld,
+            "wall_s": self.wall_s,
+            "key": self.key,
+            "version": VERSION,
+            **self.extra,
+        }
 
     @classmethod
     def from_json(cls, doc: dict, run_id: str) -> Sensitivity:
-        return cls(run_id, True, Settings(**doc["settings"]), doc["schemes"], [Unit(**u) for u in doc["units"]],
-                   doc["kld"], doc["wall_s"], doc["key"], {k: doc[k] for k in ("replay", "windows_tokens") if k in doc})
+        return cls(
+            run_id,
+            True,
+            Settings(**doc["settings"]),
+            doc["schemes"],
+            [Unit(**u) for u in doc["units"]],
+            doc["kld"],
+            doc["wall_s"],
+            doc["key"],
+            {k: doc[k] for k in ("replay", "windows_tokens") if k in doc},
+        )
 
 
-def key(base_fingerprint: str, scheme_names: list[str], text_sha: str, settings: Settings,
-        bos: int | None = None) -> str:
-    doc = {"base": base_fingerprint, "schemes": {n: asdict(schemes.get(n)) for n in sorted(scheme_names)},
-           "text": text_sha, "settings": asdict(settings), "version": VERSION}
+def key(
+    base_fingerprint: str, scheme_names: list[str], text_sha: str, settings: Settings, bos: int | None = None
+) -> str:
+    doc = {
+        "base": base_fingerprint,
+        "schemes": {n: asdict(schemes.get(n)) for n in sorted(scheme_names)},
+        "text": text_sha,
+        "settings": asdict(settings),
+        "version": VERSION,
+    }
     if bos is not None:  # windows that start with BOS; absent as before, so results stored without one stay valid
         doc["bos"] = bos
     return canonical_sha(doc)
@@ -127,8 +150,9 @@ def key(base_fingerprint: str, scheme_names: list[str], text_sha: str, settings:
 def get(tracker: Tracker, base, tokenizer, scheme_names: list[str], calibration, settings: Settings) -> Sensitivity:
     """The sensitivity of `base` to `scheme_names`, reused from an earlier run when one matches.
     `calibration` is a recipe's calibration section (text source; its windows are held back)."""
-    text = data.load_text(calibration.source, field="calibration.source", text_field=calibration.text_field,
-                          hub_split=calibration.split)
+    text = data.load_text(
+        calibration.source, field="calibration.source", text_field=calibration.text_field, hub_split=calibration.split
+    )
     text_sha = data.text_sha(text)
     bos = data.bos_id(tokenizer)
     k = key(base.fingerprint, scheme_names, text_sha, settings, bos)
@@ -137,19 +161,29 @@ def get(tracker: Tracker, base, tokenizer, scheme_names: list[str], calibration,
         run = tracker.existing(found[0])
         with tempfile.TemporaryDirectory() as tmp:
             doc = json.loads(run.download(ARTIFACT, Path(tmp)).read_text())
-        log.info("sensitivity: reusing run %s (%d units x %d schemes, measured in %.0f s)", run.run_id, len(doc["units"]),
-                 len(doc["schemes"]), doc["wall_s"])
+        log.info(
+            "sensitivity: reusing run %s (%d units x %d schemes, measured in %.0f s)",
+            run.run_id,
+            len(doc["units"]),
+            len(doc["schemes"]),
+            doc["wall_s"],
+        )
         return Sensitivity.from_json(doc, run.run_id)
     windows = sensitivity_windows(tokenizer, text, calibration, settings)
     from quantbench.core import environment
     from quantbench.sources import models
 
-    tags = {TAG + "role": "sensitivity", TAG + "sensitivity_key": k, TAG + "base_model": base.source,
-            TAG + "base_fingerprint": base.fingerprint, TAG + "sensitivity_method": settings.method,
-            TAG + "bos": data.bos_tag(tokenizer, bos),
-            **{TAG + t: v for t, v in environment.describe().items()},
-            "mlflow.note.content": f"Per-layer sensitivity of `{base.source}` to {', '.join(scheme_names)} "
-                                   f"({settings.method}, {settings.windows} x {settings.seq_len} held-back calibration tokens)."}
+    tags = {
+        TAG + "role": "sensitivity",
+        TAG + "sensitivity_key": k,
+        TAG + "base_model": base.source,
+        TAG + "base_fingerprint": base.fingerprint,
+        TAG + "sensitivity_method": settings.method,
+        TAG + "bos": data.bos_tag(tokenizer, bos),
+        **{TAG + t: v for t, v in environment.describe().items()},
+        "mlflow.note.content": f"Per-layer sensitivity of `{base.source}` to {', '.join(scheme_names)} "
+        f"({settings.method}, {settings.windows} x {settings.seq_len} held-back calibration tokens).",
+    }
     with tracker.start_run(f"sensitivity · {models.short_name(base.source)} · {settings.method}", tags) as run:
         run.log_params({"sensitivity": {**asdict(settings), "schemes": ",".join(scheme_names), "text_sha": text_sha}})
         started = time.perf_counter()
@@ -161,10 +195,20 @@ def get(tracker: Tracker, base, tokenizer, scheme_names: list[str], calibration,
             (out / "table.csv").write_text(table_csv(result))
             heatmap(result, out / "heatmap.png")
             run.log_artifacts(out, "sensitivity")
-        run.log_metrics({"sensitivity/wall_s": result.wall_s, "sensitivity/units": len(result.units),
-                         "sensitivity/evaluations": sum(v is not None for row in result.kld for v in row)})
-    log.info("sensitivity: %d units x %d schemes in %.0f s (run %s)", len(result.units), len(scheme_names), result.wall_s,
-             result.run_id)
+        run.log_metrics(
+            {
+                "sensitivity/wall_s": result.wall_s,
+                "sensitivity/units": len(result.units),
+                "sensitivity/evaluations": sum(v is not None for row in result.kld for v in row),
+            }
+        )
+    log.info(
+        "sensitivity: %d units x %d schemes in %.0f s (run %s)",
+        len(result.units),
+        len(scheme_names),
+        result.wall_s,
+        result.run_id,
+    )
     return result
 
 
@@ -190,18 +234,24 @@ def _recipe_windows(n_tokens: int, calibration, bos: int | None = None) -> list[
     return [(i * step, (i + 1) * step) for i in starts]
 
 
-def held_back_windows(ids: list[int], count: int, seq_len: int, seed: int,
-                      exclude: list[tuple[int, int]], bos: int | None = None) -> list[list[int]]:
+def held_back_windows(
+    ids: list[int], count: int, seq_len: int, seed: int, exclude: list[tuple[int, int]], bos: int | None = None
+) -> list[list[int]]:
     """`count` windows of `seq_len` tokens whose text overlaps none of the `exclude` ranges, chosen by
     `seed`, each starting with `bos` when the tokenizer wants one (data.windows)."""
     import random
 
     step = data.span(seq_len, bos)
-    free = [i for i in range(len(ids) // step)
-            if not any(i * step < end and start < (i + 1) * step for start, end in exclude)]
+    free = [
+        i
+        for i in range(len(ids) // step)
+        if not any(i * step < end and start < (i + 1) * step for start, end in exclude)
+    ]
     if len(free) < count:
-        raise UserError(f"sensitivity: the calibration text holds {len(free)} windows of {seq_len} tokens beside the "
-                        f"recipe's own calibration windows; asked for {count} (fewer windows, or a shorter seq_len)")
+        raise UserError(
+            f"sensitivity: the calibration text holds {len(free)} windows of {seq_len} tokens beside the "
+            f"recipe's own calibration windows; asked for {count} (fewer windows, or a shorter seq_len)"
+        )
     return data.windows(ids, seq_len, bos, sorted(random.Random(seed).sample(free, count)))
 
 
@@ -236,10 +286,12 @@ def find_units(model, ids: torch.Tensor) -> list[Unit]:
     order: list[str] = []
     hooks = []
     for name, module in linears.items():
+
         def hook(mod, args, name=name):
             x = args[0]
             seen[name] = (x.data_ptr(), tuple(x.shape), x.stride())
             order.append(name)
+
         hooks.append(module.register_forward_pre_hook(hook))
     try:
         model(input_ids=ids)
@@ -263,7 +315,9 @@ def find_units(model, ids: torch.Tensor) -> list[Unit]:
         units.append(unit)
     for name in linears:  # a layer the forward never reached (unused): a unit of its own, last
         if name not in seen:
-            units.append(Unit(name, [name], linears[name].in_features, [linears[name].out_features], _block_index(name)))
+            units.append(
+                Unit(name, [name], linears[name].in_features, [linears[name].out_features], _block_index(name))
+            )
     for unit in units:
         if len(unit.layers) > 1:
             parent = unit.layers[0].rsplit(".", 1)[0]
@@ -319,7 +373,9 @@ class _Quantized:
             module.weight.data = fake_quantize_weight(module.weight.data, self.scheme)
             if self.scheme.activations:
                 acts = self.scheme.activations
-                self.hooks.append(module.register_forward_pre_hook(lambda m, args: (fake_quantize_tokens(args[0], acts), *args[1:])))
+                self.hooks.append(
+                    module.register_forward_pre_hook(lambda m, args: (fake_quantize_tokens(args[0], acts), *args[1:]))
+                )
         return self
 
     def __exit__(self, *exc):
@@ -439,11 +495,13 @@ def _fisher(model, modules, ids, units, scheme_list) -> list[list[float | None]]
         # the embeddings' output carries a gradient, so even the first block's inputs get one
         hooks.append(model.get_input_embeddings().register_forward_hook(lambda m, args, out: out.requires_grad_()))
         for unit in units:
+
             def keep(module, args, name=unit.name):
                 x = args[0]
                 inputs[name] = x.detach()
                 if x.requires_grad:
                     x.register_hook(lambda g: grads.__setitem__(name, g.detach()))
+
             hooks.append(modules[unit.layers[0]].register_forward_pre_hook(keep))
     generator = torch.Generator().manual_seed(0)
     try:
@@ -486,7 +544,9 @@ def _fisher(model, modules, ids, units, scheme_list) -> list[list[float | None]]
                     total = 0.0
                     for name in unit.layers:
                         w = params[name].detach()
-                        total += float((fisher[name] * (w.float() - fake_quantize_weight(w, scheme).float()) ** 2).sum())
+                        total += float(
+                            (fisher[name] * (w.float() - fake_quantize_weight(w, scheme).float()) ** 2).sum()
+                        )
                     total += act_total.get((unit.name, scheme.name), 0.0)
                     row.append(0.5 * total / tokens)
             table.append(row)
@@ -501,8 +561,13 @@ def table_csv(result: Sensitivity) -> str:
     head = ["unit", "layers", "block", "in_features", "params"] + [f"kld[{s}]" for s in result.schemes]
     lines = [",".join(head)]
     for unit, row in zip(result.units, result.kld):
-        cells = [unit.name, "+".join(n.rsplit(".", 1)[-1] for n in unit.layers), "" if unit.block is None else str(unit.block),
-                 str(unit.in_features), str(unit.params)] + ["" if v is None else f"{v:.6g}" for v in row]
+        cells = [
+            unit.name,
+            "+".join(n.rsplit(".", 1)[-1] for n in unit.layers),
+            "" if unit.block is None else str(unit.block),
+            str(unit.in_features),
+            str(unit.params),
+        ] + ["" if v is None else f"{v:.6g}" for v in row]
         lines.append(",".join(cells))
     return "\n".join(lines) + "\n"
 
@@ -520,8 +585,12 @@ def heatmap(result: Sensitivity, path: Path) -> Path:
     blocks = sorted({u.block for u in result.units if u.block is not None}) or [0]
     values = [v for row in result.kld for i, v in enumerate(row) if i in shown and v]
     lo, hi = (math.log10(min(values)), math.log10(max(values))) if values else (-6.0, 0.0)
-    fig, axes = plt.subplots(1, max(len(shown), 1), figsize=(2.2 + 1.6 * len(shown) * max(len(kinds), 2) / 4,
-                                                          1.5 + 0.18 * len(blocks)), squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        max(len(shown), 1),
+        figsize=(2.2 + 1.6 * len(shown) * max(len(kinds), 2) / 4, 1.5 + 0.18 * len(blocks)),
+        squeeze=False,
+    )
     image = None
     for ax, i in zip(axes[0], shown):
         grid = np.full((len(blocks), len(kinds)), np.nan)
@@ -530,8 +599,13 @@ def heatmap(result: Sensitivity, path: Path) -> Path:
                 grid[blocks.index(unit.block), kinds.index(unit.kind)] = math.log10(row[i])
         image = ax.imshow(grid, aspect="auto", cmap="magma_r", vmin=lo, vmax=hi, interpolation="nearest")
         ax.set_title(result.schemes[i], fontsize=9)
-        ax.set_xticks(range(len(kinds)), [k.replace("self_attn.", "attn.").replace("mlp.", "") for k in kinds],
-                      rotation=60, ha="right", fontsize=7)
+        ax.set_xticks(
+            range(len(kinds)),
+            [k.replace("self_attn.", "attn.").replace("mlp.", "") for k in kinds],
+            rotation=60,
+            ha="right",
+            fontsize=7,
+        )
         ax.set_yticks(range(len(blocks)), [str(b) for b in blocks], fontsize=6)
         ax.set_ylabel("block", fontsize=8)
     if image is not None:
