@@ -21,3 +21,11 @@ def test_an_atomic_write_replaces_the_file_and_leaves_no_temporary(tmp_path):
     path.write_text("old")
     atomic_write(path, "new")
     assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_a_file_hash_is_sha256_of_its_bytes(tmp_path):
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\x00\x01" * 3_000_000)  # over one read block
+    from quantbench.core.files import file_sha
+
+    assert file_sha(path) == hashlib.sha256(path.read_bytes()).hexdigest()

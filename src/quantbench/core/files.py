@@ -18,6 +18,12 @@ def canonical_sha(value: Any, *, compact: bool = False) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, separators=separators).encode()).hexdigest()
 
 
+def file_sha(path: Path) -> str:
+    """SHA-256 (hex) of a file's bytes, read in blocks (hashlib.file_digest)."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
 def atomic_write(path: Path, text: str) -> None:
     """Write `text` to `path` so that a reader (or a crash) sees the old file or the new one,
     never half of it: a sibling temporary file, then a rename over the old one."""

@@ -99,9 +99,9 @@ def mcnemar_p(right_to_wrong: int, wrong_to_right: int) -> float:
     n = right_to_wrong + wrong_to_right
     if n == 0:
         return 1.0
-    k = min(right_to_wrong, wrong_to_right)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
-    return min(1.0, 2 * tail)
+    from scipy.stats import binomtest
+
+    return float(binomtest(min(right_to_wrong, wrong_to_right), n, 0.5).pvalue)
 
 
 def ratio_interval(ratios: list[float]) -> tuple[float, float] | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench.core.errors import UserError
+from quantbench.core.files import file_sha
 from quantbench.core.paths import cache_dir
 from quantbench.tracking import TAG, tracking_uri
 
@@ -119,11 +120,7 @@ def content_sha(path: Path) -> str:
     relative to the directory>`, sorted by path (what `sha256sum` prints for each file)."""
     lines = []
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        digest = hashlib.sha256()
-        with open(file, "rb") as handle:
-            for block in iter(lambda: handle.read(2**20), b""):
-                digest.update(block)
-        lines.append(f"{digest.hexdigest()}  {file.relative_to(path).as_posix()}\n")
+        lines.append(f"{file_sha(file)}  {file.relative_to(path).as_posix()}\n")
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 

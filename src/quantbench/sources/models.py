@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from quantbench.core.errors import UserError, did_you_mean
+from quantbench.core.files import file_sha
 from quantbench.core.paths import cache_dir, hub_reachable
 from quantbench.sources.checkpoint import WEIGHT_SUFFIXES, check_weights, load_config
 
@@ -221,7 +222,7 @@ def _builtin_gguf(name: str, field: str) -> Path:
 
 
 def _converted_dir(gguf: Path) -> Path:
-    return cache_dir() / "models" / f"{gguf.stem}-{_file_sha(gguf)[:16]}"
+    return cache_dir() / "models" / f"{gguf.stem}-{file_sha(gguf)[:16]}"
 
 
 def _from_gguf(source: str, gguf: Path, field: str = "model.source") -> ResolvedModel:
@@ -279,7 +280,7 @@ def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.sourc
         info = {
             "source": source,
             "gguf": str(gguf),
-            "gguf_sha256": _file_sha(gguf),
+            "gguf_sha256": file_sha(gguf),
             "name": meta.get("general.name") or gguf.stem,
             "organization": meta.get("general.organization"),
             "license": meta.get("general.license") or "unknown",
@@ -347,13 +348,5 @@ def fingerprint(path: Path) -> str:
     digest = hashlib.sha256()
     files = sorted(p for p in path.iterdir() if p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
     for file in files:
-        digest.update(file.name.encode() + b"\0" + _file_sha(file).encode())
-    return digest.hexdigest()
-
-
-def _file_sha(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            digest.update(chunk)
+        digest.update(file.name.encode() + b"\0" + file_sha(file).encode())
     return digest.hexdigest()
