@@ -172,3 +172,12 @@ def test_speedup_intervals_pair_the_repetitions():
         assert low < 1.25 < high and high / low < 1.03, (key, low, high)  # the drift cancels in each pair
     two = {name: {k: v[:2] for k, v in rows.items()} for name, rows in (("candidate", cand), ("base", base))}
     assert speedup_intervals(two, profile) == {}
+
+
+def test_the_pareto_frontier_keeps_what_nothing_beats():
+    from quantbench.core.intervals import pareto
+
+    # (size, KLD), lower is better on both: (2, 2) is beaten by (1, 1); ties stay together
+    points = [(1.0, 1.0), (2.0, 2.0), (0.5, 3.0), (1.0, 1.0), (3.0, 0.1)]
+    assert pareto(points) == [True, False, True, True, True]
+    assert pareto([]) == [] and pareto([(5.0,)]) == [True]

@@ -18,6 +18,7 @@ from tests.conftest import TINY_PROFILE
 from tests.helpers import last_json, runs
 
 SCRIPT = Path(__file__).with_name("echo_server.py")
+GAP_MS = 20  # the echo server's pause before each token
 
 
 class EchoServer(ServingEngine):
@@ -39,7 +40,8 @@ class EchoServer(ServingEngine):
         return "echo server 1.0"
 
     def server_command(self, checkpoint, port, settings: ServerSettings, tmp):
-        return [sys.executable, str(SCRIPT), "serve", "--port", str(port), "--model", str(checkpoint)], {}
+        cmd = [sys.executable, str(SCRIPT), "serve", "--port", str(port), "--model", str(checkpoint), "--gap-ms", str(GAP_MS)]
+        return cmd, {}
 
 
 @pytest.fixture
@@ -91,9 +93,11 @@ def test_bench_measures_through_a_registered_engine(echo, workdir, tiny_model_di
     assert "measured through: echo server 1.0 (auto: echo server serves this format on this CPU)" in out
     m = last_json(out)["metrics"]
     for prefix in ("speed/", "base_speed/"):
-        # 4 tokens a request, each after a 2 ms gap: the decode rate is bounded by the server's pace
-        assert 0 < m[prefix + "decode_tok_s"] < 1000 and m[prefix + "itl_ms_p50"] >= 2.0
-        assert m[prefix + "c1/throughput_tok_s"] > 0 and m[prefix + "peak_mem_mb"] > 0
+        # 4 tokens a request, each sent after a 20 ms pause: no request can end sooner than 80 ms
+        # after it was sent, nor its first token come sooner than 20 ms (a client that reads late
+        # may see gaps shorter than the server's, never a whole request shorter)
+        assert m[prefix + "e2e_ms_p50"] >= 4 * GAP_MS and m[prefix + "ttft_ms_p50"] >= GAP_MS
+        assert m[prefix + "c1/throughput_tok_s"] <= 1000 / GAP_MS and m[prefix + "peak_mem_mb"] > 0
     [run] = runs()
     assert run.info.status == "FINISHED"
     assert run.data.tags["quantbench.bench_server"] == "echo" and run.data.tags["quantbench.bench_backend"] == "serve"

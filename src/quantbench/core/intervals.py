@@ -130,3 +130,13 @@ def pct(values: list[float], q: float) -> float:
     interpolated between two (latency percentiles as `vllm bench serve` reports them)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def pareto(points: list[tuple[float, ...]]) -> list[bool]:
+    """For each point (every coordinate lower is better), whether no other point is at least as good
+    on every coordinate and better on one: the Pareto frontier, as compare and tune draw it."""
+
+    def dominates(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+        return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+
+    return [not any(dominates(q, p) for j, q in enumerate(points) if j != i) for i, p in enumerate(points)]

@@ -42,8 +42,9 @@ class VLLM(ServingEngine):
         return vllm_engine.unserved(checkpoint)
 
     def ensure(self, why: str) -> None:
-        if self.env is None:
-            self.env = vllm_engine.ensure(why)
+        # asked each time (a stamp read): the environment can change between commands in one
+        # process ($QUANTBENCH_VLLM_ENV, $QUANTBENCH_VLLM_PYTHON, an environment removed)
+        self.env = vllm_engine.ensure(why)
 
     def describe(self, compiled: bool = True) -> str:
         version = self.env.describe() if self.env is not None else f"vllm {vllm_engine.VERSION}"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from quantbench import metrics as catalogue
 from quantbench.core.errors import UserError, check_creatable_dir
-from quantbench.core.intervals import interval_of
+from quantbench.core.intervals import interval_of, pareto
 from quantbench.release import names
 from quantbench.tracking import TAG, Tracker
 
@@ -146,14 +146,12 @@ def collect_noise(tracker: Tracker, candidates: list[Candidate]) -> list[Candida
 def frontier(candidates: list[Candidate], quality: str, speed: str) -> list[Candidate]:
     """Mark and return the candidates not dominated on (quality, speed)."""
     scored = [c for c in candidates if quality in c.metrics and speed in c.metrics]
-
-    def dominates(a: Candidate, b: Candidate) -> bool:
-        no_worse = all(not catalogue.is_better(m, b.metrics[m], a.metrics[m]) for m in (quality, speed))
-        better = any(catalogue.is_better(m, a.metrics[m], b.metrics[m]) for m in (quality, speed))
-        return no_worse and better
-
+    # lower is better on each axis: a higher-is-better metric is negated
+    signs = [1.0 if catalogue.direction(m) == "lower" else -1.0 for m in (quality, speed)]
+    on = pareto([tuple(s * c.metrics[m] for s, m in zip(signs, (quality, speed))) for c in scored])
+    frontier = {id(c) for c, keep in zip(scored, on) if keep}
     for c in candidates:
-        c.frontier = c in scored and not any(dominates(o, c) for o in scored if o is not c)
+        c.frontier = id(c) in frontier
     return [c for c in candidates if c.frontier]
 
 

@@ -36,6 +36,7 @@ import yaml
 
 from quantbench.core.errors import UserError
 from quantbench.core.files import atomic_write, canonical_sha
+from quantbench.core.intervals import pareto
 from quantbench.recipe import (
     LoadedRecipe,
     load_recipe,
@@ -694,14 +695,8 @@ def frontier(candidates: list[Candidate], references: list, policy: str) -> list
                     "decode_speedup": m.get("speedup/decode_tok_s"),
                 }
             )
-    for p in points:
-        p["frontier"] = not any(
-            q is not p
-            and q["size_mb"] <= p["size_mb"]
-            and q["kld"] <= p["kld"]
-            and (q["size_mb"] < p["size_mb"] or q["kld"] < p["kld"])
-            for q in points
-        )
+    for p, keep in zip(points, pareto([(p["size_mb"], p["kld"]) for p in points])):
+        p["frontier"] = keep
         p["dominated_by"] = (
             [
                 q["name"]
