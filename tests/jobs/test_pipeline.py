@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from quantbench.cli import main
-from tests.helpers import runs, tiny_recipe, write_recipe
+from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 METHODS = {
     # name: (quantize section, expected compressed-tensors format, weight bits, group size)
@@ -362,3 +362,19 @@ def test_a_schema_error_does_not_hide_the_model_checks(workdir, tiny_model_dir, 
     assert "quantize.group_size (line 3): 64 does not divide the input width" in lines[1]
     assert "bench.profile: unknown profile 'nosuch'" in lines[2]
     assert runs() == [] and not (workdir / "outputs").exists()
+
+
+def test_the_base_size_is_its_saved_dtype_whatever_this_cpu_computes_in(workdir, tiny_model_dir, capsys):
+    """model/base_size_mb (and so the compression ratio) is the base in the recipe's dtype: a
+    bfloat16 recipe computed in float32 (as on an AVX2-only CPU) does not look twice as compressed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
+    write_recipe(workdir, "q", tiny_recipe(tiny_model_dir, "method: fp8\n").replace("dtype: float32", "dtype: bfloat16"))
+    sizes = {}
+    for compute in ("float32", "bfloat16"):
+        assert main(["quantize", "q", "--json", "--set", f"model.compute_dtype={compute}"]) == 0
+        sizes[compute] = last_json(capsys.readouterr().out)["metrics"]["model/base_size_mb"]
+    assert sizes["float32"] == sizes["bfloat16"] == pytest.approx(params * 2 / 2**20, rel=1e-3)

@@ -444,7 +444,8 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
                 model = job.take_model()  # loaded by prepare's estimate, in the same dtype
                 if model is None:
                     model = AutoModelForCausalLM.from_pretrained(job.base.path, dtype=getattr(torch, job.compute_dtype))
-                base_size_mb = param_bytes(model) / 2**20
+                # in the dtype the base is saved in (the recipe's), not the one this CPU computes in
+                base_size_mb = param_bytes(model, getattr(torch, spec.model.dtype)) / 2**20
                 log.info("base model perplexity on %d held-out tokens", len(job.check_ids))
                 base_ppl = perplexity(model, job.check_ids, spec.check.window)
 

@@ -303,11 +303,15 @@ def bits_per_weight(path: Path) -> float | None:
     return 8 * stored / params if params else None
 
 
-def param_bytes(model) -> int:
-    """Bytes of a loaded model's unique tensors in their dtype (tied weights counted once)."""
+def param_bytes(model, saved_dtype=None) -> int:
+    """Bytes of a loaded model's unique tensors (tied weights counted once): in the dtype they are
+    loaded in, or with `saved_dtype` (a torch dtype) the floating-point ones in that dtype, the
+    size they have on disk whatever dtype this machine computes in."""
     seen = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
-        seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        floating = saved_dtype is not None and tensor.is_floating_point()
+        itemsize = saved_dtype.itemsize if floating else tensor.element_size()
+        seen[tensor.data_ptr()] = tensor.numel() * itemsize
     return sum(seen.values())
 
 
