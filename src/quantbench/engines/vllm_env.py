@@ -419,7 +419,12 @@ def expected_quantization(method: str, scheme: str, fmt: str, kv_cache: str | No
         "weights": {"type": weights, "num_bits": bits},
         "input_activations": {"type": activations, "num_bits": 8} if activations else None,
     }
-    quant = {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}}
+    packed = activations is None  # weight-only integer weights are written pack-quantized
+    quant = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": group},
+        "format": "pack-quantized" if packed and weights == "int" else None,
+    }
     if kv_cache:
         quant["kv_cache_scheme"] = {"type": "float", "num_bits": 8}
     return quant
