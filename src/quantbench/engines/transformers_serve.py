@@ -33,7 +33,7 @@ class TransformersServe(ServingEngine):
         if quant.get("quant_method") == "compressed-tensors" and quant.get("format") == "pack-quantized":
             # measured with transformers 5.17 (W4A16 and W8A16 on a tiny model): healthy, then its
             # loader refuses the packed weights on the first request ("mismatched sizes")
-            return "transformers serve does not load compressed-tensors pack-quantized weights (it reports mismatched sizes)"
+            return "its loader refuses compressed-tensors pack-quantized weights (mismatched sizes, transformers 5.17)"
         return None
 
     def status(self) -> tuple[bool, str | None, str]:
