@@ -562,7 +562,12 @@ class Search:
         run = self.tracker.existing(cand.run_id)
         info, data = run.info, run.data
         cand.metrics = dict(data.metrics)
-        checks = gate.evaluate_policy(self.plan.policy.policy, info.status, dict(data.tags), cand.metrics)
+        try:
+            checks = gate.evaluate_policy(self.plan.policy.policy, info.status, dict(data.tags), cand.metrics)
+        except gate.MissingInterval as exc:  # e.g. a task scored on too few items for an interval
+            key = str(exc)
+            why = "logged without the interval the policy holds to its limit"
+            checks = [gate.Check(key, cand.metrics.get(key), "an interval's end", False, why)]
         cand.checks = [asdict(c) for c in checks]
         cand.passed = all(c.passed for c in checks)
         cand.quality_passed = all(c.passed for c in checks if not _beyond_bits(c.check))
