@@ -210,3 +210,13 @@ def test_transformers_serve_is_passed_over_for_packed_weights(tiny_model_dir):
                                                                          "format": "float-quantized"})) is None
     chosen = choose("auto", "auto", packed, tiny_model_dir)
     assert chosen.engine.name == "hf" and "transformers serve does not serve the checkpoint" in chosen.why
+
+
+def test_the_managed_environment_lives_in_the_checkout(monkeypatch):
+    """In a checkout, vLLM's environment is .venv-vllm beside pyproject.toml (what `make vllm`
+    creates and .ci/run removes), not the user cache's fallback for an installed package."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.delenv(vllm_engine.ENV_VAR, raising=False)
+    assert vllm_engine.project_root() == repo and vllm_engine.env_dir() == repo / ".venv-vllm"

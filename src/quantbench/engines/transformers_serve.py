@@ -40,7 +40,11 @@ class TransformersServe(ServingEngine):
         missing = self.unavailable()
         if missing:
             return False, None, "missing transformers[serving] (fastapi, uvicorn, openai)"
-        return True, metadata.version("transformers"), "bench server (OpenAI API); every format quantbench writes"
+        return (
+            True,
+            metadata.version("transformers"),
+            "bench server (OpenAI API); not compressed-tensors pack-quantized weights",
+        )
 
     def describe(self, compiled: bool = True) -> str:
         return f"transformers serve ({metadata.version('transformers')})"

@@ -108,8 +108,8 @@ class Engine:
 
 
 def project_root() -> Path | None:
-    """The checkout this package runs from (src/quantbench -> the directory with pyproject.toml)."""
-    root = Path(__file__).resolve().parents[2]
+    """The checkout this package runs from (src/quantbench/engines -> the directory with pyproject.toml)."""
+    root = Path(__file__).resolve().parents[3]
     return root if (root / "pyproject.toml").is_file() else None
 
 
