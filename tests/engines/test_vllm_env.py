@@ -220,3 +220,13 @@ def test_the_managed_environment_lives_in_the_checkout(monkeypatch):
     repo = Path(__file__).resolve().parents[2]
     monkeypatch.delenv(vllm_engine.ENV_VAR, raising=False)
     assert vllm_engine.project_root() == repo and vllm_engine.env_dir() == repo / ".venv-vllm"
+
+
+def test_the_build_key_follows_what_is_installed_not_where_the_checkout_is(monkeypatch, tmp_path):
+    here = vllm_engine.build().key
+    moved = tmp_path / vllm_engine.CPU_CONSTRAINTS.name
+    moved.write_text(vllm_engine.CPU_CONSTRAINTS.read_text())
+    monkeypatch.setattr(vllm_engine, "CPU_CONSTRAINTS", moved)
+    assert vllm_engine.build().key == here  # the same constraints elsewhere: the same environment
+    moved.write_text(moved.read_text() + "\nnumpy==0.0.0\n")
+    assert vllm_engine.build().key != here  # other constraints: another environment

@@ -74,8 +74,10 @@ class Build:
 
     @property
     def key(self) -> str:
-        """Changes when what would be installed changes (the constraints file's content included)."""
-        text = json.dumps(asdict(self)) + (CPU_CONSTRAINTS.read_text() if self.device == "cpu" else "")
+        """Changes when what would be installed changes (the constraints file's content included),
+        not when the checkout moves (the constraints file is named, not located)."""
+        spec = json.dumps(asdict(self)).replace(json.dumps(str(CPU_CONSTRAINTS))[1:-1], CPU_CONSTRAINTS.name)
+        text = spec + (CPU_CONSTRAINTS.read_text() if self.device == "cpu" else "")
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
