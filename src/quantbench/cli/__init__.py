@@ -15,11 +15,6 @@ from quantbench.core.errors import UserError
 log = logging.getLogger("quantbench")
 
 
-def scoring_engines() -> list[str]:
-    """Engines that score lm-eval tasks through their server (prompt log-probabilities)."""
-    return [e.name for e in engines.every() if e.kind == "server" and e.quality == "prompt_logprobs"]
-
-
 EPILOG = """\
 examples:
   quantbench quantize awq-int4                      recipes/awq-int4.yaml on the embedded default model
@@ -111,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
     e.add_argument(
         "--engine",
-        choices=scoring_engines(),
+        choices=engines.scoring(),
         default=None,
         help="also score the suite's lm-eval tasks on the checkpoint served by this engine (lm-eval "
         "local-completions against its server): task_engine/<task>/<metric> and quality/engine_flips_pct "

@@ -126,6 +126,11 @@ def cuda_gpu() -> str | None:
     return lines[0] if out.returncode == 0 and lines else None
 
 
+def device() -> str:
+    """ "cuda" where an NVIDIA driver answers (what a serving engine would run on), else "cpu"."""
+    return "cuda" if cuda_gpu() else "cpu"
+
+
 def cuda() -> bool:
     import torch
 

@@ -173,14 +173,14 @@ def every() -> list[ServingEngine]:
     return [get(n) for n in ENGINES]
 
 
+def scoring() -> list[str]:
+    """The server engines that give prompt log-probabilities (what lm-eval scores tasks with)."""
+    return [e.name for e in every() if e.kind == "server" and e.quality == "prompt_logprobs"]
+
+
 def servers() -> list[str]:
     """The engines that start a server of their own (what --server accepts besides auto)."""
     return [e.name for e in every() if e.kind == "server"]
-
-
-def device() -> str:
-    """ "cuda" where an NVIDIA driver answers, else "cpu"."""
-    return "cuda" if hardware.cuda_gpu() else "cpu"
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def _candidates(requested: str) -> list[ServingEngine]:
 
 
 def _where(engine: ServingEngine) -> str:
-    return "a GPU" if device() == "cuda" else f"this CPU{engine.cpu_note()}"
+    return "a GPU" if hardware.device() == "cuda" else f"this CPU{engine.cpu_note()}"
 
 
 def _problem(engine: ServingEngine, checkpoint: Path | dict | None, base_path: Path | None) -> str | None:

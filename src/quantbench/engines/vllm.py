@@ -83,7 +83,7 @@ class VLLM(ServingEngine):
 
 def serves_here() -> str:
     """What vLLM serves on this device, in words (doctor)."""
-    if vllm_engine.device() == "cuda":
+    if hardware.device() == "cuda":
         return "unquantized, compressed-tensors (W4A16, W8A16, W8A8, FP8), GPTQ, AWQ, bitsandbytes, FP8 KV cache"
     cpu = hardware.cpu()
     kv = "FP8 KV cache" if cpu.avx512 else "no FP8 KV cache (needs AVX-512)"

@@ -57,13 +57,6 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # The device and the build
 
 
-cuda_gpu = hardware.cuda_gpu
-
-
-def device() -> str:
-    return "cuda" if cuda_gpu() else "cpu"
-
-
 @dataclass(frozen=True)
 class Build:
     """What the managed environment holds on this device, as pip steps."""
@@ -86,7 +79,7 @@ class Build:
 
 
 def build() -> Build:
-    if device() == "cuda":
+    if hardware.device() == "cuda":
         # `===`: PyPI's torch 2.13.0 (the CUDA build vllm pins), never a local +cpu wheel that
         # `==2.13.0` would also match and prefer
         return Build("cuda", "vllm", ((f"torch==={TORCH}",), (f"vllm=={VERSION}", "pandas")))
@@ -331,7 +324,7 @@ def _remove_broken(python: Path, spec: Build, out, log_path: Path) -> None:
 def unserved(checkpoint: Path | dict, on: str | None = None, cpu: hardware.CPU | None = None) -> str | None:
     """Why vLLM does not serve a checkpoint (its directory, or its config.json as a dict) on this
     device ("cpu" or "cuda"; on "cpu", this CPU unless `cpu` names another), or None if it does."""
-    on = on or device()
+    on = on or hardware.device()
     cpu = cpu or hardware.cpu()
     config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
     text = config.get("text_config") or config
@@ -432,17 +425,6 @@ def expected_quantization(method: str, scheme: str, fmt: str, kv_cache: str | No
     return quant
 
 
-def max_model_len(checkpoint: Path) -> int | None:
-    """The longest context the checkpoint's config allows vLLM (max_position_embeddings)."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    value = (config.get("text_config") or config).get("max_position_embeddings")
-    return int(value) if value else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Starting it
-
-
 def cache_root() -> Path:
     """VLLM_CACHE_ROOT kept between runs: vLLM caches its model inspection there (~8 CPU-s at every
     start otherwise) and its compiled graphs."""
@@ -486,7 +468,7 @@ def server_command(
     ]
     if not compiled:
         cmd.append("--enforce-eager")  # no graph compilation at start-up: see docs/speed.md
-    if device() == "cuda":
+    if hardware.device() == "cuda":
         cmd += ["--gpu-memory-utilization", "0.4"]  # candidate and base share the GPU (vLLM takes 0.9 by default)
     config = json.loads((checkpoint / "config.json").read_text())
     if (config.get("quantization_config") or {}).get("kv_cache_scheme"):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from quantbench import engines
 from quantbench.core import hardware, intervals, paths
 from quantbench.core.errors import UserError
 from quantbench.metrics import RECOVERABLE, direction
@@ -351,14 +352,11 @@ class EngineTasks:
 def prepare_engine(name: str, checkpoint: Path, p: Plan) -> EnginePlan:
     """Every check before the run: tasks to score, an engine that scores through its API, a format
     it serves here, its environment (created if missing). UserError otherwise."""
-    from quantbench import engines
-
     engine = engines.get(name, "--engine")
-    if engine.kind != "server" or engine.quality != "prompt_logprobs":
-        scoring = [e.name for e in engines.every() if e.kind == "server" and e.quality == "prompt_logprobs"]
+    if name not in engines.scoring():
         raise UserError(
             f"--engine {name}: {engine.label} gives no prompt log-probabilities to score tasks with. "
-            f"Engines that do: {', '.join(scoring)}"
+            f"Engines that do: {', '.join(engines.scoring())}"
         )
     if not p.suite.suite.tasks:
         raise UserError(f"--engine {name}: suite '{p.suite.name}' has no lm-eval tasks to score through the engine")
