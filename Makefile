@@ -30,7 +30,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 5000
 NOTEBOOK_OUT ?= outputs/notebooks
 
-.PHONY: setup vllm doctor quantize evaluate bench compare noise gate sweep tune notebook validate recipes lint test test-fast gc ui benchmarks clean help
+.PHONY: setup vllm llamacpp doctor quantize evaluate bench compare noise gate sweep tune notebook validate recipes lint test test-fast gc ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
@@ -44,6 +44,7 @@ help:
 	@echo "make tune POLICY=release        the smallest per-layer mixed-precision checkpoint that passes the policy (outputs/tune/)"
 	@echo "make notebook                   run notebooks/tradeoffs.ipynb headless into outputs/notebooks/"
 	@echo "make vllm                       create vLLM's own environment (.venv-vllm) now rather than on first use"
+	@echo "make llamacpp                   build llama.cpp's tools for this CPU (.llamacpp/) now rather than on first use"
 	@echo "make doctor                     which engines and servers this machine has"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
@@ -72,6 +73,9 @@ setup: $(STAMP)
 
 vllm: $(STAMP)
 	$(BIN)/quantbench doctor --vllm $(ARGS)
+
+llamacpp: $(STAMP)
+	$(BIN)/quantbench doctor --llamacpp $(ARGS)
 
 doctor: $(STAMP)
 	$(BIN)/quantbench doctor $(ARGS)

@@ -71,6 +71,9 @@ FIXED: dict[str, Direction | None] = {
     "quality_ood/kld_max": "lower",
     "quality_ood/top1_agreement": "higher",
     "quality_ood/positions": None,
+    "quality_engine/kld_mean": "lower",  # a GGUF checkpoint through llama.cpp itself (llama-perplexity)
+    "quality_engine/ppl_ratio": "lower",
+    "quality_engine/same_top_p": "higher",
     "compare/candidates": None,  # a compare summary run
     "compare/frontier": None,
     "sweep/finished": None,  # a sweep's parent run
@@ -128,7 +131,7 @@ RECOVERABLE = re.compile(r"quality/ppl|quality_ood/ppl|task/[^.]+")
 # base (paired bootstrap; speedups over paired repetitions). Not maxima, counts or p-values, and
 # not the speedups of 95th percentiles (a tail of a handful of timings per repetition).
 WITH_INTERVAL = re.compile(
-    r"(quality|quality_ood)/(ppl|kld_mean|kld_p90|kld_p99|top1_agreement)"
+    r"(quality|quality_ood)/(ppl|kld_mean|kld_p90|kld_p99|top1_agreement)|quality_engine/.+"
     r"|quality/flips_(pct|right_to_wrong_pct|wrong_to_right_pct)"
     r"|task/[^/.]+/[^/.]+|recovery/.+|speedup/.+(?<!_p95)"
 )
@@ -152,10 +155,10 @@ TAGS: dict[str, str] = {
     "quantbench.role": "candidate | baseline | noise | summary | sweep | tune | sensitivity: what the run is",
     "quantbench.recipe": "the recipe's name (its file name without .yaml)",
     "quantbench.recipe_sha": "sha256 of the resolved recipe (defaults filled in, overrides applied)",
-    "quantbench.method": "quantize.method of the recipe (gptq, awq, fp8, smoothquant, bnb, distill)",
+    "quantbench.method": "quantize.method of the recipe (gptq, awq, fp8, smoothquant, bnb, distill, gguf, ...)",
     "quantbench.scheme": "quantize.scheme (W4A16, FP8_DYNAMIC, NF4, ...)",
     "quantbench.engine": "the engine that wrote the checkpoint (llm-compressor, bitsandbytes, GPTQModel, ...)",
-    "quantbench.format": "the checkpoint format (compressed-tensors, bitsandbytes, gptq, awq, safetensors-bf16)",
+    "quantbench.format": "the checkpoint format (compressed-tensors, bitsandbytes, gptq, awq, gguf, safetensors-bf16)",
     "quantbench.loaders": "which runtimes load the format, with the writer's version",
     "quantbench.kv_cache": "fp8 when the checkpoint carries FP8 KV-cache scales, else none",
     "quantbench.compute_dtype": "the dtype the job computed in (model.compute_dtype resolved on this device)",

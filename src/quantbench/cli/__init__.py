@@ -318,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--vllm", action="store_true", help="create vLLM's environment first if it does not exist (`make vllm`)"
     )
+    d.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="build llama.cpp's tools for this CPU first if they are not built (`make llamacpp`; ~12 min on 2 cores)",
+    )
 
     gc = sub.add_parser(
         "gc",
@@ -653,6 +658,10 @@ def cmd_doctor(args) -> int:
         from quantbench.engines import vllm_env as vllm_engine
 
         vllm_engine.ensure("make vllm")
+    if args.llamacpp:
+        from quantbench.engines import llamacpp_build
+
+        llamacpp_build.ensure("make llamacpp")
     facts = doctor.facts()
     print(doctor.text(facts))
     return _json(args, {"engines": facts})

@@ -3,7 +3,7 @@ engines' lines come from their registry, quantbench.engines).
 
 Read from package metadata and the machine (nvidia-smi, /proc/cpuinfo); nothing is imported but
 torch (for CUDA), no server is started and nothing is created (`--vllm` creates vLLM's
-environment first, as `make vllm` does)."""
+environment first, as `make vllm` does; `--llamacpp` builds llama.cpp's tools, as `make llamacpp`)."""
 
 from __future__ import annotations
 

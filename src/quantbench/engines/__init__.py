@@ -33,11 +33,12 @@ Quality = Literal["prompt_logprobs", "none"]
 ENGINES: dict[str, str] = {
     "vllm": "quantbench.engines.vllm:VLLM",
     "transformers": "quantbench.engines.transformers_serve:TransformersServe",
+    "llamacpp": "quantbench.engines.llamacpp:LlamaServer",
     "hf": "quantbench.engines.inprocess:InProcess",
     "openai": "quantbench.engines.endpoint:Endpoint",
 }
 # `auto` takes the first that serves the checkpoint and its base model here and can run here
-AUTO: list[str] = ["vllm", "transformers", "hf"]
+AUTO: list[str] = ["vllm", "llamacpp", "transformers", "hf"]
 # not engines, ways of choosing one: `serve` is a server, any (--server names which, default auto)
 CHOOSERS = ("auto", "serve")
 
@@ -52,6 +53,8 @@ class ServerSettings:
     compiled: bool = True  # vLLM: compile graphs at start-up (its default); False: --enforce-eager
     dtype: str = "auto"  # the dtype the engine serves the model in (vLLM --dtype)
     extra_env: dict[str, str] = field(default_factory=dict)
+    slots: int = 1  # requests served at once (llama-server --parallel): the profile's highest concurrency
+    api_key: str | None = None  # asked of every request (llama-server --api-key), where the engine takes one
 
 
 class ServingEngine:
@@ -82,6 +85,11 @@ class ServingEngine:
         """Why it does not serve a checkpoint (its directory, or its config.json as a dict) on this
         device, or None if it does."""
         return None
+
+    def auto_picks(self, checkpoint: Path | dict | None) -> bool:
+        """Whether `auto` considers it for this checkpoint at all (an engine that serves other
+        formats only by converting them first can leave them to the others)."""
+        return True
 
     def ensure(self, why: str) -> None:
         """Make it ready (an environment, binaries), creating what is missing; UserError if it cannot."""
@@ -209,6 +217,8 @@ def choose(
         return Choice(engine, f"asked for ({flag} {requested})")
     reasons = []
     for engine in _candidates(requested):
+        if not engine.auto_picks(checkpoint):
+            continue
         problem = _problem(engine, checkpoint, base_path)
         if problem is None:
             if not reasons:

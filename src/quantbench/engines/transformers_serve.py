@@ -30,6 +30,8 @@ class TransformersServe(ServingEngine):
     def unserved(self, checkpoint: Path | dict) -> str | None:
         config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
         quant = config.get("quantization_config") or {}
+        if quant.get("quant_method") == "gguf":
+            return "it loads safetensors checkpoints, not a GGUF file (in-process hf de-quantizes one)"
         if quant.get("quant_method") == "compressed-tensors" and quant.get("format") == "pack-quantized":
             # measured with transformers 5.17 (W4A16 and W8A16 on a tiny model): healthy, then its
             # loader refuses the packed weights on the first request ("mismatched sizes")

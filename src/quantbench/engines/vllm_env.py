@@ -402,6 +402,8 @@ def expected_quantization(method: str, scheme: str, fmt: str, kv_cache: str | No
         return None
     if method == "bnb":
         return {"quant_method": "bitsandbytes"}
+    if method == "gguf":
+        return {"quant_method": "gguf", "type": scheme}
     if fmt in ("gptq", "awq"):
         return {"quant_method": fmt, "bits": 8 if scheme == "W8A16" else 4}
     weights, bits, activations = {

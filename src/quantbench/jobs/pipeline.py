@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,8 @@ from quantbench.sources.checkpoint import (
     Target,
     bits_per_weight,
     check_loadable,
+    gguf_file,
+    load_model,
     param_bytes,
     resolve_target,
     weights_sha,
@@ -508,6 +511,9 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
                     )
                     run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
                     metrics.update(evaluation.metrics)
+                    engine_quality = _engine_quality(staging, job.base, job.evaluation, job.tokenizer, log_path)
+                    run.log_metrics(engine_quality)
+                    metrics.update(engine_quality)
                 sample = check.sample
                 del check  # the bench loads one model at a time
                 if job.bench is not None:
@@ -531,6 +537,25 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
             if log_path.exists():
                 run.log_artifact(log_path)
     return JobResult(run.run_id, final, log_path, metrics, sample, evaluation, bench)
+
+
+def _engine_quality(checkpoint: Path, base: models.ResolvedModel, plan, tokenizer, log_path: Path | None) -> dict:
+    """`quality_engine/*` for a GGUF checkpoint: the suite's text scored through llama.cpp itself
+    (llama-perplexity against the base's F16 file), beside the suite's own figures (transformers,
+    the file de-quantized). {} for other formats."""
+    from quantbench.engines import llamacpp
+
+    gguf = gguf_file(checkpoint)
+    if gguf is None:
+        return {}
+    work = Path(tempfile.mkdtemp(prefix="qb-engine-quality-"))
+    try:
+        log_path = log_path or work / "llama.log"
+        text = tokenizer.decode(plan.token_ids, skip_special_tokens=True)
+        base_file = llamacpp.base_gguf(base.path, log_path=log_path)
+        return llamacpp.engine_quality(base_file, gguf, text, plan.suite.suite.window, work, log_path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 class _Steps:
@@ -687,7 +712,7 @@ def evaluate(
 ) -> StageOutcome:
     """Quality against the base model through transformers; with `engine` ("vllm") also the suite's
     tasks scored on the checkpoint served by that engine, in the same run."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from quantbench.quality.suite import DEFAULT_SUITE, load_suite
 
@@ -698,10 +723,13 @@ def evaluate(
     engine_plan = evaluate_stage.prepare_engine(engine, tgt.checkpoint, plan) if engine else None
     engine_result = None
     with target_run(tracker, tgt, base_model, "evaluate") as run:
-        model = AutoModelForCausalLM.from_pretrained(tgt.checkpoint, dtype=hardware.compute_dtype_of(tgt.checkpoint))
+        model = load_model(tgt.checkpoint, dtype=hardware.compute_dtype_of(tgt.checkpoint))
         evaluation = evaluate_stage.evaluate(model, tokenizer, base_model, plan, tracker)
         run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
         metrics = dict(evaluation.metrics)
+        engine_quality = _engine_quality(tgt.checkpoint, base_model, plan, tokenizer, None)
+        run.log_metrics(engine_quality)
+        metrics |= engine_quality
         if engine_plan is not None:
             del model
             correct = {t: {int(k): v for k, v in items.items()} for t, items in evaluation.report["samples"].items()}

@@ -41,9 +41,11 @@ def reload_check(
     """Reload `path`, score it on `token_ids` and generate; CheckpointCheckFailed if it is broken.
     `spec` is the recipe's `check:` section; `dtype` the dtype to compute in (None: as saved)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": getattr(torch, dtype)} if dtype else {}))
+    from quantbench.sources.checkpoint import load_model
+
+    model = load_model(path, **({"dtype": getattr(torch, dtype)} if dtype else {}))
     tokenizer = AutoTokenizer.from_pretrained(path)
     reload_ppl = perplexity(model, token_ids, spec.window)
     sample, new_tokens = greedy_text(model, tokenizer, spec.prompt, spec.generate_tokens)

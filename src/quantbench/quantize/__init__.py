@@ -25,6 +25,7 @@ BACKENDS = {
     "spinquant": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
     "bnb": "quantbench.quantize.bnb:BnbBackend",
     "distill": "quantbench.quantize.distill:DistillBackend",
+    "gguf": "quantbench.quantize.gguf:GGUFBackend",
     "gptq/gptq": "quantbench.quantize.gptqmodel:GPTQModelBackend",
     "awq/awq": "quantbench.quantize.gptqmodel:GPTQModelBackend",
 }
@@ -34,6 +35,7 @@ PACKAGES = {
     "quantbench.quantize.bnb": "bitsandbytes",
     "quantbench.quantize.distill": "transformers",
     "quantbench.quantize.gptqmodel": "gptqmodel",
+    "quantbench.quantize.gguf": "gguf",
 }
 
 

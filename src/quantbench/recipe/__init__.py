@@ -269,6 +269,77 @@ class BnbSpec(_QuantizeBase):
     int8_threshold: float = Field(6.0, ge=0)  # INT8: activation outlier threshold of LLM.int8
 
 
+# llama-quantize's file types (llama.cpp's tools/quantize), and those it refuses without an
+# importance matrix (a tensor of theirs would be IQ1/IQ2/IQ3_XXS, or Q2_K inside Q2_K_S)
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S",
+              "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS",
+              "IQ3_XS", "IQ3_S", "IQ3_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "F16", "BF16")  # fmt: skip
+GGUF_NEED_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "Q2_K_S")
+GGUF_TENSOR_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS")
+# what a tensor may be given (llama-quantize --tensor-type NAME=TYPE): ggml's tensor types
+GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                     "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS",
+                     "TQ1_0", "TQ2_0")  # fmt: skip
+
+
+class GGUFSpec(Strict):
+    """llama.cpp's own quantization: the base model as an F16 (or BF16) GGUF file, quantized by
+    `llama-quantize` to `type`, optionally guided by an importance matrix that `llama-imatrix`
+    computes on the recipe's calibration text; the checkpoint is the .gguf file (served by
+    llama-server, loaded de-quantized by transformers). `layers` gives tensors another type:
+    keys are ggml tensor types, values llama.cpp tensor names or patterns (`attn_v`,
+    `blk\\.0\\.ffn_down`), passed as `--tensor-type PATTERN=TYPE`.
+
+        quantize:
+          method: gguf
+          type: Q4_K_M
+          imatrix: true
+          layers:
+            Q8_0: [attn_v, ffn_down]
+    """
+
+    JOB_CPUS: ClassVar[float] = 2  # llama-quantize and llama-imatrix use every thread they are given
+
+    method: Literal["gguf"]
+    type: str = "Q8_0"
+    imatrix: bool = False  # compute an importance matrix on the calibration text (never the evaluation split)
+    layers: dict[str, list[str]] = Field(default_factory=dict)
+
+    @property
+    def scheme(self) -> str:
+        """The recipe's scheme, as other methods name it: the llama.cpp type."""
+        return self.type
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        if value.upper() not in GGUF_TYPES:
+            raise ValueError(f"unknown llama-quantize type '{value}'." + did_you_mean(value.upper(), GGUF_TYPES))
+        return value.upper()
+
+    @field_validator("layers")
+    @classmethod
+    def _known_tensor_types(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for name, patterns in value.items():
+            if name.upper() not in GGUF_TENSOR_TYPES:
+                raise ValueError(
+                    f"layers: unknown tensor type '{name}'." + did_you_mean(name.upper(), GGUF_TENSOR_TYPES)
+                )
+            out[name.upper()] = patterns
+        return out
+
+    @model_validator(mode="after")
+    def _imatrix_where_needed(self) -> GGUFSpec:
+        needs = [self.type] * (self.type in GGUF_NEED_IMATRIX) + [t for t in self.layers if t in GGUF_TENSOR_IMATRIX]
+        if needs and not self.imatrix:
+            raise ValueError(
+                f"{', '.join(needs)} needs an importance matrix (llama-quantize refuses without one): set imatrix: true "
+                "(computed on the calibration text)"
+            )
+        return self
+
+
 class StudentSpec(Strict):
     """Where the student starts; exactly one of the three (none given: `layers: every-other`).
     - `layers`: depth pruning, the teacher's layers at these indices (or `every-other`: 0, 2, 4, ...);
@@ -333,7 +404,18 @@ class DistillSpec(Strict):
 
 
 QuantizeSpec = Annotated[
-    Union[GPTQSpec, AWQSpec, RTNSpec, AutoRoundSpec, SpinQuantSpec, FP8Spec, SmoothQuantSpec, BnbSpec, DistillSpec],
+    Union[
+        GPTQSpec,
+        AWQSpec,
+        RTNSpec,
+        AutoRoundSpec,
+        SpinQuantSpec,
+        FP8Spec,
+        SmoothQuantSpec,
+        BnbSpec,
+        DistillSpec,
+        GGUFSpec,
+    ],
     Field(discriminator="method"),
 ]
 

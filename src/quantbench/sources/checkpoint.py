@@ -28,7 +28,7 @@ from quantbench.tracking import TAG, tracking_uri
 log = logging.getLogger(__name__)
 
 INFO = "quantbench.json"  # written by the quantize pipeline into every checkpoint
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 # quantization_config.quant_method -> the package transformers needs to load that format
 FORMAT_PACKAGES = {
@@ -36,6 +36,7 @@ FORMAT_PACKAGES = {
     "bitsandbytes": "bitsandbytes",
     "gptq": "gptqmodel",
     "awq": "gptqmodel",
+    "gguf": "gguf",
 }
 ARTIFACT = "checkpoint"  # the run's artifact directory that holds the checkpoint
 
@@ -180,6 +181,51 @@ def local_checkpoint(run, tags: dict[str, str]) -> Path | None:
     return dest
 
 
+# ---------------------------------------------------------------------------------------------
+# GGUF checkpoints: one .gguf file (llama.cpp's format: weights, tokenizer and config in one
+# file), beside it the config.json and tokenizer files transformers reads from that file (so the
+# directory reads like any other: its quantization_config says `gguf` and names the file) and the card
+
+
+def gguf_file(checkpoint: Path) -> Path | None:
+    """The checkpoint's .gguf file, if it is a GGUF checkpoint (a directory holding one, or the file)."""
+    if checkpoint.suffix == ".gguf" and checkpoint.is_file():
+        return checkpoint
+    found = sorted(checkpoint.glob("*.gguf")) if checkpoint.is_dir() else []
+    return found[0] if found else None
+
+
+def load_kwargs(checkpoint: Path) -> dict:
+    """What transformers' from_pretrained needs besides the directory: the GGUF file's name (it
+    de-quantizes the file on load), or nothing."""
+    gguf = gguf_file(checkpoint)
+    return {"gguf_file": gguf.name} if gguf is not None else {}
+
+
+def load_model(checkpoint: Path, **kwargs):
+    """AutoModelForCausalLM.from_pretrained for any checkpoint directory quantbench writes."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, **load_kwargs(checkpoint), **kwargs)
+
+
+def gguf_tensors(file: Path) -> list[tuple[str, str, int, int]]:
+    """(name, type, elements, bytes) of every tensor in a GGUF file, as stored."""
+    from gguf import GGUFReader
+
+    return [(t.name, t.tensor_type.name, int(t.n_elements), int(t.n_bytes)) for t in GGUFReader(file).tensors]
+
+
+def gguf_bits_per_weight(file: Path) -> float:
+    """Stored bits per parameter of the repeating blocks' 2-D weights (the layers a recipe
+    quantizes: not the embeddings, the output head, norms or biases), as the file stores them."""
+    stored = params = 0
+    for name, _, elements, size in gguf_tensors(file):
+        if name.startswith("blk.") and name.endswith(".weight") and "norm" not in name:
+            stored, params = stored + size, params + elements
+    return 8 * stored / params
+
+
 def quant_method(checkpoint: Path) -> str | None:
     """`quantization_config.quant_method` of a checkpoint (None: not quantized)."""
     config = json.loads((checkpoint / "config.json").read_text())
@@ -199,8 +245,13 @@ def check_loadable(checkpoint: Path) -> None:
 def weights_sha(path: Path) -> str | None:
     """sha256 over every tensor in a checkpoint's safetensors files: each tensor's name, dtype, shape
     and bytes, in name order. Sharding and file metadata do not change it; one changed weight does.
-    None when the checkpoint holds no safetensors file."""
+    None when the checkpoint holds no safetensors file. A GGUF checkpoint: its file's sha256 (the
+    file is written by llama-quantize, which is deterministic for the same input and type)."""
     import hashlib
+
+    gguf = gguf_file(path)
+    if gguf is not None:
+        return file_sha(gguf)
 
     import torch
     from safetensors import safe_open
@@ -290,6 +341,9 @@ def bits_per_weight(path: Path) -> float | None:
     safetensors files or none of its tensors are named after its layers."""
     from transformers import AutoConfig
 
+    gguf = gguf_file(path)
+    if gguf is not None:
+        return gguf_bits_per_weight(gguf)
     tensors = tensor_bytes(path)
     if not tensors:
         return None

@@ -299,6 +299,19 @@ def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.sourc
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def source_gguf(path: Path) -> Path | None:
+    """The GGUF file a model directory was converted from by quantbench, if it still is what it
+    was (same sha256), else None."""
+    try:
+        info = json.loads((path / SOURCE_INFO).read_text())
+    except (OSError, ValueError):
+        return None
+    gguf = Path(info["gguf"]) if info.get("gguf") else None
+    if gguf is None or not gguf.is_file() or file_sha(gguf) != info.get("gguf_sha256"):
+        return None
+    return gguf
+
+
 # ---------------------------------------------------------------------------------------------
 # The hub, only when reachable
 

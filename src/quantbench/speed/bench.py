@@ -29,7 +29,7 @@ from quantbench.core import environment
 from quantbench.core.errors import UserError
 from quantbench.engines import ServerSettings, ServingEngine
 from quantbench.sources import data, models
-from quantbench.sources.checkpoint import weights_size_mb
+from quantbench.sources.checkpoint import load_model, weights_size_mb
 from quantbench.speed.measure import (
     PartialBench,
     Profile,
@@ -243,7 +243,7 @@ def _measurers(plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: l
     if plan.backend == "hf":
         base_dtype = "auto" if profile.base_dtype == "auto" else getattr(torch, profile.base_dtype)
         yield {
-            "candidate": hf_measurer(lambda: AutoModelForCausalLM.from_pretrained(checkpoint), profile),
+            "candidate": hf_measurer(lambda: load_model(checkpoint), profile),
             "base": hf_measurer(lambda: AutoModelForCausalLM.from_pretrained(base.path, dtype=base_dtype), profile),
         }
         return
@@ -263,7 +263,9 @@ def _measurers(plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: l
     try:
         length = max(profile.prompt_tokens) + profile.output_tokens + 64
         limits = [x for x in (engine.max_model_len(checkpoint), engine.max_model_len(base.path)) if x]
-        settings = ServerSettings(min([length, *limits]), compiled=profile.compile, dtype=profile.serve_dtype)
+        settings = ServerSettings(
+            min([length, *limits]), compiled=profile.compile, dtype=profile.serve_dtype, slots=max(profile.concurrency)
+        )
         with (
             model_server(checkpoint, directory / "candidate.log", engine, settings) as cand,
             model_server(base.path, directory / "base.log", engine, settings) as ref,

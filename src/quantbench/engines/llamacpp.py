@@ -1,0 +1,299 @@
+"""llama.cpp's `llama-server` as a serving engine, and the GGUF files it serves.
+
+- It serves GGUF checkpoints (a directory holding one `.gguf`, as `method: gguf` writes them)
+  and unquantized models, which it serves as their F16 GGUF, converted once per model and cached
+  (`base_gguf`): that is how a GGUF candidate's base is measured by the same build in the same run.
+- The base GGUF is made the way that keeps the model's vocabulary right: a model quantbench
+  converted from a GGUF (the embedded default came from a Q4_1 file) is de-quantized from that
+  file (`llama-quantize --allow-requantize SRC F16`); any other with llama.cpp's own
+  `convert_hf_to_gguf.py` from the same pinned source. Either way the file's tokenizer is checked
+  against the model's own on sample text before it is used (`verify_tokenizer`): a converter that
+  writes another vocabulary (seen here: a SentencePiece vocabulary for a BPE model) is refused.
+- Its binaries are built by `llamacpp_build` on first use (`make llamacpp` ahead of time).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from quantbench.core.errors import UserError
+from quantbench.core.paths import cache_dir
+from quantbench.engines import ServerSettings, ServingEngine, explain_log
+from quantbench.engines import llamacpp_build as build
+from quantbench.sources.checkpoint import gguf_file
+
+log = logging.getLogger(__name__)
+
+BASE_TYPE = "F16"  # what an unquantized model is served as, and GGUF recipes quantize from
+
+
+def threads() -> int:
+    """The threads llama.cpp computes with: every core this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class LlamaServer(ServingEngine):
+    name = "llamacpp"
+    label = "llama.cpp"
+    kind = "server"
+    quality = "none"  # llama-server refuses `echo` (prompt log-probabilities): tasks score elsewhere
+    health_timeout_s = 120.0  # loading a GGUF is seconds; a first build happens before, in ensure()
+
+    def __init__(self) -> None:
+        self.tools: build.Tools | None = None
+
+    def status(self) -> tuple[bool, str | None, str]:
+        tools, note = build.find()
+        if tools is not None:
+            return True, tools.version, f"{tools.describe()} in {tools.where}; serves GGUF files, {threads()} threads"
+        missing = self.unavailable()
+        if missing:
+            return False, None, missing
+        return True, None, f"{note}; would be the {build.variant().name} build of {build.PACKAGE} {build.VERSION}"
+
+    def unavailable(self) -> str | None:
+        tools, _ = build.find()
+        if tools is not None:
+            return None
+        missing = [name for name in ("cmake", "c++") if shutil.which(name) is None]
+        if missing:
+            return f"llama.cpp is not built and cannot be here (no {', '.join(missing)})"
+        return None
+
+    def cpu_note(self) -> str:
+        return f" ({build.variant().name} build)"
+
+    def unserved(self, checkpoint: Path | dict) -> str | None:
+        if isinstance(checkpoint, dict):
+            config = checkpoint
+        else:
+            if gguf_file(checkpoint) is not None:
+                return None
+            config = json.loads((checkpoint / "config.json").read_text())
+        method = (config.get("quantization_config") or {}).get("quant_method")
+        if method and method != "gguf":
+            return f"it serves GGUF files; this is a {method} checkpoint (llama.cpp cannot convert it faithfully)"
+        return None
+
+    def auto_picks(self, checkpoint: Path | dict | None) -> bool:
+        """GGUF checkpoints only: it serves an unquantized one too, converted first, when asked by name."""
+        if isinstance(checkpoint, dict):
+            return (checkpoint.get("quantization_config") or {}).get("quant_method") == "gguf"
+        return checkpoint is not None and gguf_file(checkpoint) is not None
+
+    def ensure(self, why: str) -> None:
+        self.tools = build.ensure(why)
+
+    def describe(self, compiled: bool = True) -> str:
+        if self.tools is None:
+            return f"llama.cpp ({build.PACKAGE} {build.VERSION})"
+        return f"llama.cpp ({self.tools.describe()}, {threads()} threads)"
+
+    def server_command(
+        self, checkpoint: Path, port: int, settings: ServerSettings, tmp: Path
+    ) -> tuple[list[str], dict[str, str]]:
+        self.ensure("serving a checkpoint")
+        assert self.tools is not None
+        model = gguf_file(checkpoint) or base_gguf(checkpoint, self.tools)
+        slots = max(1, settings.slots)
+        cmd = [
+            self.tools.tool("llama-server"),
+            "--model", str(model),
+            "--alias", str(checkpoint),
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--threads", str(threads()),
+            "--threads-batch", str(threads()),
+            "--parallel", str(slots),
+            "--ctx-size", str(settings.max_len * slots),  # split between the slots
+            "--seed", "0",
+            "--no-ui",
+        ]  # fmt: skip
+        if settings.api_key:
+            cmd += ["--api-key", settings.api_key]
+        return cmd, {**os.environ, **settings.extra_env}
+
+    def explain(self, log_path: Path) -> str:
+        lines = [x.strip() for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
+        errors = [x for x in lines if re.search(r"\b(error|failed|invalid)\b", x, re.I)]
+        return " | ".join(dict.fromkeys(errors[-2:])) if errors else explain_log(log_path)
+
+    def served_dtype(self, log_path: Path) -> str | None:
+        """The file type of the GGUF the server was started with (its command line heads the log;
+        llama-server itself does not print the type)."""
+        try:
+            found = re.search(r"--model (\S+)", log_path.read_text(errors="replace"))
+        except OSError:
+            return None
+        return file_type(Path(found.group(1))) if found and Path(found.group(1)).is_file() else None
+
+    def max_model_len(self, checkpoint: Path) -> int | None:
+        gguf = gguf_file(checkpoint)
+        if gguf is None:
+            return super().max_model_len(checkpoint)
+        from gguf import GGUFReader
+
+        fields = GGUFReader(gguf).fields
+        arch = fields["general.architecture"].contents()
+        key = f"{arch}.context_length"
+        return int(fields[key].contents()) if key in fields else None
+
+
+def file_type(gguf: Path) -> str | None:
+    """A GGUF's file type as llama-quantize names it (general.file_type: Q8_0, Q4_K_M, F16, ...)."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(gguf).fields.get("general.file_type")
+    if field is None:
+        return None
+    try:
+        return LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a tool, and an unquantized model as a GGUF
+
+
+def run_tool(cmd: list[str], log_path: Path, what: str) -> str:
+    """Run one llama.cpp tool, its output appended to `log_path`; returns that output. UserError
+    naming the tool's own error line when it fails."""
+    log.info("%s: %s", what, " ".join(cmd))
+    out = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    text = out.stdout + out.stderr
+    with open(log_path, "a") as fh:
+        fh.write(f"$ {' '.join(cmd)}\n{text}\n")
+    if out.returncode != 0:
+        lines = [x.strip() for x in text.splitlines() if x.strip()]
+        errors = [x for x in lines if re.search(r"\b(error|failed|invalid|refus)", x, re.I)]
+        raise UserError(
+            f"{what}: {Path(cmd[0]).name} failed (exit code {out.returncode}): "
+            f"{' | '.join((errors or lines)[-3:])} (log: {log_path})"
+        )
+    return text
+
+
+def base_gguf(model_dir: Path, tools: build.Tools | None = None, log_path: Path | None = None) -> Path:
+    """An unquantized model directory as an F16 GGUF file, made once and cached (keyed by the
+    model's files and the build), its tokenizer verified against the model's own."""
+    from quantbench.sources.models import fingerprint, source_gguf
+
+    tools = tools or build.ensure("converting a model to GGUF")
+    key = f"{fingerprint(model_dir)[:16]}-{build.VERSION}-{BASE_TYPE}"
+    dest = cache_dir() / "gguf" / key / f"{model_dir.name}-{BASE_TYPE}.gguf"
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    log_path = log_path or dest.parent / "convert.log"
+    partial = dest.with_suffix(f".{os.getpid()}.partial")
+    source = source_gguf(model_dir)
+    try:
+        if source is not None:
+            # converted by quantbench from this GGUF: llama.cpp's own reading of it, de-quantized
+            run_tool(
+                [tools.tool("llama-quantize"), "--allow-requantize", str(source), str(partial), BASE_TYPE],
+                log_path, f"de-quantizing {source.name} to {BASE_TYPE} for llama.cpp",
+            )  # fmt: skip
+        else:
+            if tools.source is None:
+                raise UserError(
+                    f"{model_dir}: converting it to GGUF needs llama.cpp's convert_hf_to_gguf.py, which "
+                    f"${build.BIN_VAR} does not provide; unset it to let quantbench build llama.cpp"
+                )
+            run_tool(
+                [sys.executable, str(tools.source / "convert_hf_to_gguf.py"), str(model_dir),
+                 "--outtype", BASE_TYPE.lower(), "--outfile", str(partial)],
+                log_path, f"converting {model_dir} to {BASE_TYPE} GGUF (convert_hf_to_gguf.py)",
+            )  # fmt: skip
+        verify_tokenizer(partial, model_dir)
+        os.replace(partial, dest)
+    finally:
+        partial.unlink(missing_ok=True)
+    log.info("GGUF of %s: %s", model_dir, dest)
+    return dest
+
+
+def verify_tokenizer(gguf: Path, model_dir: Path) -> None:
+    """The GGUF's tokenizer must give the model's own token ids on sample text (the default text's
+    held-out split and a few hard strings): a file with another vocabulary is refused."""
+    from transformers import AutoTokenizer
+
+    from quantbench.sources import data
+    from quantbench.sources.verify import gguf_tokenizer
+
+    own = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        theirs = gguf_tokenizer(gguf)
+    except Exception as exc:  # any failure to read it is the refusal's reason
+        raise UserError(f"{gguf}: its tokenizer cannot be read ({type(exc).__name__}: {exc})") from None
+    samples = [
+        data.python_docs("evaluation")[:4000],
+        "def f(x):\n\treturn x ** 2  # é ü 漢字 🙂\n\n",
+        "  spaces   and\ttabs",
+    ]
+    for text in samples:
+        a, b = own(text)["input_ids"], theirs(text)["input_ids"]
+        if a != b:
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            raise UserError(
+                f"{gguf}: its tokenizer does not reproduce {model_dir}'s: token {at} of a {len(text)}-character "
+                f"sample differs ({a[at : at + 3]} vs {b[at : at + 3]}); llama.cpp's converter wrote another "
+                "vocabulary for this model, so its GGUF would not be the same model"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Quality through llama.cpp itself: llama-perplexity's KL divergence against the base's file
+
+# llama-perplexity's summary lines; "±" values are standard errors
+_ENGINE_STATS = {
+    "kld_mean": re.compile(r"Mean\s+KLD:\s+(-?[\d.]+)\s+±\s+([\d.]+)"),
+    "ppl_ratio": re.compile(r"Mean\s+PPL\(Q\)/PPL\(base\)\s*:\s*([\d.]+)\s+±\s+([\d.]+)"),
+    "same_top_p": re.compile(r"Same top p:\s*([\d.]+)\s+±\s+([\d.]+)\s*%"),
+}
+
+
+def engine_quality(base: Path, candidate: Path, text: str, ctx: int, workdir: Path, log_path: Path) -> dict[str, float]:
+    """`quality_engine/*`: llama-perplexity on `text` in windows of `ctx` tokens (it scores the
+    second half of each), the base's log-probabilities first (`--kl-divergence-base`), then the
+    candidate against them (`--kl-divergence`): mean KLD, PPL ratio and the share of positions
+    whose top token is the same, each with a 95 % interval (1.96 standard errors)."""
+    tools = build.ensure("scoring through llama.cpp")
+    workdir.mkdir(parents=True, exist_ok=True)
+    text_file, logits = workdir / "engine-quality.txt", workdir / "engine-quality-base.kld"
+    text_file.write_text(text)
+    common = ["-f", str(text_file), "-c", str(ctx), "-b", str(ctx), "-t", str(threads()), "--kl-divergence-base"]
+    try:
+        run_tool([tools.tool("llama-perplexity"), "-m", str(base), *common, str(logits)], log_path,
+                 "llama-perplexity: the base's log-probabilities")  # fmt: skip
+        out = run_tool(
+            [tools.tool("llama-perplexity"), "-m", str(candidate), *common, str(logits), "--kl-divergence"],
+            log_path, "llama-perplexity: the candidate's KL divergence",
+        )  # fmt: skip
+    finally:
+        logits.unlink(missing_ok=True)  # n_tokens x vocab log-probabilities: hundreds of MB
+        text_file.unlink(missing_ok=True)
+    metrics: dict[str, float] = {}
+    for name, pattern in _ENGINE_STATS.items():
+        found = pattern.search(out)
+        if found is None:
+            raise UserError(f"llama-perplexity printed no '{name}' line (its output is in {log_path})")
+        scale = 0.01 if name == "same_top_p" else 1.0
+        value, se = float(found.group(1)) * scale, float(found.group(2)) * scale
+        metrics |= {
+            f"quality_engine/{name}": value,
+            f"quality_engine/{name}.ci_low": value - 1.96 * se,
+            f"quality_engine/{name}.ci_high": value + 1.96 * se,
+        }
+    return metrics

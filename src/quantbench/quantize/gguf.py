@@ -1,0 +1,150 @@
+"""llama.cpp's own quantization: the base model's F16 GGUF, quantized by `llama-quantize`.
+
+The checkpoint directory holds one `model.gguf` (what llama.cpp, Ollama and LM Studio load),
+beside it the config.json and tokenizer files transformers reads (its quantization_config says
+`gguf` and names the type) and the card. An importance matrix (`imatrix: true`) is computed by
+`llama-imatrix` on the recipe's calibration windows, written out as text (never the evaluation
+split). The card lists the type llama-quantize actually wrote for every tensor: K- and I-quants
+need rows that are multiples of 256, and tensors that are not fall back to other types (the
+default model's hidden size, 576, is not), so a recipe's name is not the whole truth.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from quantbench.engines import llamacpp
+from quantbench.engines import llamacpp_build as build
+from quantbench.quantize import Inputs, Produced, calibration_card
+from quantbench.recipe import GGUFSpec
+from quantbench.sources.checkpoint import gguf_tensors
+from quantbench.sources.models import source_gguf
+
+log = logging.getLogger(__name__)
+
+FILE = "model.gguf"
+
+
+class GGUFBackend:
+    engine = "llama.cpp"
+    format = "gguf"
+    trains = False
+    on_load = False
+
+    def __init__(self, spec: GGUFSpec):
+        self.spec = spec
+        self.calibrates = spec.imatrix
+        self.tools: build.Tools  # set by prepare
+        self.base: Path  # the base's F16 GGUF, set by prepare
+
+    @staticmethod
+    def loaders() -> str:
+        return "llama.cpp (llama-server, llama-cli), Ollama, LM Studio; transformers (+gguf, de-quantized on load)"
+
+    def check(self, loaded, config) -> list[str]:
+        tools, _ = build.find()
+        if tools is None and (missing := [n for n in ("cmake", "c++") if shutil.which(n) is None]):
+            return [
+                f"{loaded.path}: {loaded.where('quantize', 'method')}: gguf needs llama.cpp, which is not built and "
+                f"cannot be built here: no {', '.join(missing)} (Debian/Ubuntu: apt-get install build-essential cmake)"
+            ]
+        empty = [t for t, patterns in self.spec.layers.items() if not patterns]
+        if empty:
+            return [f"{loaded.path}: {loaded.where('quantize', 'layers')}: {', '.join(empty)} lists no tensors"]
+        return []
+
+    def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
+        """llama.cpp's tools (built on first use) and the base as an F16 GGUF (converted once,
+        cached, its tokenizer verified), before any run exists: a model llama.cpp cannot convert
+        is refused here (exit 2)."""
+        self.tools = build.ensure("quantizing with llama.cpp")
+        self.base = llamacpp.base_gguf(base.path, self.tools)
+        return {}
+
+    def produce(self, inputs: Inputs) -> Produced:
+        inputs.drop_model()  # llama.cpp reads files, not this process's model
+        spec = self.spec
+        tools, base = self.tools, self.base
+        cmd = [tools.tool("llama-quantize")]
+        imatrix_line = "- Importance matrix: none"
+        if spec.imatrix:
+            imatrix = self.imatrix(inputs, tools, base)
+            cmd += ["--imatrix", str(imatrix)]
+            imatrix_line = (
+                f"- Importance matrix: `llama-imatrix` on {len(inputs.calibration or [])} calibration windows"
+            )
+        for tensor_type, patterns in spec.layers.items():
+            for pattern in patterns:
+                cmd += ["--tensor-type", f"{pattern}={tensor_type.lower()}"]
+        out = inputs.staging / FILE
+        cmd += [str(base), str(out), spec.type, str(llamacpp.threads())]
+        llamacpp.run_tool(cmd, inputs.log_path, f"llama-quantize to {spec.type}")
+        self.write_companions(inputs, out)
+        written = collections.Counter(kind for _, kind, _, _ in gguf_tensors(out))
+        types = ", ".join(f"{kind} ×{n}" for kind, n in written.most_common())
+        log.info("%s written: %s", FILE, types)
+        card = [
+            f"- llama.cpp type: {spec.type} (`llama-quantize`, {tools.describe()}) from the base's {llamacpp.BASE_TYPE} GGUF",
+            imatrix_line,
+            calibration_card(inputs) if spec.imatrix else "- Calibration: none",
+            f"- Tensor types written: {types} (K- and I-quants need rows that are multiples of 256; "
+            "other tensors fall back to another type)",
+        ]
+        if spec.layers:
+            card.append(
+                "- Per-tensor types asked: " + "; ".join(f"{t}: {', '.join(p)}" for t, p in spec.layers.items())
+            )
+        source_note = self.source_note(inputs.base.path)
+        if source_note:
+            card.append(source_note)
+        return Produced(card="\n".join(card))
+
+    def imatrix(self, inputs: Inputs, tools: build.Tools, base: Path) -> Path:
+        """llama-imatrix over the calibration windows (decoded to text, one chunk per window)."""
+        windows = inputs.calibration or []
+        seq_len = inputs.loaded.recipe.calibration.seq_len
+        inputs.workdir.mkdir(parents=True, exist_ok=True)
+        text = inputs.workdir / "calibration.txt"
+        text.write_text("".join(inputs.tokenizer.decode(w, skip_special_tokens=True) for w in windows))
+        out = inputs.workdir / "imatrix.gguf"
+        llamacpp.run_tool(
+            [tools.tool("llama-imatrix"), "-m", str(base), "-f", str(text), "-o", str(out), "-c", str(seq_len),
+             "--chunks", str(len(windows)), "-t", str(llamacpp.threads()), "--no-ppl"],
+            inputs.log_path, "llama-imatrix on the calibration text",
+        )  # fmt: skip
+        return out
+
+    def write_companions(self, inputs: Inputs, gguf: Path) -> None:
+        """config.json (read from the file by transformers, its quantization_config naming the
+        file and type) and the base's tokenizer (the file's own was verified equal to it)."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config.save_pretrained(gguf.parent)
+        path = gguf.parent / "config.json"
+        data = json.loads(path.read_text())
+        data["quantization_config"] = {"quant_method": "gguf", "type": self.spec.type, "file": gguf.name}
+        data["dtype"] = inputs.loaded.recipe.model.dtype  # what it de-quantizes to by default, as other formats
+        path.write_text(json.dumps(data, indent=2))
+        inputs.tokenizer.save_pretrained(gguf.parent)
+
+    def source_note(self, base_path: Path) -> str:
+        """The trap of re-quantizing a model that itself came from a quantized GGUF."""
+        source = source_gguf(base_path)
+        if source is None:
+            return ""
+        kinds = collections.Counter(kind for name, kind, _, _ in gguf_tensors(source) if name.startswith("blk."))
+        main = kinds.most_common(1)[0][0] if kinds else "?"
+        target = self.spec.type.split("_")[0]
+        same = main.startswith(target) or (main.startswith("Q4") and target.startswith(("Q5", "Q6", "Q8")))
+        note = f"- Source: the base model was converted from a GGUF whose blocks are mostly {main}"
+        if same:
+            note += (
+                f"; {self.spec.type} holds that grid (or a finer one), so part of its fidelity comes from the source "
+                "having been quantized already: a model that never was would lose more"
+            )
+        return note

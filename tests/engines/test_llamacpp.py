@@ -1,0 +1,130 @@
+"""llama.cpp as an engine: the portable build chosen from the CPU's features, GGUF recipes checked
+before anything runs, `auto` choosing llama-server for GGUF checkpoints only, and (slow: the real
+build, made on first use, and real llama-server processes) a GGUF recipe quantized by
+llama-quantize, reloaded by transformers and benchmarked through llama-server against its base's
+F16 file, served by the same build in the same run."""
+
+import json
+import shutil
+from pathlib import Path
+
+import psutil
+import pytest
+
+from quantbench import engines
+from quantbench.cli import main
+from quantbench.core.errors import UserError
+from quantbench.core.hardware import CPU
+from quantbench.engines import llamacpp_build as build
+from tests import gguf_files as gg
+from tests.conftest import TINY_PROFILE
+from tests.helpers import last_json, runs, write_recipe
+
+AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi2"})
+AMX = AVX2 | {"avx512f", "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_int8", "amx_bf16"}
+
+
+def test_the_build_is_portable_and_named_by_the_cpu_features_it_uses():
+    avx2, amx, bare = build.variant(CPU(AVX2)), build.variant(CPU(AMX)), build.variant(CPU(frozenset()))
+    assert avx2.name == "avx2" and {"-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AVX512=OFF"} <= set(avx2.flags)
+    assert amx.name == "amx" and {"-DGGML_AVX512=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_INT8=ON"} <= set(amx.flags)
+    assert bare.name == "baseline" and all(flag.endswith("=OFF") for flag in bare.flags)
+    # never the compiler's own detection (a native build died with SIGILL on a machine of this kind)
+    assert "-DGGML_NATIVE=OFF" in build.CMAKE_FIXED
+    # a checkout moved to another CPU class builds again rather than running what that CPU lacks
+    assert len({build.key(avx2), build.key(amx), build.key(bare)}) == 3
+    assert build.key(avx2).startswith(f"{build.VERSION}-avx2-")
+
+
+@pytest.mark.parametrize(
+    "quantize, message",
+    [
+        ("type: Q4_KM", "unknown llama-quantize type 'Q4_KM'. Did you mean 'Q4_K_M'?"),
+        ("type: IQ2_XS", "IQ2_XS needs an importance matrix (llama-quantize refuses without one): set imatrix: true"),
+        ("type: Q4_0\n  layers:\n    Q9_0: [attn_v]", "layers: unknown tensor type 'Q9_0'"),
+        ("type: Q4_0\n  layers:\n    IQ2_S: [ffn_down]", "IQ2_S needs an importance matrix"),
+    ],
+)
+def test_gguf_recipes_are_checked_before_anything_runs(quantize, message, workdir, capsys):
+    write_recipe(workdir, "g", f"quantize:\n  method: gguf\n  {quantize}\n")
+    assert main(["validate", "recipes/g.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "recipes/g.yaml" in err
+
+
+def test_auto_serves_gguf_checkpoints_through_llama_cpp_and_nothing_else(tiny_model_dir):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    gguf = {**config, "quantization_config": {"quant_method": "gguf", "type": "Q8_0"}}
+    llama = engines.get("llamacpp")
+    buildable = build.find()[0] is not None or all(shutil.which(n) for n in ("cmake", "c++"))
+    if buildable:
+        chosen = engines.choose("auto", "auto", gguf, tiny_model_dir)
+        assert chosen.engine is llama, chosen.why
+        assert "vLLM does not serve the checkpoint" in chosen.why and "llama.cpp instead" in chosen.why
+    else:
+        with pytest.raises(UserError, match="llama.cpp is not built and cannot be here"):
+            engines.choose("auto", "auto", gguf, tiny_model_dir)
+    # an unquantized or other-format checkpoint is left to the others: auto never converts it
+    assert engines.choose("auto", "auto", config, tiny_model_dir).engine is not llama
+    other = {**config, "quantization_config": {"quant_method": "compressed-tensors"}}
+    assert llama.unserved(other).startswith("it serves GGUF files; this is a compressed-tensors checkpoint")
+    # transformers serve cannot load the file; in-process hf de-quantizes it
+    assert "not a GGUF file" in engines.get("transformers").unserved(gguf)
+
+
+def llama_servers() -> list:
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A tiny llama-architecture GGUF (byte-level BPE vocabulary, SmolLM2's layout), F32 weights."""
+    return gg.write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", gg.gpt2_bpe_vocab(400, add_bos=False))
+
+
+@pytest.mark.slow  # the real llama.cpp (built on first use: ~12 min on 2 cores), llama-server processes
+def test_a_gguf_recipe_is_quantized_reloaded_and_benched_through_llama_server(tiny_gguf, workdir, capsys):
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE.replace("repetitions: 1", "repetitions: 2"))
+    write_recipe(
+        workdir, "tiny-q8",
+        f"model:\n  source: {tiny_gguf}\n  dtype: float32\nquantize:\n  method: gguf\n  type: Q8_0\n"
+        "check:\n  base_ppl_bound: false\n  ppl_tokens: 512\n  window: 128\nbench:\n  profile: tiny\n",
+    )  # fmt: skip
+    assert main(["quantize", "tiny-q8", "--json"]) == 0, capsys.readouterr().err[-3000:]
+    result = last_json(capsys.readouterr().out)
+    checkpoint = Path(result["checkpoint"])
+    from quantbench.sources.checkpoint import gguf_tensors
+
+    types = {name: kind for name, kind, _, _ in gguf_tensors(checkpoint / "model.gguf")}
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.1.ffn_down.weight"] == "Q8_0"
+    assert types["blk.0.attn_norm.weight"] == "F32"  # norms stay float
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "gguf", "type": "Q8_0", "file": "model.gguf"}
+    [run] = runs()
+    m, tags = run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED" and tags["quantbench.format"] == "gguf"
+    # Q8_0: blocks of 32 int8 weights and one f16 scale = 8.5 bits a weight
+    assert m["model/bits_per_weight"] == pytest.approx(8.5)
+    # reloaded by transformers (de-quantized) on the same held-out text: Q8_0 is close to lossless
+    assert 0.97 < m["check/ppl_ratio"] < 1.03
+    # measured through llama-server: the candidate's file and the base's F16 file, by the same build
+    assert tags["quantbench.bench_server"] == "llamacpp" and tags["quantbench.bench_engine"].startswith("llama.cpp (")
+    assert tags["quantbench.bench_dtype"] == "Q8_0" and tags["quantbench.bench_base_dtype"] == "F16"
+    for prefix in ("speed/", "base_speed/"):
+        assert m[prefix + "c1/throughput_tok_s"] > 0 and m[prefix + "ttft_ms_p50"] > 0
+    assert "Tensor types written: " in (checkpoint / "README.md").read_text()
+    assert llama_servers() == []  # both stopped
+
+
+@pytest.mark.slow  # the real llama.cpp and a llama-server process that fails
+def test_a_gguf_llama_server_cannot_load_fails_with_its_own_words(tiny_gguf, tmp_path):
+    from quantbench.engines.server import EndpointError, model_server
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.gguf").write_bytes(tiny_gguf.read_bytes()[:5000])  # truncated
+    with pytest.raises(EndpointError, match=r"llama\.cpp .*could not serve .*exit code"):
+        with model_server(broken, tmp_path / "server.log", "llamacpp"):
+            pass
+    assert llama_servers() == []
