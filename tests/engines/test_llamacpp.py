@@ -128,3 +128,27 @@ def test_a_gguf_llama_server_cannot_load_fails_with_its_own_words(tiny_gguf, tmp
         with model_server(broken, tmp_path / "server.log", "llamacpp"):
             pass
     assert llama_servers() == []
+
+
+def test_a_gguf_whose_tokenizer_is_not_the_models_is_refused(tiny_gguf, tiny_model_dir):
+    """The check every base GGUF passes before llama.cpp uses it: the file's own tokenizer must give
+    the model's token ids (here a byte-level BPE file against the tiny model's other BPE)."""
+    from quantbench.engines.llamacpp import verify_tokenizer
+    from quantbench.sources import models
+
+    with pytest.raises(UserError, match=r"its tokenizer does not reproduce .*: token \d+ of a \d+-character sample"):
+        verify_tokenizer(tiny_gguf, tiny_model_dir)
+    converted = models.resolve(str(tiny_gguf))  # quantbench's own conversion of that file: the same ids
+    verify_tokenizer(tiny_gguf, converted.path)
+
+
+@pytest.mark.slow  # the real llama.cpp and its converter
+def test_a_model_llama_cpp_cannot_convert_is_refused_before_any_run(tiny_model_dir, workdir, capsys):
+    """The tiny model's tokenizer was trained in this session: llama.cpp's converter does not know
+    its pre-tokenizer and refuses; the recipe exits 2 naming that, and no run exists."""
+    write_recipe(workdir, "tiny-q8", f"model:\n  source: {tiny_model_dir}\nquantize:\n  method: gguf\n"
+                 "check:\n  base_ppl_bound: false\n")  # fmt: skip
+    assert main(["quantize", "tiny-q8"]) == 2
+    err = capsys.readouterr().err
+    assert "convert_hf_to_gguf.py" in err and "failed (exit code" in err
+    assert runs() == [] and not (workdir / "outputs" / "tiny-q8").exists()

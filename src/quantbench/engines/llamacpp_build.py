@@ -4,8 +4,10 @@
   (MIT) vendors the whole llama.cpp tree (its tools, `convert_hf_to_gguf.py`, `gguf-py`), but
   its own build makes the library only. quantbench downloads that sdist with pip (pip's cache
   keeps it), builds the tools it needs with cmake (`TOOLS`) and keeps the binaries and the
-  converter in `.llamacpp/<key>` at the project root (`$QUANTBENCH_LLAMACPP_DIR` moves it). Created
-  on first use, under a lock, with progress lines; `make llamacpp` does it ahead of time.
+  converter in quantbench's cache, `~/.cache/quantbench/llamacpp/<key>` (`$QUANTBENCH_LLAMACPP_DIR`
+  moves it), one build per version and CPU variant shared by every checkout (the binaries are
+  static). Created on first use, under a lock, with progress lines; `make llamacpp` does it ahead
+  of time.
 - **Portable, and recorded.** Never `-march=native` (a native build died with SIGILL on a
   machine of this kind): the ISA flags are named explicitly from the CPU's detected features
   (`variant()`: AVX2, AVX-512, AMX, ...), and the variant is part of the build key, so a checkout
@@ -122,18 +124,10 @@ class Tools:
         return f"llama.cpp from {PACKAGE} {self.version}, {self.variant} build"
 
 
-def project_root() -> Path | None:
-    root = Path(__file__).resolve().parents[3]
-    return root if (root / "pyproject.toml").is_file() else None
-
-
 def home() -> Path:
     """The directory holding the managed builds."""
     if os.environ.get(DIR_VAR):
         return Path(os.environ[DIR_VAR]).expanduser()
-    root = project_root()
-    if root is not None:
-        return root / ".llamacpp"
     from quantbench.core.paths import cache_dir
 
     return cache_dir() / "llamacpp"
