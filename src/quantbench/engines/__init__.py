@@ -54,7 +54,6 @@ class ServerSettings:
     dtype: str = "auto"  # the dtype the engine serves the model in (vLLM --dtype)
     extra_env: dict[str, str] = field(default_factory=dict)
     slots: int = 1  # requests served at once (llama-server --parallel): the profile's highest concurrency
-    api_key: str | None = None  # asked of every request (llama-server --api-key), where the engine takes one
 
 
 class ServingEngine:

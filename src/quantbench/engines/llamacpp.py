@@ -119,8 +119,6 @@ class LlamaServer(ServingEngine):
             "--seed", "0",
             "--no-ui",
         ]  # fmt: skip
-        if settings.api_key:
-            cmd += ["--api-key", settings.api_key]
         return cmd, {**os.environ, **settings.extra_env}
 
     def explain(self, log_path: Path) -> str:
