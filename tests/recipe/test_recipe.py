@@ -44,7 +44,7 @@ def test_unknown_key_inside_the_method_section_names_its_own_fields(tmp_path):
 
 def test_unknown_method_lists_the_methods(tmp_path):
     [found] = problems(tmp_path, "quantize:\n  method: gtpq\n")
-    assert "quantize.method (line 2): unknown method 'gtpq'. Did you mean 'gptq'? Available: autoround, awq, bnb, distill, fp8, gptq, rtn, smoothquant, spinquant" in found
+    assert "quantize.method (line 2): unknown method 'gtpq'. Did you mean 'gptq'? Available: autoround, awq, bnb, distill, fp8, gguf, gptq, rtn, smoothquant, spinquant" in found
 
 
 def test_wrong_type(tmp_path):
