@@ -176,3 +176,9 @@ def _fast_tier_starts_no_server(request, monkeypatch):
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that need llama.cpp's tools run last: `.ci/run` builds them (niced) while the rest of
+    the suite runs, whose waits on servers and child processes leave the CPU idle much of the time."""
+    items.sort(key=lambda item: item.get_closest_marker("llamacpp") is not None)

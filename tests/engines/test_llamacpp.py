@@ -83,6 +83,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow  # the real llama.cpp (built on first use: ~12 min on 2 cores), llama-server processes
+@pytest.mark.llamacpp
 def test_a_gguf_recipe_is_quantized_reloaded_and_benched_through_llama_server(tiny_gguf, workdir, capsys):
     (workdir / "profiles").mkdir()
     (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE.replace("repetitions: 1", "repetitions: 2"))
@@ -118,6 +119,7 @@ def test_a_gguf_recipe_is_quantized_reloaded_and_benched_through_llama_server(ti
 
 
 @pytest.mark.slow  # the real llama.cpp and a llama-server process that fails
+@pytest.mark.llamacpp
 def test_a_gguf_llama_server_cannot_load_fails_with_its_own_words(tiny_gguf, tmp_path):
     from quantbench.engines.server import EndpointError, model_server
 
@@ -143,6 +145,7 @@ def test_a_gguf_whose_tokenizer_is_not_the_models_is_refused(tiny_gguf, tiny_mod
 
 
 @pytest.mark.slow  # the real llama.cpp and its converter
+@pytest.mark.llamacpp
 def test_a_model_llama_cpp_cannot_convert_is_refused_before_any_run(tiny_model_dir, workdir, capsys):
     """The tiny model's tokenizer was trained in this session: llama.cpp's converter does not know
     its pre-tokenizer and refuses; the recipe exits 2 naming that, and no run exists."""
