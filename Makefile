@@ -44,7 +44,7 @@ help:
 	@echo "make tune POLICY=release        the smallest per-layer mixed-precision checkpoint that passes the policy (outputs/tune/)"
 	@echo "make notebook                   run notebooks/tradeoffs.ipynb headless into outputs/notebooks/"
 	@echo "make vllm                       create vLLM's own environment (.venv-vllm) now rather than on first use"
-	@echo "make llamacpp                   build llama.cpp's tools for this CPU (.llamacpp/) now rather than on first use"
+	@echo "make llamacpp                   build llama.cpp's tools for this CPU (~/.cache/quantbench/llamacpp/) now rather than on first use"
 	@echo "make doctor                     which engines and servers this machine has"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
