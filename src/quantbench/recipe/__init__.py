@@ -283,7 +283,7 @@ GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0
 
 
 class GGUFSpec(Strict):
-    """llama.cpp's own quantization: the base model as an F16 (or BF16) GGUF file, quantized by
+    """llama.cpp's own quantization: the base model as an F16 GGUF file, quantized by
     `llama-quantize` to `type`, optionally guided by an importance matrix that `llama-imatrix`
     computes on the recipe's calibration text; the checkpoint is the .gguf file (served by
     llama-server, loaded de-quantized by transformers). `layers` gives tensors another type:
