@@ -1,18 +1,20 @@
 """Serving engines behind one interface, in one lazy registry.
 
 An engine is what a checkpoint's speed (and, where it can, its quality) is measured through:
-vLLM's OpenAI server, `transformers serve`, in-process transformers `generate` (`hf`, not a
-serving engine), or a user's own endpoints (`openai`). Each is a `ServingEngine`: what it serves
-on this device (asked with the device's features, never a table copied elsewhere), how it is made
-ready (an environment or binaries created on first use), how its server starts, what a request
-looks like, how a failure is explained, which quality measurements it can give.
+vLLM's OpenAI server, llama.cpp's `llama-server` (GGUF files), `transformers serve`, in-process
+transformers `generate` (`hf`, not a serving engine), or a user's own endpoints (`openai`). Each is
+a `ServingEngine`: what it serves on this device (asked with the device's features, never a table
+copied elsewhere), how it is made ready (an environment or binaries created on first use), how its
+server starts, what a request looks like, how a failure is explained, which quality measurements
+it can give.
 
 `ENGINES` maps a name (the `--backend` value, the recipe's `bench.backend`, the run's
 `quantbench.bench_server` tag) to "module:Class", imported only when the engine is used, so
 `--help` and most tests import none of them. `AUTO` is the order `auto` tries them in. A new
 engine is one module and one line here (tests register their own with `register`).
-`server` runs an engine's server process; `vllm_env` manages vLLM's own environment. Imports core
-only (an engine module may read sources' paths).
+`server` runs an engine's server process; `vllm_env` manages vLLM's own environment,
+`llamacpp_build` builds llama.cpp's tools. Imports core only (an engine module may read sources'
+paths and files).
 """
 
 from __future__ import annotations
