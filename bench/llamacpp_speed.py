@@ -23,6 +23,7 @@ import json
 import statistics
 import subprocess
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 
@@ -77,13 +78,10 @@ def main() -> None:
     settings = ServerSettings(args.prompt_tokens + args.output_tokens + 64, slots=4)
     decode: dict[str, list[float]] = {k: [] for k in files}
     throughput: dict[str, list[float]] = {k: [] for k in files}
-    from contextlib import ExitStack
-
     with ExitStack() as stack:
         urls = {}
         for kind, path in files.items():
-            url, _, _ = stack.enter_context(model_server(path.parent if kind != "F16" else _dir_of(path, work),
-                                                         work / f"{kind}.log", engine, settings))
+            url, _, _ = stack.enter_context(model_server(path, work / f"{kind}.log", engine, settings))
             urls[kind] = url
         client = stack.enter_context(http_client())
         order = list(files)
@@ -110,27 +108,18 @@ def main() -> None:
         ratios = [c / b for c, b in zip(decode[kind], decode["F16"])]
         t_ratios = [c / b for c, b in zip(throughput[kind], throughput["F16"])]
         server = statistics.geometric_mean(ratios)
-        low_high = ratio_interval(ratios) or (float("nan"), float("nan"))
+        interval = ratio_interval(ratios)  # None with fewer rounds than an interval needs
+        shown = f"[{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "[too few rounds for an interval]"
         reference = bench_tg[kind] / bench_tg["F16"]
-        print(f"{kind}: server decode x{server:.2f} [{low_high[0]:.2f}, {low_high[1]:.2f}] "
+        print(f"{kind}: server decode x{server:.2f} {shown} "
               f"({statistics.median(decode[kind]):.1f} tok/s), llama-bench x{reference:.2f} ({bench_tg[kind]:.1f} tok/s), "
               f"server / llama-bench {server / reference:.2f} (goal >= 0.90); throughput at concurrency 4 "
               f"x{statistics.geometric_mean(t_ratios):.2f}")
-        result[kind] = {"server_decode_ratio": server, "server_decode_ratio_ci": list(low_high),
+        result[kind] = {"server_decode_ratio": server, "server_decode_ratio_ci": list(interval) if interval else None,
                         "llama_bench_ratio": reference, "fidelity": server / reference,
                         "c4_throughput_ratio": statistics.geometric_mean(t_ratios),
                         "decode_tok_s": statistics.median(decode[kind]), "llama_bench_tok_s": bench_tg[kind]}
     print(json.dumps(result))
-
-
-def _dir_of(path: Path, work: Path) -> Path:
-    """A directory holding only this file (a checkpoint directory llama-server's engine serves)."""
-    directory = work / "F16"
-    directory.mkdir(exist_ok=True)
-    link = directory / path.name
-    if not link.exists():
-        link.symlink_to(path)
-    return directory
 
 
 if __name__ == "__main__":

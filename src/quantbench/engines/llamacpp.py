@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +64,7 @@ class LlamaServer(ServingEngine):
         tools, _ = build.find()
         if tools is not None:
             return None
-        missing = [name for name in ("cmake", "c++") if shutil.which(name) is None]
+        missing = build.missing_compilers()
         if missing:
             return f"llama.cpp is not built and cannot be here (no {', '.join(missing)})"
         return None
@@ -185,10 +184,10 @@ def run_tool(cmd: list[str], log_path: Path, what: str) -> str:
 def base_gguf(model_dir: Path, tools: build.Tools | None = None, log_path: Path | None = None) -> Path:
     """An unquantized model directory as an F16 GGUF file, made once and cached (keyed by the
     model's files and the build), its tokenizer verified against the model's own."""
-    from quantbench.sources.models import fingerprint, source_gguf
+    from quantbench.sources.models import known_fingerprint, source_gguf
 
     tools = tools or build.ensure("converting a model to GGUF")
-    key = f"{fingerprint(model_dir)[:16]}-{build.VERSION}-{BASE_TYPE}"
+    key = f"{known_fingerprint(model_dir)[:16]}-{build.VERSION}-{BASE_TYPE}"
     dest = cache_dir() / "gguf" / key / f"{model_dir.name}-{BASE_TYPE}.gguf"
     if dest.is_file():
         return dest

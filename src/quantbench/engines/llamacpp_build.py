@@ -36,6 +36,7 @@ from filelock import FileLock
 
 from quantbench.core import hardware
 from quantbench.core.errors import UserError
+from quantbench.core.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +129,12 @@ def home() -> Path:
     """The directory holding the managed builds."""
     if os.environ.get(DIR_VAR):
         return Path(os.environ[DIR_VAR]).expanduser()
-    from quantbench.core.paths import cache_dir
-
     return cache_dir() / "llamacpp"
+
+
+def missing_compilers() -> list[str]:
+    """What a build needs and this machine lacks (cmake, a C and a C++ compiler)."""
+    return [name for name in ("cmake", "c++", "cc") if shutil.which(name) is None]
 
 
 def _stamp(directory: Path) -> dict | None:
@@ -167,7 +171,7 @@ def ensure(why: str) -> Tools:
         return tools
     if os.environ.get(BIN_VAR):
         raise UserError(f"{why}: llama.cpp: {note}; unset it to let quantbench build its own")
-    missing = [name for name in ("cmake", "c++", "cc") if shutil.which(name) is None]
+    missing = missing_compilers()
     if missing:
         raise UserError(
             f"{why}: llama.cpp is built from source here and needs a C/C++ compiler and cmake; missing: "

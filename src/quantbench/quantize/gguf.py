@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import shutil
 from pathlib import Path
 
 from quantbench.engines import llamacpp
@@ -47,7 +46,7 @@ class GGUFBackend:
 
     def check(self, loaded, config) -> list[str]:
         tools, _ = build.find()
-        if tools is None and (missing := [n for n in ("cmake", "c++") if shutil.which(n) is None]):
+        if tools is None and (missing := build.missing_compilers()):
             return [
                 f"{loaded.path}: {loaded.where('quantize', 'method')}: gguf needs llama.cpp, which is not built and "
                 f"cannot be built here: no {', '.join(missing)} (Debian/Ubuntu: apt-get install build-essential cmake)"

@@ -356,6 +356,15 @@ def _card_license(path: Path) -> str:
     return "unknown"
 
 
+def known_fingerprint(path: Path) -> str:
+    """A model directory's fingerprint: the one recorded when quantbench converted it (as
+    `resolve` trusts it), else computed (`fingerprint`)."""
+    try:
+        return json.loads((path / SOURCE_INFO).read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError):
+        return fingerprint(path)
+
+
 def fingerprint(path: Path) -> str:
     """sha256 over config.json and the weight files, by relative name and content."""
     digest = hashlib.sha256()
