@@ -178,7 +178,37 @@ def _fast_tier_starts_no_server(request, monkeypatch):
 
 
 
+# Tests that must share one worker under `pytest -n 2 --dist loadgroup` (`make test`): they look for
+# processes of their kind machine-wide (vLLM and transformers servers; sweep children) or start a
+# Ray cluster, so another worker's servers, jobs or cluster would be counted as their own.
+SHARED_WORKER = {
+    "tests/speed/test_serving.py": "servers",
+    "tests/engines/test_vllm.py": "servers",
+    "tests/engines/test_vllm_env.py": "servers",
+    "tests/jobs/test_sweep.py": "sweeps",
+    "tests/jobs/test_ray.py": "sweeps",
+    "tests/test_team_tracking.py": "sweeps",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Tests that need llama.cpp's tools run last: `.ci/run` builds them (niced) while the rest of
-    the suite runs, whose waits on servers and child processes leave the CPU idle much of the time."""
-    items.sort(key=lambda item: item.get_closest_marker("llamacpp") is not None)
+    """The order and the grouping the suite runs in.
+
+    Order: the real tier, then the slow one, then the fast one (two workers finish together when
+    the long tests start first), and the tests that need llama.cpp's tools last: `.ci/run` builds
+    them (niced) while the rest of the suite runs, whose waits on servers and child processes leave
+    the CPU idle much of the time.
+
+    Groups (`--dist loadgroup`; ignored without xdist): SHARED_WORKER, and a module's tests that
+    share a module-scoped fixture (made once, not once per worker). Every other test goes to
+    whichever worker is free."""
+    items.sort(key=lambda item: (item.get_closest_marker("llamacpp") is not None,
+                                 item.get_closest_marker("real") is None, item.get_closest_marker("slow") is None))
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if module in SHARED_WORKER:
+            item.add_marker(pytest.mark.xdist_group(SHARED_WORKER[module]))
+        elif any(d and d[-1].scope == "module" for d in defs.values()):
+            item.add_marker(pytest.mark.xdist_group(module))

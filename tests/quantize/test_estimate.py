@@ -1,6 +1,8 @@
 """The produce step's time, estimated before it starts from forward passes timed here, and held to
 the recipe's budget_minutes: said and gone on, or refused with --strict-budget (exit 2, no run)."""
 
+import time
+
 import pytest
 
 from quantbench.cli import main
@@ -29,6 +31,17 @@ def test_a_forward_pass_is_timed(tiny_model_dir):
     windows = [[5] * 64, [6] * 64, [7] * 64]
     seconds = estimate.forward_seconds(model, windows)
     assert 0 < seconds < 5
+    # another process takes the cores during one timed pass: the estimate scales the fastest pass
+    calls = []
+
+    def contend(*_):
+        calls.append(1)
+        time.sleep(1.0 if len(calls) == 2 else 0)
+
+    hook = model.register_forward_pre_hook(contend)
+    contended = estimate.forward_seconds(model, windows + [[8] * 64])
+    hook.remove()
+    assert len(calls) == 4 and contended < 0.5
     found = estimate.estimate(AWQSpec(method="awq", n_grid=4), model, windows, 2, "float32")
     # scaled from its own timed pass (a second timing of a millisecond pass is noise, not a check)
     assert 0 < found.per_pass_s < 5

@@ -32,9 +32,12 @@ def awq_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     ],
 )
 def test_gptqmodel_formats_quantize_save_and_reload(workdir, tiny_model_dir, awq_model_dir, capsys, method, extra, expected):
+    """Saved in bfloat16 both; GPTQ computed in float32 (what an AVX2-only CPU computes in; AWQ's
+    kernels refuse it and compute in what they save)."""
     model = awq_model_dir if method == "awq" else tiny_model_dir
     body = tiny_recipe(model, f"method: {method}\nformat: {method}\ngroup_size: 32\n{extra}")
-    write_recipe(workdir, "g", body.replace("dtype: float32", "dtype: bfloat16") if method == "awq" else body)
+    compute = "" if method == "awq" else "\n  compute_dtype: float32"
+    write_recipe(workdir, "g", body.replace("dtype: float32", "dtype: bfloat16" + compute))
     assert main(["quantize", "g", "--json"]) == 0, capsys.readouterr().err[-3000:]
     result = last_json(capsys.readouterr().out)
     ckpt = Path(result["checkpoint"])
@@ -45,12 +48,17 @@ def test_gptqmodel_formats_quantize_save_and_reload(workdir, tiny_model_dir, awq
 
     with safe_open(ckpt / "model.safetensors", "pt") as f:
         names = set(f.keys())
+        dtypes = {name.rsplit(".", 1)[1]: f.get_slice(name).get_dtype() for name in names}
     assert "model.layers.0.mlp.down_proj.qweight" in names and "model.layers.0.mlp.down_proj.scales" in names
     assert "lm_head.qweight" not in names  # ignore: [lm_head]
+    assert dtypes["weight"] == "BF16" and dtypes["qweight"] == "I32"  # embeddings and norms in the recipe's dtype
+    assert json.loads((ckpt / "config.json").read_text())["dtype"] == "bfloat16"
     m = result["metrics"]
     assert m["check/ppl_ratio"] < 1.3  # scored from the checkpoint reloaded from disk through transformers
     [run] = runs()
     assert run.info.status == "FINISHED" and run.data.tags["quantbench.format"] == method
+    if method == "gptq":
+        assert run.data.tags["quantbench.compute_dtype"] == "float32"
     assert "gptqmodel" in run.data.tags["quantbench.loaders"] and "vLLM" in run.data.tags["quantbench.loaders"]
     card = (ckpt / "README.md").read_text()
     assert f"Format: {method}" in card

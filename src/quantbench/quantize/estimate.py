@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-TIMED_WINDOWS = 2  # forward passes timed, after one warm-up pass
+TIMED_WINDOWS = 3  # forward passes timed, after one warm-up pass; the fastest counts
 
 # Forward-pass equivalents (one pass = the whole model over one calibration window) per window and
 # per unit of the method's own knob. A per-layer engine (llm-compressor's sequential pipeline) runs
@@ -48,8 +48,10 @@ class Estimate:
 
 
 def forward_seconds(model, windows: list[list[int]]) -> float:
-    """Median seconds of one forward pass over one window, timed on up to TIMED_WINDOWS windows
-    after a warm-up pass (a single window: its one pass is all there is)."""
+    """Seconds of one forward pass over one window: the fastest of up to TIMED_WINDOWS windows
+    after a warm-up pass (a single window: its one pass is all there is). The fastest, because
+    another process on the same cores only ever slows a pass down (the median of two was the slower
+    one: a contended pass once made a 17-minute AWQ job's estimate 75 minutes)."""
     import torch
 
     times = []
@@ -59,7 +61,7 @@ def forward_seconds(model, windows: list[list[int]]) -> float:
             model(torch.tensor([window]))
             times.append(time.perf_counter() - started)
     timed = times[1:] or times  # the first pass warms up
-    return sorted(timed)[len(timed) // 2]
+    return min(timed)
 
 
 def passes(quantize, windows: int, layers: int) -> tuple[float, float, str] | None:

@@ -86,13 +86,16 @@ class GPTQModelBackend:
 
     def produce(self, inputs: Inputs) -> Produced:
         inputs.drop_model()  # the child loads its own copy
+        model = inputs.loaded.recipe.model
         self.write(
             inputs.base.path,
-            inputs.loaded.recipe.model.dtype,
+            model.dtype,
             inputs.calibration,
             inputs.staging,
             inputs.log_path,
             inputs.loaded.recipe.calibration.seed,
+            # AWQ's kernels refuse float32 (check): that format computes in what it saves
+            compute=model.dtype if self.format == "awq" else model.computes_in(),
         )
         return Produced(card=calibration_card(inputs))
 
@@ -105,15 +108,24 @@ class GPTQModelBackend:
         return f"AWQ GEMM (gptqmodel {version}) — transformers (+gptqmodel), vLLM, SGLang"
 
     def write(
-        self, base_path: Path, dtype: str, calibration: list[list[int]], dest: Path, log_path: Path, seed: int = 0
+        self,
+        base_path: Path,
+        dtype: str,
+        calibration: list[list[int]],
+        dest: Path,
+        log_path: Path,
+        seed: int = 0,
+        compute: str | None = None,
     ) -> None:
         """Quantize the base model with GPTQModel and save it into `dest`, in a child process
-        (seeded and deterministic like the produce step: quantize/stage.py)."""
+        (seeded and deterministic like the produce step: quantize/stage.py). It computes in `compute`
+        (default: `dtype`) and saves the tensors it leaves unquantized in `dtype`."""
         from quantbench.core.processes import stop_group
 
         job = {
             "base": str(base_path),
             "dtype": dtype,
+            "compute": compute or dtype,
             "spec": self.spec.model_dump(mode="json"),
             "calibration": calibration,
             "dest": str(dest),
@@ -182,6 +194,32 @@ def _pattern(name: str) -> str:
     return name.removeprefix("re:") if name.startswith("re:") else re.escape(name) + "$"
 
 
+def _cast_unquantized(model, dtype) -> None:
+    """The floating-point tensors GPTQModel left unquantized (embeddings, norms, ignored layers) in
+    the dtype the checkpoint is saved in, and its config saying so. The quantized layers keep the
+    format's own dtypes (int32 packs, float16 scales) whatever the job computed in."""
+    import torch
+    from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+
+    if model.config.dtype == dtype:
+        return
+    cast: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        if isinstance(module, BaseQuantLinear):
+            continue
+        # meta ones too: GPTQModel materializes them from the source files in the parameter's dtype;
+        # a tied parameter (the output head sharing the embeddings) stays one parameter
+        for name, param in module.named_parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype:
+                if id(param) not in cast:
+                    cast[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=False)
+                module._parameters[name] = cast[id(param)]
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point() and buffer.dtype != dtype:
+                module._buffers[name] = buffer.to(dtype)
+    model.config.dtype = dtype
+
+
 def _child(job_file: str) -> None:
     """The child: load, quantize with the calibration windows, save."""
     import torch
@@ -193,7 +231,7 @@ def _child(job_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
     spec = (AWQSpec if job["spec"]["method"] == "awq" else GPTQSpec).model_validate(job["spec"])
     with deterministic(job["seed"]):
-        model = GPTQModel.load(job["base"], config(spec), dtype=getattr(torch, job["dtype"]))
+        model = GPTQModel.load(job["base"], config(spec), dtype=getattr(torch, job.get("compute", job["dtype"])))
         rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in job["calibration"]]
         # the kernel for GPTQModel's own forward passes after each layer (torch: runs on a CPU)
         kernel = (
@@ -204,6 +242,7 @@ def _child(job_file: str) -> None:
             else BACKEND.GPTQ_TORCH
         )
         model.quantize(rows, batch_size=1, backend=kernel)  # calibration_sort "desc": our windows, in a fixed order
+        _cast_unquantized(model.model, getattr(torch, job["dtype"]))
         model.save(job["dest"])
     AutoTokenizer.from_pretrained(job["base"]).save_pretrained(job["dest"])
 
