@@ -131,12 +131,18 @@ lint: $(STAMP)
 	$(BIN)/mypy src
 	$(BIN)/lint-imports
 
+# The suite on WORKERS pytest-xdist workers (2: much of it waits on servers and child processes, and
+# the other worker uses that time); tests that must share a worker are grouped in tests/conftest.py.
+# WORKERS=0 runs it in this one process.
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadgroup --no-loadscope-reorder)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(PYTEST) $(ARGS)
 
 # unit + tiny-model tests: no server, browser, database or real model; prints its time
 test-fast: $(STAMP)
-	@start=$$(date +%s); $(BIN)/python -m pytest -m "not slow and not real" $(ARGS); code=$$?; \
+	@start=$$(date +%s); $(PYTEST) -m "not slow and not real" $(ARGS); code=$$?; \
 	echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $$code
 
 gc: $(STAMP)

@@ -191,24 +191,40 @@ SHARED_WORKER = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_itemcollected(item):
+    """The group a test runs in under `--dist loadgroup` (ignored without xdist), set as each test
+    is collected, before any plugin reorders or reads the collection: SHARED_WORKER, and a
+    module's tests that share a module-scoped fixture (made once, not once per worker). Every other
+    test goes to whichever worker is free."""
+    module = item.nodeid.split("::", 1)[0]
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    if module in SHARED_WORKER:
+        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER[module]))
+    elif any(d and d[-1].scope == "module" for d in defs.values()):
+        item.add_marker(pytest.mark.xdist_group(module))
+
+
 def pytest_collection_modifyitems(config, items):
-    """The order and the grouping the suite runs in.
-
-    Order: the real tier, then the slow one, then the fast one (two workers finish together when
-    the long tests start first), and the tests that need llama.cpp's tools last: `.ci/run` builds
-    them (niced) while the rest of the suite runs, whose waits on servers and child processes leave
-    the CPU idle much of the time.
-
-    Groups (`--dist loadgroup`; ignored without xdist): SHARED_WORKER, and a module's tests that
-    share a module-scoped fixture (made once, not once per worker). Every other test goes to
-    whichever worker is free."""
+    """The order the suite runs in: the real tier, then the slow one, then the fast one (two
+    workers finish together when the long tests start first), and the tests that need llama.cpp's
+    tools last: `.ci/run` builds them (niced) while the rest of the suite runs, whose waits on
+    servers and child processes leave the CPU idle much of the time."""
     items.sort(key=lambda item: (item.get_closest_marker("llamacpp") is not None,
                                  item.get_closest_marker("real") is None, item.get_closest_marker("slow") is None))
+    if getattr(config.option, "loadgroup", False):
+        _group_ids(items)
+
+
+def _group_ids(items) -> None:
+    """xdist's loadgroup reads a test's group from its id (`<id>@<group>`), which xdist 3.8 writes
+    into `item._nodeid`; pytest 9 keeps the id in `item._id` (a NodeId), so the groups would be
+    ignored and a module-scoped fixture made on both workers. Write them where pytest 9 reads them."""
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest 8: xdist's own hook writes _nodeid, which pytest 8 reads
+        return
     for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if module in SHARED_WORKER:
-            item.add_marker(pytest.mark.xdist_group(SHARED_WORKER[module]))
-        elif any(d and d[-1].scope == "module" for d in defs.values()):
-            item.add_marker(pytest.mark.xdist_group(module))
+        groups = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+        if groups and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
+

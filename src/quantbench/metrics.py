@@ -89,6 +89,10 @@ FIXED: dict[str, Direction | None] = {
     "tune/size_mb": None,
     "tune/passed": None,
     "tune/candidates": None,  # the tune's parent run, at the end
+    "stack/multiplier": "higher",  # a stack step's run: its output throughput over the step before it
+    "stack/cumulative": "higher",  # ... over the stack's first step, measured in the same rounds
+    "stack/direct": "higher",  # a stack's parent run: the last measured step over the first
+    "stack/product": "higher",  # ... and the product of the step multipliers, for comparison
     "tune/passed_final": None,
     "tune/best_size_mb": None,
     "tune/best_kld": None,
@@ -104,6 +108,7 @@ SPEED: dict[str, Direction] = {
     "decode_tok_s": "higher",
     "prefill_tok_s": "higher",
     "peak_mem_mb": "lower",
+    "throughput_tok_s": "higher",  # a stack step: output tokens/s over its requests at its concurrency
     "spec_acceptance": "higher",  # speculative decoding with a draft model (bench --draft)
     "spec_decode_tok_s": "higher",
     "spec_tokens_per_target_step": "higher",
@@ -133,7 +138,7 @@ RECOVERABLE = re.compile(r"quality/ppl|quality_ood/ppl|task/[^.]+")
 WITH_INTERVAL = re.compile(
     r"(quality|quality_ood)/(ppl|kld_mean|kld_p90|kld_p99|top1_agreement)|quality_engine/.+"
     r"|quality/flips_(pct|right_to_wrong_pct|wrong_to_right_pct)"
-    r"|task/[^/.]+/[^/.]+|recovery/.+|speedup/.+(?<!_p95)"
+    r"|task/[^/.]+/[^/.]+|recovery/.+|speedup/.+(?<!_p95)|stack/(multiplier|cumulative)"
 )
 INTERVAL_SUFFIXES = (".ci_low", ".ci_high")
 
@@ -147,12 +152,15 @@ PATTERNS = (
     "<metric>.ci_high",
     "noise_seed/<metric>",
     "task_engine/<task>/<metric>",
+    "stack/<step>/multiplier",
+    "stack/<step>/cumulative",
 )
 
 # Every tag quantbench sets (prefix quantbench.), with its meaning. `<...>` stands for a part
 # that varies: environment keys, policies.
 TAGS: dict[str, str] = {
-    "quantbench.role": "candidate | baseline | noise | summary | sweep | tune | sensitivity: what the run is",
+    "quantbench.role": "candidate | baseline | noise | summary | sweep | tune | sensitivity | stack | stack_step: what "
+    "the run is",
     "quantbench.recipe": "the recipe's name (its file name without .yaml)",
     "quantbench.recipe_sha": "sha256 of the resolved recipe (defaults filled in, overrides applied)",
     "quantbench.method": "quantize.method of the recipe (gptq, awq, fp8, smoothquant, bnb, distill, gguf, ...)",
@@ -206,6 +214,9 @@ TAGS: dict[str, str] = {
     "quantbench.sensitivity_run": "on a tune's parent run: the sensitivity run it allocated from",
     "quantbench.sensitivity_key": "on a sensitivity run: sha256 of base model, schemes, calibration text and settings",
     "quantbench.sensitivity_method": "on a sensitivity run: kld (measured) or fisher (proxy)",
+    "quantbench.stack": "the stack (stacks/NAME.yaml) a stack or stack_step run measured",
+    "quantbench.stack_step": "on a stack_step run: its index and name in the stack (2:q4_0)",
+    "quantbench.stack_model_run": "on a stack_step run: the quantbench run of the step's model (its quality)",
     "quantbench.compared_runs": "on a compare summary run: the runs it compared",
     "quantbench.quality_metric": "on a compare summary run: the quality axis",
     "quantbench.speed_metric": "on a compare summary run: the speed axis",
@@ -248,6 +259,9 @@ ARTIFACTS: dict[str, str] = {
     "tune/tune.txt": "the same as the table `quantbench tune` prints",
     "tune/frontier.png": "size vs KLD of the tuned candidates and the shipped uniform recipes",
     "tune/recipes/<name>.yaml": "each candidate's recipe file",
+    "stack.json": "on a stack's parent run: the ledger (every step's speed, multipliers with intervals, quality)",
+    "stack.md": "the same ledger as the table `quantbench stack` prints",
+    "stack_waterfall.png": "the cumulative multiplier per step (log scale), each bar with its step multiplier and quality",
 }
 
 
@@ -283,6 +297,8 @@ def direction(name: str) -> Direction | None:
         return None
     if name in FIXED:
         return FIXED[name]
+    if name.startswith("stack/"):  # stack/<step>/multiplier, stack/<step>/cumulative
+        return "higher"
     if name.startswith(("recovery/", "speedup/")):
         return "higher"
     if name.startswith(("task/", "task_engine/")):

@@ -29,6 +29,7 @@ examples:
   quantbench gate <run id> --policy release         pass/fail; a pass moves the registry alias 'champion'
   quantbench sweep cpu-grid                         many jobs (sweeps/cpu-grid.yaml): resumable, timeouts, retries
   quantbench tune --policy release                  the smallest mixed-precision checkpoint that passes a policy
+  quantbench stack cpu                              the speedup ledger: engine, quantization, batching stacked
   quantbench sweep cpu-grid --ray HOST:PORT         the same jobs on a Ray cluster (docs/ray.md)
   quantbench validate recipes/*.yaml                check recipes (every error at once)
   quantbench recipes                                list the shipped recipes
@@ -226,6 +227,26 @@ def build_parser() -> argparse.ArgumentParser:
         "the cluster running here or else a local Ray for this sweep (docs/ray.md; needs "
         "pip install -e '.[ray]')",
     )
+
+    k = sub.add_parser(
+        "stack",
+        parents=[_common("experiment", "outputs", "json")],
+        help="the speedup ledger: techniques stacked step by step, each one's multiplier and quality cost",
+        description="Measure the steps of stacks/NAME.yaml on the same prompts, interleaved round by round: a naive "
+        "start (in-process transformers), then each step adding a technique to everything before it (a serving "
+        "engine, a 16-bit dtype, a quantized or distilled model, batching). Prints the ledger: each step's output "
+        "throughput, its multiplier over the step before [95% interval], the cumulative multiplier over the start, "
+        "and the quality of its model against the base (from the model's own run). A step naming recipe:NAME runs "
+        "that recipe first when the experiment has no run of it. One parent MLflow run (stack.json, stack.md, "
+        "stack_waterfall.png) with a child run per step. Exit 0 all steps measured, 1 a step failed, 2 bad input "
+        "(nothing started). See docs/stack.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  quantbench stack cpu                  stacks/cpu.yaml: hf fp32 -> llama.cpp -> Q4_0 -> "
+        "batching\n  quantbench stack cpu --policy release  also: does each step's model pass the policy's quality "
+        "checks?\n",
+    )
+    k.add_argument("stack", help="a stack name (stacks/NAME.yaml) or a path to a .yaml file")
+    k.add_argument("--policy", help="hold each step's model to this policy's quality checks (policies/NAME.yaml)")
 
     t = sub.add_parser(
         "tune",
@@ -579,6 +600,22 @@ def cmd_tune(args) -> int:
     return 0 if result["passed"] else 1
 
 
+def cmd_stack(args) -> int:
+    from quantbench.jobs import stack
+
+    result = _run_stage(
+        "stack", stack.run, args.stack, policy=args.policy, experiment=args.experiment, outputs=args.outputs
+    )
+    if result is None:
+        return 1
+    print(stack.table(result.report))
+    print(f"mlflow run: {result.run_id}")
+    if result.failed:
+        print(f"failed steps: {', '.join(result.failed)} (their runs hold the error)", file=sys.stderr)
+    _json(args, result.summary())
+    return 1 if result.failed else 0
+
+
 def cmd_gc(args) -> int:
     from quantbench.tracking import Tracker
 
@@ -738,6 +775,7 @@ COMMANDS = {
     "gate": cmd_gate,
     "sweep": cmd_sweep,
     "tune": cmd_tune,
+    "stack": cmd_stack,
     "validate": cmd_validate,
     "recipes": cmd_recipes,
     "gc": cmd_gc,

@@ -247,6 +247,15 @@ def evaluate_policy(
     return checks
 
 
+def quality_checks(policy: Policy, metrics: dict[str, float]) -> list[Check]:
+    """The policy's limits on quality (recovery, and min / max outside the speed families) held
+    against one run's metrics: what `quantbench stack --policy` asks of each step's model."""
+    checks = [_bound(f"recovery/{k}", metrics, _limit(t), ">=") for k, t in policy.recovery.items()]
+    checks += [_bound(k, metrics, _limit(t), ">=") for k, t in policy.min.items() if not k.startswith(SPEED_FAMILIES)]
+    checks += [_bound(k, metrics, _limit(t), "<=") for k, t in policy.max.items() if not k.startswith(SPEED_FAMILIES)]
+    return checks
+
+
 class MissingInterval(Exception):
     """A check holds an interval's end to its limit, and the run logged the metric without one."""
 

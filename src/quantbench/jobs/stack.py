@@ -1,0 +1,683 @@
+"""`quantbench stack NAME`: the speedup ledger. Each technique's multiplier and its quality cost,
+stacked and measured in one run.
+
+A stack file (stacks/NAME.yaml) names a base model, a workload (prompt and output lengths, requests,
+repetitions) and an ordered list of steps. The first step is the naive start; every later step
+changes one or more of `engine`, `dtype`, `model` and `concurrency` and keeps everything else from
+the steps before it, so each step adds its techniques on top of all the earlier ones:
+
+    steps:
+      - {name: naive, engine: hf, dtype: float32}      # in-process transformers generate
+      - {name: llama.cpp, engine: llamacpp}           # a serving engine (the base as an F16 GGUF)
+      - {name: int4, model: recipe:gguf-q4_0}         # a quantized checkpoint (run first if never run)
+      - {name: batching, concurrency: 8}              # 8 requests in flight (continuous batching)
+
+Measuring: every step is measured in every round (A B C D, A B C D, ...), one after the other on
+the same prompts, so machine drift hits all alike and step i's repetition r pairs with step i-1's
+(its multiplier's interval) and with step 0's (the cumulative one's). A step's speed is its output
+throughput (tokens/s over the requests in flight at its concurrency); per-request decode rate, TTFT
+and end-to-end latency are logged beside it. The cumulative multiplier is measured directly (the
+last step against the first in the same rounds) and also as the product of the step multipliers;
+the two disagree when the gains do not simply multiply, and the ledger says by how much.
+
+Quality: a step that changes the model carries the quality of that model against the original
+base, from its own quantbench run (the evaluate stage's `quality/kld_mean` with its interval, or
+llama.cpp's `quality_engine/kld_mean` for a GGUF checkpoint; the reload check's `check/ppl_ratio`
+where the run was not evaluated). With `--policy`, the policy's quality checks (not its speed ones)
+are held against each step's model. Nothing here computes quality anew: `quantbench evaluate RUN`
+does, and the ledger reads it.
+
+MLflow: a parent run (`quantbench.role=stack`) with the ledger (`stack.json`, `stack.md`, the
+waterfall plot `stack_waterfall.png`, the servers' logs) and `stack/<step>/multiplier|cumulative`;
+one child run per step (`quantbench.role=stack_step`) with its speed and its multipliers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import tempfile
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, PositiveInt, field_validator
+
+from quantbench import engines
+from quantbench.core.errors import UserError
+from quantbench.core.intervals import HIGH, LOW, ratio_interval
+from quantbench.recipe import DEFAULT_MODEL, Strict, load_named
+from quantbench.tracking import TAG, Tracker
+
+log = logging.getLogger(__name__)
+
+ENGINE_NAMES = ("hf", "transformers", "vllm", "llamacpp")  # the engines a step can name
+KNOBS = ("engine", "dtype", "model", "concurrency")  # what a step can change
+PLOT = "stack_waterfall.png"
+# the quality figure a step's model shows, first found in its run: (metric, label)
+QUALITY_KEYS = (
+    ("quality/kld_mean", "KLD"),
+    ("quality_engine/kld_mean", "KLD (llama.cpp)"),
+    ("check/ppl_ratio", "ppl ratio (reload check)"),
+)
+
+
+class Workload(Strict):
+    """What every step is measured on: the same prompts and output lengths."""
+
+    prompt_tokens: PositiveInt = 128
+    output_tokens: PositiveInt = 32
+    # requests per measurement at concurrency N (default 2 x N): closed loop, N in flight
+    requests: PositiveInt | None = None
+    repetitions: int = Field(3, ge=3, description="rounds measured (3 or more: each multiplier gets an interval)")
+    warmup: int = Field(1, ge=0, description="rounds run first and dropped")
+    seed: int = 0
+    compile: bool = True  # vLLM compiles its graphs at start-up (what a deployment runs)
+
+    def level_requests(self, concurrency: int) -> int:
+        return self.requests or 2 * concurrency
+
+
+class Step(Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    engine: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    model: str | None = None  # run:ID, recipe:NAME, a checkpoint directory; default the base model
+    concurrency: PositiveInt | None = None
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str | None) -> str | None:
+        if value is not None and value not in ENGINE_NAMES:
+            raise ValueError(f"unknown engine '{value}'. Available: {', '.join(ENGINE_NAMES)}")
+        return value
+
+
+class StackFile(Strict):
+    description: str = ""
+    base: str = DEFAULT_MODEL
+    workload: Workload = Workload()
+    steps: list[Step] = Field(min_length=2)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a step is measured with: its own changes over the steps before it."""
+
+    engine: str
+    dtype: str
+    model: str | None  # None: the base model
+    concurrency: int
+
+    def server_key(self) -> tuple[str, str, str | None]:
+        return (self.engine, self.dtype, self.model)
+
+
+@dataclass
+class Resolved:
+    """A step's model, found: its checkpoint directory and what its run says about its quality."""
+
+    path: Path
+    run_id: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    label: str = ""
+
+
+def stacks_dir() -> Path:
+    return Path(os.environ.get("QUANTBENCH_STACKS", "stacks"))
+
+
+def load(name: str) -> tuple[StackFile, list[Config]]:
+    """The stack file and each step's full configuration; every problem of the step list at once."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        from quantbench.recipe import validate_file
+
+        stack = validate_file(path, StackFile)
+        where = str(path)
+    else:
+        stack = load_named(stacks_dir(), name, StackFile, "stack", "stack")
+        where = str(stacks_dir() / f"{name}.yaml")
+    return stack, configs(stack, where)
+
+
+def configs(stack: StackFile, where: str) -> list[Config]:
+    problems = []
+    first = stack.steps[0]
+    if first.engine is None:
+        problems.append(
+            f"{where}: steps.0 ({first.name}): the first step is the naive start: name its engine (e.g. hf)"
+        )
+    current = Config(first.engine or "hf", first.dtype or "auto", first.model, first.concurrency or 1)
+    out = [current]
+    seen = {first.name: 0}
+    for i, step in enumerate(stack.steps[1:], start=1):
+        if step.name in seen:
+            problems.append(f"{where}: steps.{i}.name: '{step.name}' is also step {seen[step.name]}'s name")
+        seen.setdefault(step.name, i)
+        changes = {k: getattr(step, k) for k in KNOBS if getattr(step, k) is not None}
+        same = [k for k, v in changes.items() if getattr(current, k) == v]
+        if not changes:
+            problems.append(f"{where}: steps.{i} ({step.name}): changes nothing; set one of {', '.join(KNOBS)}")
+        elif len(same) == len(changes):
+            problems.append(
+                f"{where}: steps.{i} ({step.name}): {', '.join(f'{k}: {changes[k]}' for k in same)} is what the "
+                "steps before it already use; a step must add something"
+            )
+        current = Config(
+            changes.get("engine", current.engine),
+            changes.get("dtype", current.dtype),
+            changes.get("model", current.model),
+            changes.get("concurrency", current.concurrency),
+        )
+        out.append(current)
+    for i, config in enumerate(out):
+        if config.engine == "llamacpp" and config.dtype not in ("auto", "float16"):
+            problems.append(
+                f"{where}: steps.{i} ({stack.steps[i].name}): dtype {config.dtype}: llama.cpp serves a model's own "
+                "GGUF file, the base model as an F16 file; dtype applies to hf, transformers and vllm"
+            )
+    if problems:
+        raise UserError(problems)
+    return out
+
+
+def adds(step: Step, index: int) -> str:
+    """What a step adds, in words, for the ledger."""
+    if index == 0:
+        return "the start"
+    return ", ".join(f"{k} {getattr(step, k)}" for k in KNOBS if getattr(step, k) is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def resolve_models(
+    stack: StackFile, steps: list[Config], tracker: Tracker, experiment: str | None, outputs: Path
+) -> tuple[object, dict[str | None, Resolved]]:
+    """The base model and each step's model: `run:ID` read from the store, `recipe:NAME` from its
+    newest finished run in the experiment (run now through the quantize pipeline when there is
+    none), a directory as it is. Bad references are refused before any recipe runs."""
+    from quantbench.jobs import pipeline
+    from quantbench.recipe import load_recipe, resolve_recipe_path
+    from quantbench.sources import models
+    from quantbench.sources.checkpoint import check_loadable, resolve_target
+
+    base = models.resolve(stack.base, field="base", experiment=experiment)
+    found: dict[str | None, Resolved] = {None: Resolved(base.path, label=models.short_name(stack.base))}
+    pending: list[str] = []
+    problems: list[str] = []
+    for ref in dict.fromkeys(c.model for c in steps if c.model is not None):
+        if ref.startswith("recipe:"):
+            name = ref.removeprefix("recipe:")
+            runs = tracker.search({TAG + "recipe": name, TAG + "role": "candidate"})
+            if runs:
+                found[ref] = _from_run(runs[0].info.run_id, tracker, ref)
+            else:
+                try:
+                    loaded = load_recipe(resolve_recipe_path(name))
+                    problems += [f"model {ref}: {p}" for p in pipeline.check_without_model(loaded, experiment)]
+                except UserError as exc:
+                    problems += [f"model {ref}: {p}" for p in exc.problems]
+                pending.append(ref)
+            continue
+        try:
+            target = resolve_target(ref.removeprefix("run:"), tracker, stack.base)
+            check_loadable(target.checkpoint)
+        except UserError as exc:
+            problems += [f"model {ref}: {p}" for p in exc.problems]
+            continue
+        run_id = target.run_id
+        found[ref] = _from_run(run_id, tracker, ref) if run_id else Resolved(target.checkpoint, label=ref)
+    if problems:
+        raise UserError(problems)
+    for ref in pending:
+        name = ref.removeprefix("recipe:")
+        log.info("stack: %s has no finished run in this experiment: running it now (quantbench quantize %s)", ref, name)
+        result = pipeline.quantize(name, outputs=outputs, experiment=experiment)
+        found[ref] = _from_run(result.run_id, tracker, ref)
+    return base, found
+
+
+def _from_run(run_id: str, tracker: Tracker, ref: str) -> Resolved:
+    from quantbench.sources.checkpoint import check_loadable, resolve_target
+
+    target = resolve_target(run_id, tracker, None)
+    check_loadable(target.checkpoint)
+    run = tracker.get(run_id, ref)
+    return Resolved(target.checkpoint, run_id, dict(run.data.metrics), f"{ref} ({run.info.run_name})")
+
+
+def quality_of(resolved: Resolved) -> dict | None:
+    """The quality figure a model's run carries against the base: {metric, label, value, ci}."""
+    for key, label in QUALITY_KEYS:
+        if key in resolved.metrics:
+            low, high = resolved.metrics.get(key + LOW), resolved.metrics.get(key + HIGH)
+            return {
+                "metric": key,
+                "label": label,
+                "value": resolved.metrics[key],
+                "ci": [low, high] if low is not None and high is not None else None,
+            }
+    return None
+
+
+def check_engines(stack: StackFile, steps: list[Config], models_: dict[str | None, Resolved]) -> None:
+    """Every step's model is one its engine serves here, said before anything starts."""
+    problems = []
+    for i, config in enumerate(steps):
+        engine = engines.get(config.engine)
+        path = models_[config.model].path
+        why = engine.unavailable() or engine.unserved(path)
+        if why:
+            problems.append(f"steps.{i} ({stack.steps[i].name}): {engine.label} cannot serve {path} here: {why}")
+    tokenizers = {str(models_[c.model].path) for c in steps}
+    if len(tokenizers) > 1:
+        problems += _tokenizer_problems(sorted(tokenizers), models_[None].path)
+    if problems:
+        raise UserError(problems)
+
+
+def _tokenizer_problems(paths: list[str], base: Path) -> list[str]:
+    """Every model must read the prompts as the base does: the same token ids for a sample."""
+    from transformers import AutoTokenizer
+
+    from quantbench.sources import data
+
+    sample = data.python_docs("evaluation")[:4000]
+    want = AutoTokenizer.from_pretrained(base)(sample)["input_ids"]
+    return [
+        f"model {p}: its tokenizer reads the prompts differently from the base model's ({base}); "
+        "a stack compares models on the same tokens"
+        for p in paths
+        if AutoTokenizer.from_pretrained(p)(sample)["input_ids"] != want
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+@dataclass
+class StepResult:
+    name: str
+    adds: str
+    config: Config
+    samples: dict[str, list[float]] = field(default_factory=dict)  # per round
+    error: str | None = None
+
+    @property
+    def throughputs(self) -> list[float]:
+        return self.samples.get(f"c{self.config.concurrency}/throughput_tok_s", [])
+
+
+def _profile(workload: Workload, concurrency: int):
+    from quantbench.speed.measure import Profile
+
+    return Profile(
+        prompt_tokens=[workload.prompt_tokens],
+        output_tokens=workload.output_tokens,
+        concurrency=[concurrency],
+        requests_per_level=workload.level_requests(concurrency),
+        repetitions=1,
+        warmup=0,
+        seed=workload.seed,
+        compile=workload.compile,
+    )
+
+
+def _hf_load(path: Path, dtype: str, is_base: bool):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantbench.core import hardware
+    from quantbench.sources.checkpoint import load_model
+
+    if is_base:
+        return lambda: AutoModelForCausalLM.from_pretrained(
+            path, dtype="auto" if dtype == "auto" else getattr(torch, dtype)
+        ).eval()
+    return lambda: load_model(path, dtype=hardware.compute_dtype_of(path, dtype))
+
+
+def measure(
+    stack: StackFile, steps: list[Config], models_: dict[str | None, Resolved], logs_dir: Path
+) -> list[StepResult]:
+    """Every step in every round, in order; servers started once each (one after the other) and
+    stopped at the end whatever happens. A step that fails is marked and left out of later rounds."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from quantbench.engines import ServerSettings
+    from quantbench.engines.server import model_server
+    from quantbench.sources import data
+    from quantbench.speed.measure import hf_measurer, prompts
+    from quantbench.speed.serving import openai_measurer
+
+    workload = stack.workload
+    tokenizer = AutoTokenizer.from_pretrained(models_[None].path)
+    ids = tokenizer(data.python_docs("evaluation"))["input_ids"]
+    rounds = workload.warmup + workload.repetitions
+    most = max(workload.level_requests(c.concurrency) for c in steps)
+    prompt_sets = {workload.prompt_tokens: prompts(ids, workload.prompt_tokens, most + rounds, workload.seed)}
+    results = [StepResult(s.name, adds(s, i), c) for i, (s, c) in enumerate(zip(stack.steps, steps))]
+    with ExitStack() as servers:
+        measurers = {}
+        started: dict[tuple, tuple] = {}
+        for i, config in enumerate(steps):
+            resolved = models_[config.model]
+            profile = _profile(workload, config.concurrency)
+            if config.engine == "hf":
+                measurers[i] = hf_measurer(_hf_load(resolved.path, config.dtype, config.model is None), profile)
+                continue
+            key = config.server_key()
+            if key not in started:
+                engine = engines.get(config.engine)
+                engine.ensure(f"stack step {stack.steps[i].name}")
+                slots = max(c.concurrency for c in steps if c.server_key() == key)
+                settings = ServerSettings(
+                    workload.prompt_tokens + workload.output_tokens + 64,
+                    compiled=workload.compile,
+                    dtype=config.dtype,
+                    slots=slots,
+                )
+                log_path = logs_dir / f"{len(started)}-{config.engine}.log"
+                log.info("stack: starting %s for %s", engine.label, resolved.label or resolved.path)
+                started[key] = (servers.enter_context(model_server(resolved.path, log_path, engine, settings)), engine)
+            (url, model_name, pid), engine = started[key]
+            measurers[i] = openai_measurer(url, model_name, tokenizer, profile, server_pid=pid, engine=engine)
+        with tqdm(total=rounds * len(steps), desc="stack", unit="step") as bar:
+            for rnd in range(rounds):
+                for i, result in enumerate(results):
+                    bar.update(1)
+                    if result.error:
+                        continue
+                    try:
+                        values = measurers[i](prompt_sets, rnd)
+                    except Exception as exc:  # that step fails; the others are kept
+                        result.error = f"{type(exc).__name__}: {exc}"
+                        log.error("stack: step %s failed in round %d: %s", result.name, rnd, result.error)
+                        continue
+                    if rnd >= workload.warmup:
+                        for key, value in values.items():
+                            result.samples.setdefault(key, []).append(value)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# The ledger
+
+
+def ledger(results: list[StepResult], qualities: list[dict | None]) -> dict:
+    """Per step: throughput (median), its multiplier over the step before it and the cumulative one
+    over the first, each with the interval of its paired rounds; the product of the step multipliers
+    against the cumulative one measured directly."""
+    rows = []
+    start = results[0].throughputs
+    previous: StepResult | None = None
+    product = 1.0
+    for result, quality in zip(results, qualities):
+        row: dict = {
+            "step": result.name,
+            "adds": result.adds,
+            "engine": result.config.engine,
+            "dtype": result.config.dtype,
+            "model": result.config.model or "base",
+            "concurrency": result.config.concurrency,
+            "status": "failed" if result.error else "measured",
+            "error": result.error,
+            "quality": quality,
+        }
+        thr = result.throughputs
+        if thr and not result.error:
+            row["throughput_tok_s"] = statistics.median(thr)
+            for suffix, name in (
+                ("decode_tok_s", "decode_tok_s"),
+                ("ttft_ms", "ttft_ms_p50"),
+                ("e2e_ms", "e2e_ms_p50"),
+            ):
+                # the streamed single request of each round (p<prompt tokens>/...)
+                values = [
+                    v for k, vs in result.samples.items() if k.startswith("p") and k.endswith("/" + suffix) for v in vs
+                ]
+                if values:
+                    row[name] = statistics.median(values)
+            level = f"c{result.config.concurrency}"
+            for name in ("ttft_ms_p50", "ttft_ms_p95", "e2e_ms_p50", "e2e_ms_p95", "requests_s"):
+                if f"{level}/{name}" in result.samples:
+                    row[f"level_{name}"] = statistics.median(result.samples[f"{level}/{name}"])
+            if "peak_mem_mb" in result.samples:
+                row["peak_mem_mb"] = max(result.samples["peak_mem_mb"])
+            if previous is not None:
+                row["multiplier"], row["multiplier_ci"] = _ratio(thr, previous.throughputs)
+                product *= row["multiplier"]
+            else:
+                row["multiplier"], row["multiplier_ci"] = 1.0, None
+            if start and not results[0].error:
+                row["cumulative"], row["cumulative_ci"] = _ratio(thr, start)
+            row["product"] = product
+            previous = result
+        rows.append(row)
+    measured = [r for r in rows if "cumulative" in r]
+    direct = measured[-1]["cumulative"] if measured else None
+    last_product = measured[-1]["product"] if measured else None
+    return {
+        "steps": rows,
+        "direct": direct,
+        "product": last_product,
+        "product_vs_direct": (last_product / direct) if direct and last_product else None,
+    }
+
+
+def _ratio(values: list[float], against: list[float]) -> tuple[float, list[float] | None]:
+    """Median over median, and the interval of the paired per-round ratios (rounds both measured)."""
+    value = statistics.median(values) / statistics.median(against)
+    pairs = [a / b for a, b in zip(values, against) if b > 0]
+    interval = ratio_interval(pairs) if len(pairs) == len(values) == len(against) and len(pairs) >= 3 else None
+    return value, list(interval) if interval else None
+
+
+def policy_checks(policy, quality_metrics: dict[str, float]) -> tuple[bool, list[str]]:
+    """The policy's quality checks (not its speed, stage or licence ones) on a model's run."""
+    from quantbench.release import gate
+
+    try:
+        checks = gate.quality_checks(policy, quality_metrics)
+    except gate.MissingInterval as exc:
+        return False, [f"{exc} (logged without its interval)"]
+    return all(c.passed for c in checks), [c.check for c in checks if not c.passed]
+
+
+def table(report: dict) -> str:
+    """The ledger for a terminal or Markdown: one row per step."""
+    from tabulate import tabulate
+
+    def interval(ci) -> str:
+        return f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+
+    rows = []
+    for r in report["steps"]:
+        q = r.get("quality")
+        quality = (
+            "—"
+            if q is None
+            else f"{q['label']} {q['value']:.4g}" + (f" [{q['ci'][0]:.4g}, {q['ci'][1]:.4g}]" if q.get("ci") else "")
+        )
+        row = [
+            r["step"],
+            r["adds"],
+            f"{r['engine']} · {r['model']} · c{r['concurrency']}",
+            f"{r['throughput_tok_s']:.1f}" if "throughput_tok_s" in r else "FAILED",
+            f"{r['multiplier']:.2f}×{interval(r.get('multiplier_ci'))}" if "multiplier" in r else "—",
+            f"{r['cumulative']:.2f}×{interval(r.get('cumulative_ci'))}" if "cumulative" in r else "—",
+            quality,
+        ]
+        if "policy_passed" in r:
+            row.append(
+                "pass"
+                if r["policy_passed"]
+                else "fail: " + ", ".join(r["policy_failed"])
+                if r["policy_failed"]
+                else "—"
+            )
+        rows.append(row)
+    headers = ["step", "adds", "engine · model · concurrency", "tok/s", "× step", "× cumulative", "quality vs base"]
+    if any("policy_passed" in r for r in report["steps"]):
+        headers.append(f"policy {report.get('policy')}")
+    text = tabulate(rows, headers=headers, tablefmt="github")
+    if report.get("direct"):
+        text += (
+            f"\n\nlast step over the first, measured directly: {report['direct']:.2f}×; "
+            f"product of the step multipliers: {report['product']:.2f}× "
+            f"({(report['product_vs_direct'] - 1) * 100:+.1f} %)"
+        )
+    return text
+
+
+def waterfall(report: dict, path: Path, title: str) -> Path | None:
+    """The cumulative multiplier per step (log scale), each bar labelled with its step multiplier
+    and the quality cost so far."""
+    rows = [r for r in report["steps"] if "cumulative" in r]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5), dpi=110)
+    xs = range(len(rows))
+    values = [r["cumulative"] for r in rows]
+    colors = ["tab:green" if r.get("multiplier", 1) >= 1 else "tab:red" for r in rows]
+    ax.bar(xs, values, color=colors)
+    for x, r in zip(xs, rows):
+        q = r.get("quality")
+        note = f"×{r['multiplier']:.2f}" + (f"\n{q['label']} {q['value']:.3g}" if q else "")
+        ax.annotate(note, (x, r["cumulative"]), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
+    ax.set_xticks(list(xs), [r["step"] for r in rows], rotation=20, ha="right")
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("output throughput over the first step (×, log)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+@dataclass
+class StackOutcome:
+    run_id: str
+    report: dict
+    failed: list[str]
+
+    def summary(self) -> dict:
+        return {"run_id": self.run_id, **self.report}
+
+
+def run(
+    name: str,
+    *,
+    policy: str | None = None,
+    experiment: str | None = None,
+    outputs: Path = Path("outputs"),
+) -> StackOutcome:
+    """Load and check the stack (exit 2 on any problem, before anything runs), run the recipes it
+    names that have no run yet, measure every step, log the ledger."""
+    import shutil
+
+    from quantbench.release import gate
+
+    stack, steps = load(name)
+    loaded_policy = gate.load_policy(policy) if policy else None
+    tracker = Tracker(experiment)
+    base, models_ = resolve_models(stack, steps, tracker, experiment, outputs)
+    check_engines(stack, steps, models_)
+    qualities = [quality_of(models_[c.model]) if c.model else None for c in steps]
+    stack_name = Path(name).stem
+    logs_dir = Path(tempfile.mkdtemp(prefix="qb-stack-"))
+    parent = tracker.start_run(
+        f"stack {stack_name}",
+        {TAG + "role": "stack", TAG + "stack": stack_name, TAG + "base_model": stack.base},
+    )
+    failed: list[str] = []
+    with parent:
+        parent.log_params({"workload": stack.workload.model_dump(mode="json"), "steps": len(steps)})
+        try:
+            results = measure(stack, steps, models_, logs_dir)
+        finally:
+            for path in sorted(logs_dir.glob("*.log")):
+                parent.log_artifact(path, "servers")
+            shutil.rmtree(logs_dir, ignore_errors=True)
+        report = ledger(results, qualities)
+        report |= {"stack": stack_name, "base": stack.base, "workload": stack.workload.model_dump(mode="json")}
+        if loaded_policy is not None:
+            report["policy"] = loaded_policy.name
+            for row, config in zip(report["steps"], steps):
+                metrics = models_[config.model].metrics if config.model else {}
+                if config.model is None:  # the base model: the reference the quality limits are measured from
+                    row["policy_passed"], row["policy_failed"] = True, []
+                elif not metrics:
+                    row["policy_passed"], row["policy_failed"] = False, ["no quantbench run: quality unknown"]
+                else:
+                    row["policy_passed"], row["policy_failed"] = policy_checks(loaded_policy.policy, metrics)
+        for i, (row, result) in enumerate(zip(report["steps"], results)):
+            tags = {
+                TAG + "role": "stack_step",
+                TAG + "stack": stack_name,
+                TAG + "stack_step": f"{i}:{result.name}",
+                TAG + "bench_server": result.config.engine,
+                "mlflow.parentRunId": parent.run_id,
+            }
+            model_run = models_[result.config.model].run_id if result.config.model else None
+            if model_run:
+                tags[TAG + "stack_model_run"] = model_run
+            child = tracker.start_run(f"{i}. {result.name} · {result.adds}", tags)
+            try:
+                with child:
+                    child.log_params({k: v for k, v in vars(result.config).items()})
+                    child.log_metrics(_step_metrics(row))
+                    if result.error:
+                        raise RuntimeError(result.error)
+            except RuntimeError:
+                failed.append(result.name)
+            parent.log_metrics(
+                {
+                    f"stack/{result.name}/{k}": v
+                    for k, v in (("multiplier", row.get("multiplier")), ("cumulative", row.get("cumulative")))
+                    if v is not None
+                }
+            )
+        summary = {"stack/direct": report["direct"], "stack/product": report["product"]}
+        parent.log_metrics({k: v for k, v in summary.items() if v is not None})
+        parent.log_dict(report, "stack.json")
+        text = table(report)
+        parent.log_text(f"# Stack {stack_name}\n\n{stack.description}\n\n{text}\n", "stack.md")
+        with tempfile.TemporaryDirectory() as tmp:
+            plot = waterfall(report, Path(tmp) / PLOT, f"stack {stack_name} · {stack.base}")
+            if plot:
+                parent.log_artifact(plot)
+        report["failed"] = failed
+    return StackOutcome(parent.run_id, report, failed)
+
+
+def _step_metrics(row: dict) -> dict[str, float]:
+    out = {}
+    for key in ("throughput_tok_s", "decode_tok_s", "ttft_ms_p50", "e2e_ms_p50", "peak_mem_mb"):
+        if key in row:
+            out[f"speed/{key}"] = row[key]
+    for key in ("multiplier", "cumulative"):
+        if key in row:
+            out[f"stack/{key}"] = row[key]
+            if row.get(f"{key}_ci"):
+                out[f"stack/{key}{LOW}"], out[f"stack/{key}{HIGH}"] = row[f"{key}_ci"]
+    return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
