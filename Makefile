@@ -25,12 +25,13 @@ BACKEND ?= auto
 POLICY ?= release
 MODEL  ?= builtin:smollm2-135m-instruct
 SWEEP  ?=
+STACK  ?= cpu
 DRAFT  ?=
 HOST   ?= 127.0.0.1
 PORT   ?= 5000
 NOTEBOOK_OUT ?= outputs/notebooks
 
-.PHONY: setup vllm llamacpp doctor quantize evaluate bench compare noise gate sweep tune notebook validate recipes lint test test-fast gc ui benchmarks clean help
+.PHONY: setup vllm llamacpp doctor quantize evaluate bench compare noise gate sweep stack tune notebook validate recipes lint test test-fast gc ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
@@ -41,6 +42,7 @@ help:
 	@echo "make noise                      the noise floor: the base model (MODEL=) against itself (SUITE=, PROFILE=)"
 	@echo "make gate RUN=<run id>          pass/fail against policies/<POLICY>.yaml (default release); a pass moves the alias"
 	@echo "make sweep SWEEP=cpu-grid       run sweeps/<SWEEP>.yaml: many jobs, resumable (outputs/sweeps/<SWEEP>/)"
+	@echo "make stack STACK=cpu            the speedup ledger of stacks/<STACK>.yaml: each step's multiplier and quality cost"
 	@echo "make tune POLICY=release        the smallest per-layer mixed-precision checkpoint that passes the policy (outputs/tune/)"
 	@echo "make notebook                   run notebooks/tradeoffs.ipynb headless into outputs/notebooks/"
 	@echo "make vllm                       create vLLM's own environment (.venv-vllm) now rather than on first use"
@@ -108,6 +110,9 @@ gate: $(STAMP)
 sweep: $(STAMP)
 	@test -n "$(SWEEP)" || { echo "usage: make sweep SWEEP=<name> (sweeps/<name>.yaml)"; exit 2; }
 	$(BIN)/quantbench sweep $(SWEEP) $(ARGS)
+
+stack: $(STAMP)
+	$(BIN)/quantbench stack $(STACK) $(ARGS)
 
 tune: $(STAMP)
 	$(BIN)/quantbench tune --policy $(POLICY) $(ARGS)
