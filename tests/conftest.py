@@ -3,9 +3,21 @@ and a scratch working directory per test (outputs/ lands there)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# Under pytest-xdist each worker gets its share of the cores: torch (and the child processes, which
+# inherit the variable) would otherwise run as many OpenMP threads as there are cores in every
+# worker, and OpenMP threads that spin-wait for cores another worker holds made a 100-second test
+# take over ten minutes with two workers on two cores.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 TINY = {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 3,
         "num_key_value_heads": 1, "vocab_size": 512}

@@ -34,11 +34,14 @@ BASE_TYPE = "F16"  # what an unquantized model is served as, and GGUF recipes qu
 
 
 def threads() -> int:
-    """The threads llama.cpp computes with: every core this process may use."""
+    """The threads llama.cpp computes with: every core this process may use, or fewer where
+    OMP_NUM_THREADS asks for fewer (as it does of torch; llama.cpp's threads spin-wait too)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    return min(cores, int(asked)) if asked.isdigit() and int(asked) > 0 else cores
 
 
 class LlamaServer(ServingEngine):
