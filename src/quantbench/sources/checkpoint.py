@@ -415,7 +415,15 @@ def load_config(path: Path, field: str = "model.source"):
 def check_weights(path: Path, field: str = "model.source") -> None:
     """The weight files of a checkpoint dir are safetensors, whole: a truncated file, a missing
     shard or pickled weights (pytorch_model.bin, which runs code when loaded) are refused here,
-    before any run starts."""
+    before any run starts. A GGUF checkpoint (quantbench's `method: gguf`) is its .gguf file,
+    which must read as one."""
+    gguf = gguf_file(path)
+    if gguf is not None and not (path / "model.safetensors").exists():
+        try:
+            gguf_tensors(gguf)
+        except Exception as exc:  # gguf's reader raises what it meets: ValueError, KeyError, struct errors
+            raise UserError(f"{field}: {gguf} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        return
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
