@@ -17,8 +17,9 @@ the same prompts, so machine drift hits all alike and step i's repetition r pair
 (its multiplier's interval) and with step 0's (the cumulative one's). A step's speed is its output
 throughput (tokens/s over the requests in flight at its concurrency); per-request decode rate, TTFT
 and end-to-end latency are logged beside it. The cumulative multiplier is measured directly (the
-last step against the first in the same rounds) and also as the product of the step multipliers;
-the two disagree when the gains do not simply multiply, and the ledger says by how much.
+last step against the first in the same rounds) and also as the product of the step multipliers
+(each the median of its per-round ratios); the two agree within the rounds' noise, and the ledger
+says by how much they differ.
 
 Quality: a step that changes the model carries the quality of that model against the original
 base, from its own quantbench run (the evaluate stage's `quality/kld_mean` with its interval, or
@@ -435,6 +436,7 @@ def ledger(results: list[StepResult], qualities: list[dict | None]) -> dict:
         thr = result.throughputs
         if thr and not result.error:
             row["throughput_tok_s"] = statistics.median(thr)
+            row["throughputs"] = thr  # per round
             for suffix, name in (
                 ("decode_tok_s", "decode_tok_s"),
                 ("ttft_ms", "ttft_ms_p50"),
@@ -474,11 +476,13 @@ def ledger(results: list[StepResult], qualities: list[dict | None]) -> dict:
 
 
 def _ratio(values: list[float], against: list[float]) -> tuple[float, list[float] | None]:
-    """Median over median, and the interval of the paired per-round ratios (rounds both measured)."""
-    value = statistics.median(values) / statistics.median(against)
+    """The median of the per-round ratios (round r of one step over round r of the other, measured
+    back to back) and their 95 % interval; median over median where the rounds do not pair."""
     pairs = [a / b for a, b in zip(values, against) if b > 0]
-    interval = ratio_interval(pairs) if len(pairs) == len(values) == len(against) and len(pairs) >= 3 else None
-    return value, list(interval) if interval else None
+    if len(pairs) != len(values) or len(values) != len(against):
+        return statistics.median(values) / statistics.median(against), None
+    interval = ratio_interval(pairs) if len(pairs) >= 3 else None
+    return statistics.median(pairs), list(interval) if interval else None
 
 
 def policy_checks(policy, quality_metrics: dict[str, float]) -> tuple[bool, list[str]]:
