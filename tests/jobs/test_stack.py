@@ -138,7 +138,7 @@ def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, 
     assert {"stack.json", "stack.md", "stack_waterfall.png"} <= names
     ledger = Path(client.download_artifacts(parent.info.run_id, "stack.md", str(workdir))).read_text()
     assert "| naive" in ledger and "× cumulative" in ledger and "product of the step multipliers" in ledger
-    assert "× step" in out and "int4" in out
+    assert "× step" in out and "int4" in out and "measured on: " in out and summary["device"] in out
     # run again: the recipe's run is reused, not quantized a second time
     assert main(["stack", "tiny", "--json"]) == 0
     assert len([r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]) == 1

@@ -539,6 +539,8 @@ def table(report: dict) -> str:
             f"product of the step multipliers: {report['product']:.2f}× "
             f"({(report['product_vs_direct'] - 1) * 100:+.1f} %)"
         )
+    if report.get("device"):
+        text += f"\nmeasured on: {report['device']}"
     return text
 
 
@@ -599,6 +601,7 @@ def run(
     names that have no run yet, measure every step, log the ledger."""
     import shutil
 
+    from quantbench.core import environment, hardware
     from quantbench.release import gate
 
     stack, steps = load(name)
@@ -623,7 +626,13 @@ def run(
                 parent.log_artifact(path, "servers")
             shutil.rmtree(logs_dir, ignore_errors=True)
         report = ledger(results, qualities)
-        report |= {"stack": stack_name, "base": stack.base, "workload": stack.workload.model_dump(mode="json")}
+        report |= {
+            "stack": stack_name,
+            "base": stack.base,
+            "workload": stack.workload.model_dump(mode="json"),
+            "device": hardware.device_line(),  # the CPU class (or GPU) every figure here holds for
+            "hardware": environment.describe(),
+        }
         if loaded_policy is not None:
             report["policy"] = loaded_policy.name
             for row, config in zip(report["steps"], steps):
