@@ -35,6 +35,7 @@ one child run per step (`quantbench.role=stack_step`) with its speed and its mul
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -276,9 +277,9 @@ def check_engines(stack: StackFile, steps: list[Config], models_: dict[str | Non
         why = engine.unavailable() or engine.unserved(path)
         if why:
             problems.append(f"steps.{i} ({stack.steps[i].name}): {engine.label} cannot serve {path} here: {why}")
-    tokenizers = {str(models_[c.model].path) for c in steps}
-    if len(tokenizers) > 1:
-        problems += _tokenizer_problems(sorted(tokenizers), models_[None].path)
+    others = {str(models_[c.model].path) for c in steps if c.model is not None} - {str(models_[None].path)}
+    if others:
+        problems += _tokenizer_problems(sorted(others), models_[None].path)
     if problems:
         raise UserError(problems)
 
@@ -413,10 +414,12 @@ def measure(
 # The ledger
 
 
-def ledger(results: list[StepResult], qualities: list[dict | None]) -> dict:
+def ledger(results: list[StepResult], qualities: list[dict | None], workload: Workload) -> dict:
     """Per step: throughput (median), its multiplier over the step before it and the cumulative one
     over the first, each with the interval of its paired rounds; the product of the step multipliers
     against the cumulative one measured directly."""
+    from quantbench.speed.measure import summarize
+
     rows = []
     start = results[0].throughputs
     previous: StepResult | None = None
@@ -437,23 +440,14 @@ def ledger(results: list[StepResult], qualities: list[dict | None]) -> dict:
         if thr and not result.error:
             row["throughput_tok_s"] = statistics.median(thr)
             row["throughputs"] = thr  # per round
-            for suffix, name in (
-                ("decode_tok_s", "decode_tok_s"),
-                ("ttft_ms", "ttft_ms_p50"),
-                ("e2e_ms", "e2e_ms_p50"),
-            ):
-                # the streamed single request of each round (p<prompt tokens>/...)
-                values = [
-                    v for k, vs in result.samples.items() if k.startswith("p") and k.endswith("/" + suffix) for v in vs
-                ]
-                if values:
-                    row[name] = statistics.median(values)
+            # the streamed single request of each round (p<prompt tokens>/...) and the load level,
+            # summarised as bench summarises them (medians; peak memory: the maximum)
+            speed = summarize(result.samples, _profile(workload, result.config.concurrency))
+            row |= {k: speed[k] for k in ("decode_tok_s", "ttft_ms_p50", "e2e_ms_p50", "peak_mem_mb") if k in speed}
             level = f"c{result.config.concurrency}"
             for name in ("ttft_ms_p50", "ttft_ms_p95", "e2e_ms_p50", "e2e_ms_p95", "requests_s"):
-                if f"{level}/{name}" in result.samples:
-                    row[f"level_{name}"] = statistics.median(result.samples[f"{level}/{name}"])
-            if "peak_mem_mb" in result.samples:
-                row["peak_mem_mb"] = max(result.samples["peak_mem_mb"])
+                if f"{level}/{name}" in speed:
+                    row[f"level_{name}"] = speed[f"{level}/{name}"]
             if previous is not None:
                 row["multiplier"], row["multiplier_ci"] = _ratio(thr, previous.throughputs)
                 product *= row["multiplier"]
@@ -625,7 +619,7 @@ def run(
             for path in sorted(logs_dir.glob("*.log")):
                 parent.log_artifact(path, "servers")
             shutil.rmtree(logs_dir, ignore_errors=True)
-        report = ledger(results, qualities)
+        report = ledger(results, qualities, stack.workload)
         report |= {
             "stack": stack_name,
             "base": stack.base,
@@ -657,7 +651,7 @@ def run(
             child = tracker.start_run(f"{i}. {result.name} · {result.adds}", tags)
             try:
                 with child:
-                    child.log_params({k: v for k, v in vars(result.config).items()})
+                    child.log_params(dataclasses.asdict(result.config))
                     child.log_metrics(_step_metrics(row))
                     if result.error:
                         raise RuntimeError(result.error)

@@ -218,10 +218,7 @@ def evaluate_policy(
         license_ = tags.get(TAG + "license", "unknown")
         allowed = [x.lower() for x in policy.licenses]
         checks.append(Check("licence", license_, " | ".join(policy.licenses), license_.lower() in allowed))
-    for key, threshold in policy.recovery.items():
-        checks.append(_bound(f"recovery/{key}", metrics, _limit(threshold), ">="))
-    limits = [_bound(k, metrics, _limit(t), ">=") for k, t in policy.min.items()]
-    limits += [_bound(k, metrics, _limit(t), "<=") for k, t in policy.max.items()]
+    limits = _metric_checks(policy, metrics)  # recovery first, then min, then max
     served = catalogue.serving(tags)
     for check in limits:
         speed = check.check.startswith(SPEED_FAMILIES) and check.value is not None
@@ -247,13 +244,19 @@ def evaluate_policy(
     return checks
 
 
+def _metric_checks(policy: Policy, metrics: dict[str, float], skip: tuple[str, ...] = ()) -> list[Check]:
+    """The policy's recovery, min and max limits held against a run's metrics, leaving out the
+    metrics whose names start with one of `skip`."""
+    checks = [_bound(f"recovery/{k}", metrics, _limit(t), ">=") for k, t in policy.recovery.items()]
+    for op, limits in ((">=", policy.min), ("<=", policy.max)):
+        checks += [_bound(k, metrics, _limit(t), op) for k, t in limits.items() if not k.startswith(skip)]
+    return checks
+
+
 def quality_checks(policy: Policy, metrics: dict[str, float]) -> list[Check]:
     """The policy's limits on quality (recovery, and min / max outside the speed families) held
     against one run's metrics: what `quantbench stack --policy` asks of each step's model."""
-    checks = [_bound(f"recovery/{k}", metrics, _limit(t), ">=") for k, t in policy.recovery.items()]
-    checks += [_bound(k, metrics, _limit(t), ">=") for k, t in policy.min.items() if not k.startswith(SPEED_FAMILIES)]
-    checks += [_bound(k, metrics, _limit(t), "<=") for k, t in policy.max.items() if not k.startswith(SPEED_FAMILIES)]
-    return checks
+    return _metric_checks(policy, metrics, skip=SPEED_FAMILIES)
 
 
 class MissingInterval(Exception):
