@@ -231,7 +231,7 @@ def _child(job_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
     spec = (AWQSpec if job["spec"]["method"] == "awq" else GPTQSpec).model_validate(job["spec"])
     with deterministic(job["seed"]):
-        model = GPTQModel.load(job["base"], config(spec), dtype=getattr(torch, job.get("compute", job["dtype"])))
+        model = GPTQModel.load(job["base"], config(spec), dtype=getattr(torch, job["compute"]))
         rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in job["calibration"]]
         # the kernel for GPTQModel's own forward passes after each layer (torch: runs on a CPU)
         kernel = (

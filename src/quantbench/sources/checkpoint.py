@@ -412,6 +412,19 @@ def load_config(path: Path, field: str = "model.source"):
         ) from None
 
 
+def check_gguf(gguf: Path, field: str) -> None:
+    """A .gguf that the gguf reader cannot parse (truncated, not GGUF) is a UserError naming it."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(gguf)
+    except Exception as exc:  # the reader raises ValueError, struct and numpy errors on a bad file
+        raise UserError(
+            f"{field}: {gguf} is not a readable GGUF file ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no detail'})"
+        ) from None
+
+
 def check_weights(path: Path, field: str = "model.source") -> None:
     """The weight files of a checkpoint dir are safetensors, whole: a truncated file, a missing
     shard or pickled weights (pytorch_model.bin, which runs code when loaded) are refused here,
@@ -419,10 +432,7 @@ def check_weights(path: Path, field: str = "model.source") -> None:
     which must read as one."""
     gguf = gguf_file(path)
     if gguf is not None and not (path / "model.safetensors").exists():
-        try:
-            gguf_tensors(gguf)
-        except Exception as exc:  # gguf's reader raises what it meets: ValueError, KeyError, struct errors
-            raise UserError(f"{field}: {gguf} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        check_gguf(gguf, field)
         return
     index = path / "model.safetensors.index.json"
     if index.is_file():

@@ -28,7 +28,7 @@ from typing import Any
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.files import file_sha
 from quantbench.core.paths import cache_dir, hub_reachable
-from quantbench.sources.checkpoint import WEIGHT_SUFFIXES, check_weights, load_config
+from quantbench.sources.checkpoint import WEIGHT_SUFFIXES, check_gguf, check_weights, load_config
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def read_config(source: str, field: str = "model.source", experiment: str | None
         cached = _converted_dir(gguf)
         if cached.is_dir():
             return AutoConfig.from_pretrained(cached)
-        _check_gguf(gguf, field)
+        check_gguf(gguf, field)
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return load_config(target, field)
 
@@ -114,7 +114,7 @@ def check_files(source: str, field: str = "model.source") -> None:
     if kind == "dir":
         check_weights(target, field)
     elif kind == "gguf":
-        _check_gguf(target, field)
+        check_gguf(target, field)
 
 
 def tokenizer_dir(source: str, experiment: str | None = None) -> Path | None:
@@ -132,19 +132,6 @@ def tokenizer_dir(source: str, experiment: str | None = None) -> Path | None:
         cached = _converted_dir(_builtin_gguf(target, "model.source") if kind == "builtin" else target)
         return cached if (cached / SOURCE_INFO).is_file() else None
     return None
-
-
-def _check_gguf(gguf: Path, field: str) -> None:
-    """A .gguf that the gguf reader cannot parse (truncated, not GGUF) is a UserError naming it."""
-    from gguf import GGUFReader
-
-    try:
-        GGUFReader(gguf)
-    except Exception as exc:  # the reader raises ValueError, struct and numpy errors on a bad file
-        raise UserError(
-            f"{field}: {gguf} is not a readable GGUF file ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no detail'})"
-        ) from None
 
 
 def _classify(source: str, field: str) -> tuple[str, Any]:  # (kind, a str or a Path by kind)
@@ -229,7 +216,7 @@ def _from_gguf(source: str, gguf: Path, field: str = "model.source") -> Resolved
     dest = _converted_dir(gguf)
     info_file = dest / SOURCE_INFO
     if not info_file.is_file() or json.loads(info_file.read_text()).get("conversion") != CONVERSION:
-        _check_gguf(gguf, field)
+        check_gguf(gguf, field)
         _convert_gguf(source, gguf, dest, field)
     info = json.loads(info_file.read_text())
     return ResolvedModel(
