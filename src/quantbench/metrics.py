@@ -93,6 +93,7 @@ FIXED: dict[str, Direction | None] = {
     "stack/cumulative": "higher",  # ... over the stack's first step, measured in the same rounds
     "stack/direct": "higher",  # a stack's parent run: the last measured step over the first
     "stack/product": "higher",  # ... and the product of the step multipliers, for comparison
+    "stack/best_cumulative": "higher",  # ... with --best: the fastest passing subset of the steps, measured
     "tune/passed_final": None,
     "tune/best_size_mb": None,
     "tune/best_kld": None,

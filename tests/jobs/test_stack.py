@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from quantbench.cli import main
-from tests.conftest import TINY_SUITE
+from tests.conftest import TINY_PROFILE, TINY_SUITE
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 WORKLOAD = "workload:\n  prompt_tokens: 16\n  output_tokens: 4\n  requests: 2\n  repetitions: 3\n  warmup: 0\n"
@@ -44,6 +44,45 @@ def test_a_bad_stack_is_refused_with_every_problem_and_nothing_written(workdir, 
     ):
         assert expected in err, err
     assert not (workdir / "mlflow.db").exists() or runs() == []
+
+
+def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny_model_dir, capsys):
+    from quantbench.jobs import stack
+
+    write_stack(workdir, "src", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
+                "  - {name: start, engine: hf, source: later}\n"             # the first step has nothing before it
+                "  - {name: student, model: run:0123456789abcdef0123456789abcdef}\n"
+                "  - {name: dir, model: /some/dir, source: student}\n"       # source: only for a recipe
+                "  - {name: fwd, model: recipe:tiny-a, source: later}\n"     # not an earlier step
+                "  - {name: basic, model: recipe:tiny-b, source: start}\n"   # the base model: say nothing
+                "  - {name: later, concurrency: 2}\n")  # fmt: skip
+    assert main(["stack", "src"]) == 2
+    err = capsys.readouterr().err
+    for expected in (
+        "steps.0 (start): source: the first step has no earlier step to start from",
+        "steps.2 (dir): source: names the model a recipe starts from; it needs model: recipe:NAME",
+        "steps.3 (fwd): source: 'later' is not an earlier step. Earlier steps: start, student, dir",
+        "steps.4 (basic): source: step 'start' serves the base model, which a recipe starts from anyway",
+    ):
+        assert expected in err, err
+    # the same recipe on the base and on a student are two models; on the same source, one
+    write_stack(workdir, "ok", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
+                "  - {name: start, engine: hf}\n"
+                "  - {name: int4, model: recipe:tiny-gptq}\n"
+                "  - {name: student, model: run:0123456789abcdef0123456789abcdef}\n"
+                "  - {name: student-int4, model: recipe:tiny-gptq, source: student}\n"
+                "  - {name: again, model: recipe:tiny-gptq, source: student}\n")  # fmt: skip
+    with pytest.raises(stack.UserError) as refused:
+        stack.load("ok")
+    assert refused.value.problems == [
+        "stacks/ok.yaml: steps.4 (again): model: recipe:tiny-gptq is what the steps before it already use; "
+        "a step must add something"
+    ]
+    write_stack(workdir, "ok", (workdir / "stacks" / "ok.yaml").read_text().rsplit("  - {name: again", 1)[0])
+    _, configs = stack.load("ok")
+    assert [c.model_key for c in configs] == [None, "recipe:tiny-gptq", "run:0123456789abcdef0123456789abcdef",
+                                              "recipe:tiny-gptq@run:0123456789abcdef0123456789abcdef"]
+    assert stack.adds(stack.load("ok")[0].steps[3], 3) == "model recipe:tiny-gptq of student"
 
 
 def test_every_shipped_stack_loads(monkeypatch):
@@ -78,15 +117,20 @@ def test_schema_errors_and_unknown_references_name_the_file_and_field(workdir, t
 
 
 @pytest.mark.slow  # a quantize job, then three steps measured in-process over 3 rounds
-def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, tiny_model_dir, capsys):
+def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, tiny_model_dir, tiny128_model_dir,
+                                                                      capsys):
     (workdir / "suites").mkdir()
     (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE)
     write_recipe(workdir, "tiny-gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n")
-                 + "evaluate:\n  suite: tiny\n")  # fmt: skip
+                 + "evaluate:\n  suite: tiny\nbench:\n  profile: tiny\n  backend: hf\n")  # fmt: skip
     write_stack(workdir, "tiny", f"description: the tiny model in-process\nbase: {tiny_model_dir}\n{WORKLOAD}steps:\n"
                 "  - {name: naive, engine: hf, dtype: float32}\n"
                 "  - {name: batched, concurrency: 4}\n"
-                "  - {name: int4, model: recipe:tiny-gptq}\n")  # fmt: skip
+                "  - {name: int4, model: recipe:tiny-gptq}\n"
+                f"  - {{name: student, model: {tiny128_model_dir}}}\n"     # another model (same tokenizer)
+                "  - {name: student-int4, model: recipe:tiny-gptq, source: student}\n")  # fmt: skip
     (workdir / "policies").mkdir()
     (workdir / "policies" / "loose.yaml").write_text("max:\n  quality/kld_mean: 5\n  quality/flips_pct: 0.001\n"
                                                      "min:\n  speedup/decode_tok_s: 100\n")  # fmt: skip
@@ -94,8 +138,9 @@ def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, 
     out = capsys.readouterr().out
     summary = last_json(out)
     steps = summary["steps"]
-    assert [s["step"] for s in steps] == ["naive", "batched", "int4"]
-    assert [s["concurrency"] for s in steps] == [1, 4, 4] and steps[2]["model"] == "recipe:tiny-gptq"
+    assert [s["step"] for s in steps] == ["naive", "batched", "int4", "student", "student-int4"]
+    assert [s["concurrency"] for s in steps] == [1, 4, 4, 4, 4] and steps[2]["model"] == "recipe:tiny-gptq"
+    assert steps[4]["model"] == f"recipe:tiny-gptq of {tiny128_model_dir}"
     assert steps[0]["multiplier"] == 1.0 and steps[0]["cumulative"] == pytest.approx(1.0)
     for s in steps:
         assert s["status"] == "measured" and s["throughput_tok_s"] > 0
@@ -108,10 +153,20 @@ def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, 
         assert s["cumulative"] == pytest.approx(
             statistics.median(a / b for a, b in zip(s["throughputs"], steps[0]["throughputs"])))
     assert summary["product"] == pytest.approx(math.prod(s["multiplier"] for s in steps))
-    assert summary["direct"] == pytest.approx(steps[2]["cumulative"])
-    # the recipe ran first, through the pipeline; the step's quality is that run's own evaluation
-    [candidate] = [r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]
+    assert summary["direct"] == pytest.approx(steps[-1]["cumulative"])
+    # the recipe ran first, through the pipeline, once from the base and once from the student (in
+    # that order); the step's quality is that run's own evaluation
+    made = {r.data.tags["quantbench.base_model"]: r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"}
+    assert set(made) == {str(tiny_model_dir), str(tiny128_model_dir)}
+    candidate, of_student = made[str(tiny_model_dir)], made[str(tiny128_model_dir)]
     assert candidate.data.tags["quantbench.recipe"] == "tiny-gptq" and candidate.info.status == "FINISHED"
+    assert of_student.data.tags["quantbench.recipe"] == "tiny-gptq" and of_student.info.status == "FINISHED"
+    for run in made.values():  # the stack measures speed itself: the recipe's bench stage is left out
+        assert not any(k.startswith(("speed/", "speedup/")) for k in run.data.metrics)
+    # measured against the student, not the base: no quality figure, and the policy says why
+    assert steps[4]["quality"] is None and steps[3]["quality"] is None
+    assert steps[4]["policy_failed"] == [f"quality known against {tiny128_model_dir} only"]
+    assert steps[3]["policy_failed"] == ["no quantbench run: quality unknown"]
     quality = steps[2]["quality"]
     assert quality["metric"] == "quality/kld_mean" and quality["value"] == candidate.data.metrics["quality/kld_mean"]
     assert steps[0]["quality"] is None and summary["policy"] == "loose"
@@ -123,13 +178,14 @@ def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, 
     [parent] = [r for r in runs() if r.data.tags.get("quantbench.role") == "stack"]
     children = {r.data.tags["quantbench.stack_step"]: r for r in runs() if r.data.tags.get("quantbench.role") == "stack_step"}
     assert parent.info.run_id == summary["run_id"] and parent.info.status == "FINISHED"
-    assert set(children) == {"0:naive", "1:batched", "2:int4"}
+    assert set(children) == {"0:naive", "1:batched", "2:int4", "3:student", "4:student-int4"}
     for i, s in enumerate(steps):
         child = children[f"{i}:{s['step']}"]
         assert child.info.status == "FINISHED" and child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert child.data.metrics["speed/throughput_tok_s"] == pytest.approx(s["throughput_tok_s"])
         assert parent.data.metrics[f"stack/{s['step']}/multiplier"] == pytest.approx(s["multiplier"])
     assert children["2:int4"].data.tags["quantbench.stack_model_run"] == candidate.info.run_id
+    assert children["4:student-int4"].data.tags["quantbench.stack_model_run"] == of_student.info.run_id
     assert parent.data.metrics["stack/product"] == pytest.approx(summary["product"])
     from mlflow import MlflowClient
 
@@ -139,10 +195,54 @@ def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, 
     ledger = Path(client.download_artifacts(parent.info.run_id, "stack.md", str(workdir))).read_text()
     assert "| naive" in ledger and "× cumulative" in ledger and "product of the step multipliers" in ledger
     assert "× step" in out and "int4" in out and "measured on: " in out and summary["device"] in out
-    # run again: the recipe's run is reused, not quantized a second time
+    # run again: the recipe's runs are reused, not quantized a second time
     assert main(["stack", "tiny", "--json"]) == 0
-    assert len([r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]) == 1
+    assert len([r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]) == 2
     json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # a quantize job, then three steps and the best subset measured in-process
+def test_best_finds_the_fastest_passing_subset_and_measures_it(workdir, tiny_model_dir, capsys):
+    (workdir / "suites").mkdir()
+    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
+    write_recipe(workdir, "tiny-gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n")
+                 + "evaluate:\n  suite: tiny\n")  # fmt: skip
+    write_stack(workdir, "best", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
+                "  - {name: naive, engine: hf, dtype: float32}\n"
+                "  - {name: int4, model: recipe:tiny-gptq}\n"
+                "  - {name: batched, concurrency: 4}\n")  # fmt: skip
+    (workdir / "policies").mkdir()
+    (workdir / "policies" / "exact.yaml").write_text("max:\n  quality/kld_mean: 0.0\n")  # only the base passes
+    assert main(["stack", "best", "--best"]) == 2
+    assert "--best: the fastest stack that passes what? Name the policy too" in capsys.readouterr().err
+    assert main(["stack", "best", "--policy", "exact", "--best", "--json"]) == 0, capsys.readouterr().err[-3000:]
+    out = capsys.readouterr().out
+    summary = last_json(out)
+    steps = {s["step"]: s for s in summary["steps"]}
+    assert steps["int4"]["policy_failed"] == ["quality/kld_mean"] and steps["batched"]["policy_passed"] is False
+    # the INT4 model fails: the fastest passing stack is the start with batching alone, a configuration
+    # no step measured (batching was measured on the INT4 model), so it is measured now
+    best = summary["best"]
+    assert best["steps"] == ["naive", "batched"] and best["measured_as"] == "measured now"
+    assert best["predicted_cumulative"] == pytest.approx(steps["batched"]["multiplier"])
+    assert best["cumulative"] > 0 and best["cumulative_ci"][0] <= best["cumulative"] <= best["cumulative_ci"][1]
+    assert "fastest stack passing exact: naive → batched" in out
+    [parent] = [r for r in runs() if r.data.tags.get("quantbench.role") == "stack"]
+    assert parent.data.metrics["stack/best_cumulative"] == pytest.approx(best["cumulative"])
+    # a lax policy: every model passes, and the best subset is one of the stack's own steps
+    (workdir / "policies" / "lax.yaml").write_text("max:\n  quality/kld_mean: 100\n")
+    assert main(["stack", "best", "--policy", "lax", "--best", "--json"]) == 0
+    summary = last_json(capsys.readouterr().out)
+    rows = {s["step"]: s for s in summary["steps"]}
+    options = {("naive",): 1.0, ("naive", "int4"): rows["int4"]["multiplier"],
+               ("naive", "batched"): rows["batched"]["multiplier"],
+               ("naive", "int4", "batched"): rows["int4"]["multiplier"] * rows["batched"]["multiplier"]}  # fmt: skip
+    winner = max(options, key=options.get)
+    assert tuple(summary["best"]["steps"]) == winner
+    assert summary["best"]["predicted_cumulative"] == pytest.approx(options[winner])
+    if winner in (("naive", "int4"), ("naive", "int4", "batched")):
+        assert summary["best"]["measured_as"] == winner[-1]
+        assert summary["best"]["cumulative"] == pytest.approx(rows[winner[-1]]["cumulative"])
 
 
 @pytest.mark.slow  # the real llama.cpp (built on first use) and llama-server processes
@@ -150,23 +250,39 @@ def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, 
 def test_a_stack_through_llama_server_stops_every_server(workdir, tmp_path_factory, capsys):
     from tests import gguf_files as gg
 
-    tiny_gguf = gg.write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", gg.gpt2_bpe_vocab(400, add_bos=False))
+    from quantbench.sources import models
+
+    vocab = gg.gpt2_bpe_vocab(400, add_bos=False)
+    tiny_gguf = gg.write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", vocab)
+    # a "student": one layer, other weights, the same vocabulary (as an HF directory)
+    student = models.resolve(str(gg.write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "student.gguf", vocab,
+                                                    layers=1, seed=1, std=0.2))).path  # fmt: skip
     write_recipe(workdir, "tiny-q8", f"model:\n  source: {tiny_gguf}\n  dtype: float32\nquantize:\n  method: gguf\n"
                  "  type: Q8_0\ncheck:\n  base_ppl_bound: false\n  ppl_tokens: 512\n  window: 128\n")  # fmt: skip
     write_stack(workdir, "llama", f"base: {tiny_gguf}\n{WORKLOAD}steps:\n"
                 "  - {name: naive, engine: hf, dtype: float32}\n"
                 "  - {name: server, engine: llamacpp, dtype: auto}\n"
                 "  - {name: q8, model: recipe:tiny-q8}\n"
-                "  - {name: batched, concurrency: 2}\n")  # fmt: skip
+                "  - {name: batched, concurrency: 2}\n"
+                f"  - {{name: student, model: {student}}}\n"
+                "  - {name: student-q8, model: recipe:tiny-q8, source: student}\n")  # fmt: skip
     assert main(["stack", "llama", "--json"]) == 0, capsys.readouterr().err[-3000:]
     summary = last_json(capsys.readouterr().out)
     steps = {s["step"]: s for s in summary["steps"]}
     assert all(s["status"] == "measured" and s["throughput_tok_s"] > 0 for s in steps.values())
     assert steps["server"]["engine"] == "llamacpp" and steps["q8"]["quality"]["metric"] == "check/ppl_ratio"
     assert 0.9 < steps["q8"]["quality"]["value"] < 1.1  # Q8_0: the reload check's ratio, from its run
+    # the student quantized: its run measured it against the student; the stack scores it against
+    # the base through llama-perplexity (another model: a KL divergence well above Q8_0's rounding)
+    chained = steps["student-q8"]["quality"]
+    assert chained["metric"] == "quality_engine/kld_mean" and chained["value"] > 0.01
+    assert chained["ci"][0] < chained["value"] < chained["ci"][1]
+    [of_student] = [r for r in runs() if r.data.tags.get("quantbench.base_model") == str(student)]
+    assert of_student.data.tags["quantbench.recipe"] == "tiny-q8"
+    assert of_student.data.metrics["check/ppl_ratio"] == pytest.approx(1, abs=0.1)  # against the student
     assert [p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"] == []
     [parent] = [r for r in runs() if r.data.tags.get("quantbench.role") == "stack"]
     from mlflow import MlflowClient
 
     servers = {f.path for f in MlflowClient().list_artifacts(parent.info.run_id, "servers")}
-    assert len(servers) == 2  # the base's F16 file and the Q8_0 checkpoint, one server each
+    assert len(servers) == 4  # the base's F16 file, the Q8_0 checkpoint, the student, its Q8_0: one server each

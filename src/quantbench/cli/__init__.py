@@ -243,10 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  quantbench stack cpu                  stacks/cpu.yaml: hf fp32 -> llama.cpp -> Q4_0 -> "
         "batching\n  quantbench stack cpu --policy release  also: does each step's model pass the policy's quality "
-        "checks?\n",
+        "checks?\n  quantbench stack cpu --policy release --best   and the fastest subset of the steps that passes\n",
     )
     k.add_argument("stack", help="a stack name (stacks/NAME.yaml) or a path to a .yaml file")
     k.add_argument("--policy", help="hold each step's model to this policy's quality checks (policies/NAME.yaml)")
+    k.add_argument(
+        "--best",
+        action="store_true",
+        help="with --policy: also find the fastest subset of the steps (order kept) whose model passes the policy "
+        "(predicted from the step multipliers, then measured against the start)",
+    )
 
     t = sub.add_parser(
         "tune",
@@ -604,7 +610,13 @@ def cmd_stack(args) -> int:
     from quantbench.jobs import stack
 
     result = _run_stage(
-        "stack", stack.run, args.stack, policy=args.policy, experiment=args.experiment, outputs=args.outputs
+        "stack",
+        stack.run,
+        args.stack,
+        policy=args.policy,
+        best=args.best,
+        experiment=args.experiment,
+        outputs=args.outputs,
     )
     if result is None:
         return 1

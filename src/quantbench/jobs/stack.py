@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 ENGINE_NAMES = ("hf", "transformers", "vllm", "llamacpp")  # the engines a step can name
 KNOBS = ("engine", "dtype", "model", "concurrency")  # what a step can change
 PLOT = "stack_waterfall.png"
+CHAIN_TOKENS, CHAIN_WINDOW = 8192, 512  # a model made from another step's model, scored against the base
 # the quality figure a step's model shows, first found in its run: (metric, label)
 QUALITY_KEYS = (
     ("quality/kld_mean", "KLD"),
@@ -88,6 +89,9 @@ class Step(Strict):
     engine: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     model: str | None = None  # run:ID, recipe:NAME, a checkpoint directory; default the base model
+    # with model: recipe:NAME, the earlier step whose model the recipe starts from (its
+    # model.source), e.g. a distilled student quantized; default the stack's base
+    source: str | None = None
     concurrency: PositiveInt | None = None
 
     @field_validator("engine")
@@ -113,9 +117,15 @@ class Config:
     dtype: str
     model: str | None  # None: the base model
     concurrency: int
+    source: str | None = None  # model is recipe:NAME applied to this step's model (None: the base)
+
+    @property
+    def model_key(self) -> str | None:
+        """The model, told apart from the same recipe applied to another step's model."""
+        return f"{self.model}@{self.source}" if self.model and self.source else self.model
 
     def server_key(self) -> tuple[str, str, str | None]:
-        return (self.engine, self.dtype, self.model)
+        return (self.engine, self.dtype, self.model_key)
 
 
 @dataclass
@@ -126,6 +136,7 @@ class Resolved:
     run_id: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     label: str = ""
+    base: str | None = None  # the model its run was measured against, where that is not the stack's base
 
 
 def stacks_dir() -> Path:
@@ -153,6 +164,8 @@ def configs(stack: StackFile, where: str) -> list[Config]:
         problems.append(
             f"{where}: steps.0 ({first.name}): the first step is the naive start: name its engine (e.g. hf)"
         )
+    if first.source is not None:
+        problems.append(f"{where}: steps.0 ({first.name}): source: the first step has no earlier step to start from")
     current = Config(first.engine or "hf", first.dtype or "auto", first.model, first.concurrency or 1)
     out = [current]
     seen = {first.name: 0}
@@ -160,8 +173,30 @@ def configs(stack: StackFile, where: str) -> list[Config]:
         if step.name in seen:
             problems.append(f"{where}: steps.{i}.name: '{step.name}' is also step {seen[step.name]}'s name")
         seen.setdefault(step.name, i)
+        source = None
+        if step.source is not None:
+            if not (step.model or "").startswith("recipe:"):
+                problems.append(
+                    f"{where}: steps.{i} ({step.name}): source: names the model a recipe starts from; "
+                    "it needs model: recipe:NAME in the same step"
+                )
+            elif step.source not in seen or seen[step.source] == i:
+                problems.append(
+                    f"{where}: steps.{i} ({step.name}): source: '{step.source}' is not an earlier step. "
+                    f"Earlier steps: {', '.join(n for n, j in seen.items() if j < i)}"
+                )
+            elif out[seen[step.source]].model is None:
+                problems.append(
+                    f"{where}: steps.{i} ({step.name}): source: step '{step.source}' serves the base model, "
+                    "which a recipe starts from anyway; leave source out"
+                )
+            else:
+                source = out[seen[step.source]].model_key
         changes = {k: getattr(step, k) for k in KNOBS if getattr(step, k) is not None}
-        same = [k for k, v in changes.items() if getattr(current, k) == v]
+        key = f"{step.model}@{source}" if source else step.model
+        same = [
+            k for k, v in changes.items() if (current.model_key == key if k == "model" else getattr(current, k) == v)
+        ]
         if not changes:
             problems.append(f"{where}: steps.{i} ({step.name}): changes nothing; set one of {', '.join(KNOBS)}")
         elif len(same) == len(changes):
@@ -174,6 +209,7 @@ def configs(stack: StackFile, where: str) -> list[Config]:
             changes.get("dtype", current.dtype),
             changes.get("model", current.model),
             changes.get("concurrency", current.concurrency),
+            source if "model" in changes else current.source,
         )
         out.append(current)
     for i, config in enumerate(out):
@@ -191,7 +227,10 @@ def adds(step: Step, index: int) -> str:
     """What a step adds, in words, for the ledger."""
     if index == 0:
         return "the start"
-    return ", ".join(f"{k} {getattr(step, k)}" for k in KNOBS if getattr(step, k) is not None)
+    said = [f"{k} {getattr(step, k)}" for k in KNOBS if getattr(step, k) is not None]
+    if step.source:
+        said = [f"{s} of {step.source}" if s.startswith("model ") else s for s in said]
+    return ", ".join(said)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,8 +241,10 @@ def resolve_models(
     stack: StackFile, steps: list[Config], tracker: Tracker, experiment: str | None, outputs: Path
 ) -> tuple[object, dict[str | None, Resolved]]:
     """The base model and each step's model: `run:ID` read from the store, `recipe:NAME` from its
-    newest finished run in the experiment (run now through the quantize pipeline when there is
-    none), a directory as it is. Bad references are refused before any recipe runs."""
+    newest finished run in the experiment made from the same source (the stack's base, or the
+    model of the step named by `source:`), run now through the quantize pipeline when there is
+    none; a directory as it is. Bad references are refused before any recipe runs; the recipes
+    then run in step order (a student before the recipe that quantizes it)."""
     from quantbench.jobs import pipeline
     from quantbench.recipe import load_recipe, resolve_recipe_path
     from quantbench.sources import models
@@ -211,21 +252,28 @@ def resolve_models(
 
     base = models.resolve(stack.base, field="base", experiment=experiment)
     found: dict[str | None, Resolved] = {None: Resolved(base.path, label=models.short_name(stack.base))}
-    pending: list[str] = []
+    pending: list[Config] = []
     problems: list[str] = []
-    for ref in dict.fromkeys(c.model for c in steps if c.model is not None):
+    for config in {c.model_key: c for c in steps if c.model is not None}.values():
+        ref, key = config.model, config.model_key
+        assert ref is not None and key is not None
         if ref.startswith("recipe:"):
             name = ref.removeprefix("recipe:")
-            runs = tracker.search({TAG + "recipe": name, TAG + "role": "candidate"})
+            source = _source_of(config, found, stack.base)
+            runs = (
+                []
+                if source is None
+                else tracker.search({TAG + "recipe": name, TAG + "role": "candidate", TAG + "base_model": source})
+            )
             if runs:
-                found[ref] = _from_run(runs[0].info.run_id, tracker, ref)
+                found[key] = _from_run(runs[0].info.run_id, tracker, ref, stack.base)
             else:
                 try:
                     loaded = load_recipe(resolve_recipe_path(name))
                     problems += [f"model {ref}: {p}" for p in pipeline.check_without_model(loaded, experiment)]
                 except UserError as exc:
                     problems += [f"model {ref}: {p}" for p in exc.problems]
-                pending.append(ref)
+                pending.append(config)
             continue
         try:
             target = resolve_target(ref.removeprefix("run:"), tracker, stack.base)
@@ -234,28 +282,52 @@ def resolve_models(
             problems += [f"model {ref}: {p}" for p in exc.problems]
             continue
         run_id = target.run_id
-        found[ref] = _from_run(run_id, tracker, ref) if run_id else Resolved(target.checkpoint, label=ref)
+        found[key] = _from_run(run_id, tracker, ref, stack.base) if run_id else Resolved(target.checkpoint, label=ref)
     if problems:
         raise UserError(problems)
-    for ref in pending:
-        name = ref.removeprefix("recipe:")
-        log.info("stack: %s has no finished run in this experiment: running it now (quantbench quantize %s)", ref, name)
-        result = pipeline.quantize(name, outputs=outputs, experiment=experiment)
-        found[ref] = _from_run(result.run_id, tracker, ref)
+    for config in pending:
+        ref, name = config.model or "", (config.model or "").removeprefix("recipe:")
+        source = _source_of(config, found, stack.base)
+        assert source is not None  # the step it starts from ran before it
+        log.info("stack: %s from %s has no finished run in this experiment: running it now "
+                 "(quantbench quantize %s --set model.source=%s)", ref, source, name, source)  # fmt: skip
+        # the stack measures speed itself: the recipe's bench stage is left out
+        result = pipeline.quantize(
+            name, overrides=(f"model.source={source}", "bench=null"), outputs=outputs, experiment=experiment
+        )
+        found[config.model_key] = _from_run(result.run_id, tracker, ref, stack.base)
     return base, found
 
 
-def _from_run(run_id: str, tracker: Tracker, ref: str) -> Resolved:
+def _source_of(config: Config, found: dict[str | None, Resolved], base: str) -> str | None:
+    """The model.source a recipe step's recipe starts from: the stack's base, or the model of the
+    step it names (`run:ID` of that model's run, or its directory); None while that model's recipe
+    has not run yet."""
+    if config.source is None:
+        return base
+    earlier = found.get(config.source)
+    if earlier is None:
+        return None
+    return f"run:{earlier.run_id}" if earlier.run_id else str(earlier.path)
+
+
+def _from_run(run_id: str, tracker: Tracker, ref: str, base: str) -> Resolved:
     from quantbench.sources.checkpoint import check_loadable, resolve_target
 
     target = resolve_target(run_id, tracker, None)
     check_loadable(target.checkpoint)
     run = tracker.get(run_id, ref)
-    return Resolved(target.checkpoint, run_id, dict(run.data.metrics), f"{ref} ({run.info.run_name})")
+    run_base = run.data.tags.get(TAG + "base_model", "")
+    return Resolved(
+        target.checkpoint, run_id, dict(run.data.metrics), f"{ref} ({run.info.run_name})",
+        base=run_base if run_base != base else None,
+    )  # fmt: skip
 
 
 def quality_of(resolved: Resolved) -> dict | None:
     """The quality figure a model's run carries against the base: {metric, label, value, ci}."""
+    if resolved.base is not None:  # its run measured it against another model: no figure against the base
+        return None
     for key, label in QUALITY_KEYS:
         if key in resolved.metrics:
             low, high = resolved.metrics.get(key + LOW), resolved.metrics.get(key + HIGH)
@@ -268,16 +340,46 @@ def quality_of(resolved: Resolved) -> dict | None:
     return None
 
 
+def against_base(models_: dict[str | None, Resolved], workdir: Path) -> None:
+    """A model made from another step's model (a student quantized) carries its run's quality
+    against *that* model; the ledger wants it against the stack's base. A GGUF one is scored here
+    through llama.cpp (llama-perplexity's KL divergence against the base's F16 file, on
+    CHAIN_TOKENS of the held-out text); any other keeps no quality figure, and the ledger says why."""
+    from transformers import AutoTokenizer
+
+    from quantbench.engines import llamacpp
+    from quantbench.sources import data
+    from quantbench.sources.checkpoint import gguf_file
+
+    chained = [r for r in models_.values() if r.base is not None and gguf_file(r.path) is not None]
+    if not chained:
+        return
+    base = models_[None].path
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = tokenizer(data.python_docs("evaluation"))["input_ids"][:CHAIN_TOKENS]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    log_path = workdir / "against-base.log"
+    base_file = llamacpp.base_gguf(base, log_path=log_path)
+    for resolved in chained:
+        log.info("stack: %s was measured against %s; scoring it against the base through llama.cpp",
+                 resolved.label, resolved.base)  # fmt: skip
+        gguf = gguf_file(resolved.path)
+        assert gguf is not None
+        resolved.metrics = llamacpp.engine_quality(base_file, gguf, text, CHAIN_WINDOW, workdir / "kld", log_path)
+        resolved.base = None
+        resolved.label += " (quality against the base measured by the stack)"
+
+
 def check_engines(stack: StackFile, steps: list[Config], models_: dict[str | None, Resolved]) -> None:
     """Every step's model is one its engine serves here, said before anything starts."""
     problems = []
     for i, config in enumerate(steps):
         engine = engines.get(config.engine)
-        path = models_[config.model].path
+        path = models_[config.model_key].path
         why = engine.unavailable() or engine.unserved(path)
         if why:
             problems.append(f"steps.{i} ({stack.steps[i].name}): {engine.label} cannot serve {path} here: {why}")
-    others = {str(models_[c.model].path) for c in steps if c.model is not None} - {str(models_[None].path)}
+    others = {str(models_[c.model_key].path) for c in steps if c.model is not None} - {str(models_[None].path)}
     if others:
         problems += _tokenizer_problems(sorted(others), models_[None].path)
     if problems:
@@ -371,7 +473,7 @@ def measure(
         measurers = {}
         started: dict[tuple, tuple] = {}
         for i, config in enumerate(steps):
-            resolved = models_[config.model]
+            resolved = models_[config.model_key]
             profile = _profile(workload, config.concurrency)
             if config.engine == "hf":
                 measurers[i] = hf_measurer(_hf_load(resolved.path, config.dtype, config.model is None), profile)
@@ -430,7 +532,7 @@ def ledger(results: list[StepResult], qualities: list[dict | None], workload: Wo
             "adds": result.adds,
             "engine": result.config.engine,
             "dtype": result.config.dtype,
-            "model": result.config.model or "base",
+            "model": (result.config.model or "base") + (f" of {result.config.source}" if result.config.source else ""),
             "concurrency": result.config.concurrency,
             "status": "failed" if result.error else "measured",
             "error": result.error,
@@ -533,6 +635,19 @@ def table(report: dict) -> str:
             f"product of the step multipliers: {report['product']:.2f}× "
             f"({(report['product_vs_direct'] - 1) * 100:+.1f} %)"
         )
+    if "best" in report:
+        b = report["best"]
+        if b is None:
+            text += f"\n\n--best: no subset of the steps passes the policy {report.get('policy')}"
+        elif "cumulative" in b:
+            text += (
+                f"\n\nfastest stack passing {report.get('policy')}: {' → '.join(b['steps'])}: "
+                f"{b['cumulative']:.2f}×{interval(b.get('cumulative_ci'))} over the start, measured"
+                + (f" (step {b['measured_as']})" if b["measured_as"] != "measured now" else " in rounds of its own")
+                + f"; predicted from the step multipliers {b['predicted_cumulative']:.2f}×"
+            )
+        else:
+            text += f"\n\nfastest stack passing {report.get('policy')}: {' → '.join(b['steps'])}: not measured ({b.get('error')})"
     if report.get("device"):
         text += f"\nmeasured on: {report['device']}"
     return text
@@ -571,6 +686,74 @@ def waterfall(report: dict, path: Path, title: str) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# --best: the fastest subset of the steps whose model passes the policy
+
+
+def compose(stack: StackFile, steps: list[Config], keep: tuple[int, ...]) -> Config:
+    """The configuration of the start plus the steps `keep` (in order): each knob as the last kept
+    step that sets it leaves it (a model keeps the source it was made from)."""
+    config = steps[0]
+    for i in keep:
+        step = stack.steps[i]
+        changes = {k: getattr(step, k) for k in KNOBS if getattr(step, k) is not None}
+        if "model" in changes:
+            changes["source"] = steps[i].source
+        config = dataclasses.replace(config, **changes)
+    return config
+
+
+def best_subset(
+    stack: StackFile, steps: list[Config], report: dict, models_: dict[str | None, Resolved]
+) -> dict | None:
+    """Every subset of the steps after the start (order kept) whose configuration the engines serve
+    and whose model passes the policy, predicted as the start's throughput times the kept steps'
+    multipliers; the highest prediction wins. Stacks do not simply multiply, so the winner is then
+    measured (`run` does it) unless it is one of the steps already measured. None: no subset passes."""
+    import itertools
+
+    rows = report["steps"]
+    if "throughput_tok_s" not in rows[0]:
+        return None
+    serves: dict[tuple[str, str | None], bool] = {}
+    candidates = []
+    later = range(1, len(steps))
+    for size in range(len(steps)):
+        for keep in itertools.combinations(later, size):
+            if any("multiplier" not in rows[i] for i in keep):
+                continue  # a failed step: nothing to predict from
+            config = compose(stack, steps, keep)
+            if config.engine == "llamacpp" and config.dtype not in ("auto", "float16"):
+                continue
+            key = (config.engine, config.model_key)
+            if key not in serves:
+                engine = engines.get(config.engine)
+                serves[key] = not (engine.unavailable() or engine.unserved(models_[config.model_key].path))
+            if not serves[key]:
+                continue
+            setter = max([0] + [i for i in keep if stack.steps[i].model is not None])  # whose model it serves
+            if not rows[setter].get("policy_passed", False):
+                continue
+            predicted = rows[0]["throughput_tok_s"] * math.prod(rows[i]["multiplier"] for i in keep)
+            candidates.append((predicted, keep, config))
+    if not candidates:
+        return None
+    predicted, keep, config = max(candidates, key=lambda c: (c[0], -len(c[1])))
+    found = {
+        "steps": [stack.steps[i].name for i in (0, *keep)],
+        "predicted_tok_s": predicted,
+        "predicted_cumulative": predicted / rows[0]["throughput_tok_s"],
+    }
+    same = [i for i, c in enumerate(steps) if c == config and "cumulative" in rows[i]]
+    if same:
+        row = rows[same[0]]
+        found |= {"measured_as": stack.steps[same[0]].name, "throughput_tok_s": row["throughput_tok_s"],
+                  "cumulative": row["cumulative"], "cumulative_ci": row.get("cumulative_ci")}  # fmt: skip
+    else:
+        found["config"] = dataclasses.asdict(config)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
 # The command
 
 
@@ -588,93 +771,131 @@ def run(
     name: str,
     *,
     policy: str | None = None,
+    best: bool = False,
     experiment: str | None = None,
     outputs: Path = Path("outputs"),
 ) -> StackOutcome:
     """Load and check the stack (exit 2 on any problem, before anything runs), run the recipes it
-    names that have no run yet, measure every step, log the ledger."""
+    names that have no run yet, measure every step, log the ledger. `best` (needs a policy): also
+    the fastest subset of the steps whose model passes it, measured."""
     import shutil
 
     from quantbench.core import environment, hardware
     from quantbench.release import gate
 
+    if best and not policy:
+        raise UserError("--best: the fastest stack that passes what? Name the policy too (--policy release)")
     stack, steps = load(name)
     loaded_policy = gate.load_policy(policy) if policy else None
     tracker = Tracker(experiment)
     base, models_ = resolve_models(stack, steps, tracker, experiment, outputs)
     check_engines(stack, steps, models_)
-    qualities = [quality_of(models_[c.model]) if c.model else None for c in steps]
     stack_name = Path(name).stem
     logs_dir = Path(tempfile.mkdtemp(prefix="qb-stack-"))
-    parent = tracker.start_run(
-        f"stack {stack_name}",
-        {TAG + "role": "stack", TAG + "stack": stack_name, TAG + "base_model": stack.base},
-    )
-    failed: list[str] = []
-    with parent:
-        parent.log_params({"workload": stack.workload.model_dump(mode="json"), "steps": len(steps)})
-        try:
-            results = measure(stack, steps, models_, logs_dir)
-        finally:
-            for path in sorted(logs_dir.glob("*.log")):
-                parent.log_artifact(path, "servers")
-            shutil.rmtree(logs_dir, ignore_errors=True)
-        report = ledger(results, qualities, stack.workload)
-        report |= {
-            "stack": stack_name,
-            "base": stack.base,
-            "workload": stack.workload.model_dump(mode="json"),
-            "device": hardware.device_line(),  # the CPU class (or GPU) every figure here holds for
-            "hardware": environment.describe(),
-        }
-        if loaded_policy is not None:
-            report["policy"] = loaded_policy.name
-            for row, config in zip(report["steps"], steps):
-                metrics = models_[config.model].metrics if config.model else {}
-                if config.model is None:  # the base model: the reference the quality limits are measured from
-                    row["policy_passed"], row["policy_failed"] = True, []
-                elif not metrics:
-                    row["policy_passed"], row["policy_failed"] = False, ["no quantbench run: quality unknown"]
-                else:
-                    row["policy_passed"], row["policy_failed"] = policy_checks(loaded_policy.policy, metrics)
-        for i, (row, result) in enumerate(zip(report["steps"], results)):
-            tags = {
-                TAG + "role": "stack_step",
-                TAG + "stack": stack_name,
-                TAG + "stack_step": f"{i}:{result.name}",
-                TAG + "bench_server": result.config.engine,
-                "mlflow.parentRunId": parent.run_id,
-            }
-            model_run = models_[result.config.model].run_id if result.config.model else None
-            if model_run:
-                tags[TAG + "stack_model_run"] = model_run
-            child = tracker.start_run(f"{i}. {result.name} · {result.adds}", tags)
+    try:  # the servers' and tools' logs, logged as artifacts, then removed
+        against_base(models_, logs_dir)
+        qualities = [quality_of(models_[c.model_key]) if c.model else None for c in steps]
+        parent = tracker.start_run(
+            f"stack {stack_name}",
+            {TAG + "role": "stack", TAG + "stack": stack_name, TAG + "base_model": stack.base},
+        )
+        failed: list[str] = []
+        with parent:
+            parent.log_params({"workload": stack.workload.model_dump(mode="json"), "steps": len(steps)})
             try:
-                with child:
-                    child.log_params(dataclasses.asdict(result.config))
-                    child.log_metrics(_step_metrics(row))
-                    if result.error:
-                        raise RuntimeError(result.error)
-            except RuntimeError:
-                failed.append(result.name)
-            parent.log_metrics(
-                {
-                    f"stack/{result.name}/{k}": v
-                    for k, v in (("multiplier", row.get("multiplier")), ("cumulative", row.get("cumulative")))
-                    if v is not None
+                results = measure(stack, steps, models_, logs_dir)
+            finally:
+                for path in sorted(logs_dir.glob("*.log")):
+                    parent.log_artifact(path, "servers")
+            report = ledger(results, qualities, stack.workload)
+            report |= {
+                "stack": stack_name,
+                "base": stack.base,
+                "workload": stack.workload.model_dump(mode="json"),
+                "device": hardware.device_line(),  # the CPU class (or GPU) every figure here holds for
+                "hardware": environment.describe(),
+            }
+            if loaded_policy is not None:
+                report["policy"] = loaded_policy.name
+                for row, config in zip(report["steps"], steps):
+                    resolved = models_[config.model_key]
+                    metrics = resolved.metrics if config.model else {}
+                    if config.model is None:  # the base model: the reference the quality limits are measured from
+                        row["policy_passed"], row["policy_failed"] = True, []
+                    elif resolved.base is not None:
+                        row["policy_passed"], row["policy_failed"] = (
+                            False,
+                            [f"quality known against {resolved.base} only"],
+                        )
+                    elif not metrics:
+                        row["policy_passed"], row["policy_failed"] = False, ["no quantbench run: quality unknown"]
+                    else:
+                        row["policy_passed"], row["policy_failed"] = policy_checks(loaded_policy.policy, metrics)
+            if best:
+                report["best"] = best_subset(stack, steps, report, models_)
+                if report["best"] and "config" in report["best"]:
+                    report["best"] |= _measure_best(
+                        stack, steps[0], Config(**report["best"]["config"]), models_, logs_dir
+                    )
+                    for path in sorted((logs_dir / "best").glob("*.log")):
+                        parent.log_artifact(path, "servers/best")
+            for i, (row, result) in enumerate(zip(report["steps"], results)):
+                tags = {
+                    TAG + "role": "stack_step",
+                    TAG + "stack": stack_name,
+                    TAG + "stack_step": f"{i}:{result.name}",
+                    TAG + "bench_server": result.config.engine,
+                    "mlflow.parentRunId": parent.run_id,
                 }
-            )
-        summary = {"stack/direct": report["direct"], "stack/product": report["product"]}
-        parent.log_metrics({k: v for k, v in summary.items() if v is not None})
-        parent.log_dict(report, "stack.json")
-        text = table(report)
-        parent.log_text(f"# Stack {stack_name}\n\n{stack.description}\n\n{text}\n", "stack.md")
-        with tempfile.TemporaryDirectory() as tmp:
-            plot = waterfall(report, Path(tmp) / PLOT, f"stack {stack_name} · {stack.base}")
-            if plot:
-                parent.log_artifact(plot)
-        report["failed"] = failed
-    return StackOutcome(parent.run_id, report, failed)
+                model_run = models_[result.config.model_key].run_id if result.config.model else None
+                if model_run:
+                    tags[TAG + "stack_model_run"] = model_run
+                child = tracker.start_run(f"{i}. {result.name} · {result.adds}", tags)
+                try:
+                    with child:
+                        child.log_params(dataclasses.asdict(result.config))
+                        child.log_metrics(_step_metrics(row))
+                        if result.error:
+                            raise RuntimeError(result.error)
+                except RuntimeError:
+                    failed.append(result.name)
+                parent.log_metrics(
+                    {
+                        f"stack/{result.name}/{k}": v
+                        for k, v in (("multiplier", row.get("multiplier")), ("cumulative", row.get("cumulative")))
+                        if v is not None
+                    }
+                )
+            summary = {"stack/direct": report["direct"], "stack/product": report["product"]}
+            if report.get("best") and "cumulative" in report["best"]:
+                summary["stack/best_cumulative"] = report["best"]["cumulative"]
+            parent.log_metrics({k: v for k, v in summary.items() if v is not None})
+            parent.log_dict(report, "stack.json")
+            text = table(report)
+            parent.log_text(f"# Stack {stack_name}\n\n{stack.description}\n\n{text}\n", "stack.md")
+            with tempfile.TemporaryDirectory() as tmp:
+                plot = waterfall(report, Path(tmp) / PLOT, f"stack {stack_name} · {stack.base}")
+                if plot:
+                    parent.log_artifact(plot)
+            report["failed"] = failed
+        return StackOutcome(parent.run_id, report, failed)
+    finally:
+        shutil.rmtree(logs_dir, ignore_errors=True)
+
+
+def _measure_best(
+    stack: StackFile, start: Config, config: Config, models_: dict[str | None, Resolved], logs_dir: Path
+) -> dict:
+    """The best subset measured against the start, in rounds of their own (as the steps were)."""
+    log.info("stack --best: measuring %s against the start", config)
+    pair = stack.model_copy(update={"steps": [stack.steps[0], Step(name="best")]})
+    (logs_dir / "best").mkdir(exist_ok=True)
+    start_result, best_result = measure(pair, [start, config], models_, logs_dir / "best")
+    if best_result.error or start_result.error or not best_result.throughputs:
+        return {"error": best_result.error or start_result.error}
+    cumulative, ci = _ratio(best_result.throughputs, start_result.throughputs)
+    return {"measured_as": "measured now", "throughput_tok_s": statistics.median(best_result.throughputs),
+            "cumulative": cumulative, "cumulative_ci": ci}  # fmt: skip
 
 
 def _step_metrics(row: dict) -> dict[str, float]:
