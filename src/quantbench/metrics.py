@@ -127,6 +127,7 @@ CONCURRENT: dict[str, Direction] = {
     "itl_ms_p99": "lower",
     "e2e_ms_p50": "lower",
     "e2e_ms_p95": "lower",
+    "spec_acceptance": "higher",  # with a draft model (a stack's draft step): the level's drafted tokens accepted
 }
 LEVEL = re.compile(r"(?:c\d+|r[0-9.]+)/(.+)")
 # task/<task>/<metric>: lm-eval's metric names; these are lower-is-better, the rest higher.

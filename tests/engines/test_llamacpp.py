@@ -155,3 +155,34 @@ def test_a_model_llama_cpp_cannot_convert_is_refused_before_any_run(tiny_model_d
     err = capsys.readouterr().err
     assert "convert_hf_to_gguf.py" in err and "failed (exit code" in err
     assert runs() == [] and not (workdir / "outputs" / "tiny-q8").exists()
+
+
+@pytest.mark.slow  # the real llama.cpp: llama-perplexity on two tiny models
+@pytest.mark.llamacpp
+def test_engine_kld_reads_the_running_line_when_the_summary_is_lost(tiny_gguf, tmp_path):
+    """llama.cpp's logger does not flush at exit, so llama-perplexity's summary is missing from some
+    runs' output. The last chunk's running line holds the same means and standard errors: both give
+    the same figures, and a truncated output still scores."""
+    from quantbench.engines import llamacpp
+    from quantbench.sources import data
+
+    other = gg.write_tiny_gguf(tmp_path / "other.gguf", gg.gpt2_bpe_vocab(400, add_bos=False), seed=1)
+    tools = build.ensure("test")
+    text = tmp_path / "text.txt"
+    text.write_text(data.python_docs("evaluation")[:60_000])
+    common = ["-f", str(text), "-c", "128", "-b", "128", "-t", "2", "--kl-divergence-base", str(tmp_path / "base.kld")]
+    llamacpp.run_tool([tools.tool("llama-perplexity"), "-m", str(tiny_gguf), *common], tmp_path / "log", "base")
+    for _ in range(6):  # until one run's output has its summary
+        out = llamacpp.run_tool([tools.tool("llama-perplexity"), "-m", str(other), *common, "--kl-divergence"],
+                                tmp_path / "log", "candidate")  # fmt: skip
+        if "Mean    KLD" in out and "Same top p:" in out:
+            break
+    else:
+        pytest.fail("six llama-perplexity runs in a row lost their summary")
+    summary = llamacpp.kld_stats(out)
+    running = llamacpp.kld_stats(out[: out.index("====== Perplexity statistics")])
+    assert summary and running and summary["kld_mean"][0] > 0.001
+    for name in ("kld_mean", "ppl_ratio", "same_top_p"):
+        (value, se), (value2, se2) = summary[name], running[name]
+        assert value2 == pytest.approx(value, rel=1e-3, abs=1e-5) and se2 == pytest.approx(se, rel=0.05, abs=1e-5)
+    assert llamacpp.kld_stats("no statistics here") is None

@@ -83,6 +83,20 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
     assert [c.model_key for c in configs] == [None, "recipe:tiny-gptq", "run:0123456789abcdef0123456789abcdef",
                                               "recipe:tiny-gptq@run:0123456789abcdef0123456789abcdef"]
     assert stack.adds(stack.load("ok")[0].steps[3], 3) == "model recipe:tiny-gptq of student"
+    # a draft: an earlier step's name stands for its model; only an engine that drafts takes one
+    write_stack(workdir, "drafts", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
+                "  - {name: start, engine: hf}\n"
+                "  - {name: in-process, draft: start}\n"
+                "  - {name: server, engine: llamacpp, draft: /a/dir}\n"
+                "  - {name: same, draft: /a/dir}\n")  # fmt: skip
+    with pytest.raises(stack.UserError) as refused:
+        stack.load("drafts")
+    assert refused.value.problems == [
+        "stacks/drafts.yaml: steps.3 (same): draft: /a/dir is what the steps before it already use; a step must add "
+        "something",
+        "stacks/drafts.yaml: steps.1 (in-process): draft: speculative decoding through in-process transformers "
+        "generate: not offered through quantbench for this engine; a draft step needs engine llamacpp",
+    ]
 
 
 def test_every_shipped_stack_loads(monkeypatch):
@@ -262,15 +276,24 @@ def test_a_stack_through_llama_server_stops_every_server(workdir, tmp_path_facto
     write_stack(workdir, "llama", f"base: {tiny_gguf}\n{WORKLOAD}steps:\n"
                 "  - {name: naive, engine: hf, dtype: float32}\n"
                 "  - {name: server, engine: llamacpp, dtype: auto}\n"
+                "  - {name: self-draft, draft: server}\n"       # the base model drafting for itself
                 "  - {name: q8, model: recipe:tiny-q8}\n"
                 "  - {name: batched, concurrency: 2}\n"
                 f"  - {{name: student, model: {student}}}\n"
                 "  - {name: student-q8, model: recipe:tiny-q8, source: student}\n")  # fmt: skip
     assert main(["stack", "llama", "--json"]) == 0, capsys.readouterr().err[-3000:]
-    summary = last_json(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    summary = last_json(out)
     steps = {s["step"]: s for s in summary["steps"]}
     assert all(s["status"] == "measured" and s["throughput_tok_s"] > 0 for s in steps.values())
     assert steps["server"]["engine"] == "llamacpp" and steps["q8"]["quality"]["metric"] == "check/ppl_ratio"
+    # speculative decoding through llama-server: llama.cpp's own counts of drafted and accepted tokens;
+    # a model drafting for itself (greedy) has most of its drafts accepted, and every later step keeps the draft
+    assert steps["server"]["draft"] is None
+    assert steps["self-draft"]["draft"] == "base" and 0.5 < steps["self-draft"]["spec_acceptance"] <= 1
+    assert all(steps[n]["draft"] == "base" and 0 <= steps[n]["spec_acceptance"] <= 1
+               for n in ("q8", "batched", "student", "student-q8"))  # fmt: skip
+    assert "· draft base (accepted" in out
     assert 0.9 < steps["q8"]["quality"]["value"] < 1.1  # Q8_0: the reload check's ratio, from its run
     # the student quantized: its run measured it against the student; the stack scores it against
     # the base through llama-perplexity (another model: a KL divergence well above Q8_0's rounding)
@@ -285,4 +308,8 @@ def test_a_stack_through_llama_server_stops_every_server(workdir, tmp_path_facto
     from mlflow import MlflowClient
 
     servers = {f.path for f in MlflowClient().list_artifacts(parent.info.run_id, "servers")}
-    assert len(servers) == 4  # the base's F16 file, the Q8_0 checkpoint, the student, its Q8_0: one server each
+    # one server each: the base's F16 file, then with the base as draft: itself, the Q8_0 checkpoint, the
+    # student, its Q8_0
+    assert len(servers) == 5
+    drafted = MlflowClient().download_artifacts(parent.info.run_id, "servers/1-llamacpp.log", str(workdir))
+    assert "--model-draft" in Path(drafted).read_text()

@@ -56,6 +56,7 @@ class ServerSettings:
     dtype: str = "auto"  # the dtype the engine serves the model in (vLLM --dtype)
     extra_env: dict[str, str] = field(default_factory=dict)
     slots: int = 1  # requests served at once (llama-server --parallel): the profile's highest concurrency
+    draft: Path | None = None  # speculative decoding: the draft model's checkpoint (engines with `drafts`)
 
 
 class ServingEngine:
@@ -68,6 +69,9 @@ class ServingEngine:
     tag: ClassVar[str] = ""  # the quantbench.bench_server tag (default: its name)
     quality: ClassVar[Quality] = "none"  # what quality it can give through its API
     health_timeout_s: ClassVar[float] = 180.0  # a server: from start to /health answering
+    # speculative decoding with a draft model through the server (ServerSettings.draft), the
+    # acceptance reported per request; None: the engine here offers none, and why
+    drafts: ClassVar[str | None] = "not offered through quantbench for this engine"
 
     @property
     def tag_name(self) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -49,6 +50,7 @@ class LlamaServer(ServingEngine):
     label = "llama.cpp"
     kind = "server"
     quality = "none"  # llama-server refuses `echo` (prompt log-probabilities): tasks score elsewhere
+    drafts = None  # llama-server --model-draft; each response's timings count draft tokens and accepted ones
     health_timeout_s = 120.0  # loading a GGUF is seconds; a first build happens before, in ensure()
 
     def __init__(self) -> None:
@@ -121,6 +123,10 @@ class LlamaServer(ServingEngine):
             "--seed", "0",
             "--no-ui",
         ]  # fmt: skip
+        if settings.draft is not None:  # speculative decoding with a draft model (llama.cpp's defaults: up to 3
+            # tokens drafted per step); a draft model alone drafts nothing without its type named
+            draft = gguf_file(settings.draft) or base_gguf(settings.draft, self.tools)
+            cmd += ["--model-draft", str(draft), "--spec-type", "draft-simple"]
         return cmd, {**os.environ, **settings.extra_env}
 
     def explain(self, log_path: Path) -> str:
@@ -262,6 +268,35 @@ _ENGINE_STATS = {
     "ppl_ratio": re.compile(r"Mean\s+PPL\(Q\)/PPL\(base\)\s*:\s*([\d.]+)\s+±\s+([\d.]+)"),
     "same_top_p": re.compile(r"Same top p:\s*([\d.]+)\s+±\s+([\d.]+)\s*%"),
 }
+# ... and its running line per chunk: chunk, PPL(Q), ln(PPL(Q)/PPL(base)), KLD, Δp RMS (%), same top p (%),
+# each "value ± standard error", over every position so far. llama.cpp's logger is asynchronous and
+# does not flush at exit (it leaks the logger on purpose, llama.cpp issue 22142): the summary printed
+# last is lost on some runs (seen here: 2 of 4 identical runs), while the last chunk's line, printed
+# before the summary is computed, holds the same means and standard errors.
+_PM = r"(-?[\d.]+)\s+±\s+([\d.]+)"
+_CHUNK_LINE = re.compile(rf"^\s*\d+\s+{_PM}\s+{_PM}\s+{_PM}\s+{_PM}\s*%\s+{_PM}\s*%\s*$", re.M)
+
+
+def kld_stats(out: str) -> dict[str, tuple[float, float]] | None:
+    """{name: (value, standard error)} from llama-perplexity --kl-divergence's output: its summary,
+    else its last chunk line (the summary lost at exit); None when neither is there."""
+    found = {name: pattern.search(out) for name, pattern in _ENGINE_STATS.items()}
+    if all(found.values()):
+        return {
+            name: (float(m.group(1)) * (0.01 if name == "same_top_p" else 1.0),
+                   float(m.group(2)) * (0.01 if name == "same_top_p" else 1.0))
+            for name, m in found.items() if m is not None
+        }  # fmt: skip
+    rows = _CHUNK_LINE.findall(out)
+    if not rows:
+        return None
+    _ppl, _ppl_se, ln_ratio, ln_se, kld, kld_se, _dp, _dp_se, top, top_se = map(float, rows[-1])
+    # the summary's PPL ratio is exp(ln ratio) with the delta method's standard error
+    return {
+        "kld_mean": (kld, kld_se),
+        "ppl_ratio": (math.exp(ln_ratio), math.exp(ln_ratio) * ln_se),
+        "same_top_p": (top / 100, top_se / 100),
+    }
 
 
 def engine_quality(base: Path, candidate: Path, text: str, ctx: int, workdir: Path, log_path: Path) -> dict[str, float]:
@@ -284,13 +319,11 @@ def engine_quality(base: Path, candidate: Path, text: str, ctx: int, workdir: Pa
     finally:
         logits.unlink(missing_ok=True)  # n_tokens x vocab log-probabilities: hundreds of MB
         text_file.unlink(missing_ok=True)
+    stats = kld_stats(out)
+    if stats is None:
+        raise UserError(f"llama-perplexity printed no KL divergence statistics (its output is in {log_path})")
     metrics: dict[str, float] = {}
-    for name, pattern in _ENGINE_STATS.items():
-        found = pattern.search(out)
-        if found is None:
-            raise UserError(f"llama-perplexity printed no '{name}' line (its output is in {log_path})")
-        scale = 0.01 if name == "same_top_p" else 1.0
-        value, se = float(found.group(1)) * scale, float(found.group(2)) * scale
+    for name, (value, se) in stats.items():
         metrics |= {
             f"quality_engine/{name}": value,
             f"quality_engine/{name}.ci_low": value - 1.96 * se,

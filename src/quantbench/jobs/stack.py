@@ -57,8 +57,10 @@ from quantbench.tracking import TAG, Tracker
 log = logging.getLogger(__name__)
 
 ENGINE_NAMES = ("hf", "transformers", "vllm", "llamacpp")  # the engines a step can name
-KNOBS = ("engine", "dtype", "model", "concurrency")  # what a step can change
+KNOBS = ("engine", "dtype", "model", "concurrency", "draft")  # what a step can change
 PLOT = "stack_waterfall.png"
+AGAINST_BASE_LOG = "against-base.log"
+BASE = "<base>"  # a draft that is the base model (a step serving the base named as the draft)
 CHAIN_TOKENS, CHAIN_WINDOW = 8192, 512  # a model made from another step's model, scored against the base
 # the quality figure a step's model shows, first found in its run: (metric, label)
 QUALITY_KEYS = (
@@ -93,6 +95,9 @@ class Step(Strict):
     # model.source), e.g. a distilled student quantized; default the stack's base
     source: str | None = None
     concurrency: PositiveInt | None = None
+    # speculative decoding through the engine: the draft model, an earlier step's name (its model)
+    # or run:ID / recipe:NAME / a checkpoint directory
+    draft: str | None = None
 
     @field_validator("engine")
     @classmethod
@@ -118,14 +123,15 @@ class Config:
     model: str | None  # None: the base model
     concurrency: int
     source: str | None = None  # model is recipe:NAME applied to this step's model (None: the base)
+    draft: str | None = None  # the draft model's key (speculative decoding), as model_key names models
 
     @property
     def model_key(self) -> str | None:
         """The model, told apart from the same recipe applied to another step's model."""
         return f"{self.model}@{self.source}" if self.model and self.source else self.model
 
-    def server_key(self) -> tuple[str, str, str | None]:
-        return (self.engine, self.dtype, self.model_key)
+    def server_key(self) -> tuple[str, str, str | None, str | None]:
+        return (self.engine, self.dtype, self.model_key, self.draft)
 
 
 @dataclass
@@ -193,6 +199,8 @@ def configs(stack: StackFile, where: str) -> list[Config]:
             else:
                 source = out[seen[step.source]].model_key
         changes = {k: getattr(step, k) for k in KNOBS if getattr(step, k) is not None}
+        if step.draft is not None:  # an earlier step's name stands for its model
+            changes["draft"] = out[seen[step.draft]].model_key or BASE if seen.get(step.draft, i) < i else step.draft
         key = f"{step.model}@{source}" if source else step.model
         same = [
             k for k, v in changes.items() if (current.model_key == key if k == "model" else getattr(current, k) == v)
@@ -210,9 +218,15 @@ def configs(stack: StackFile, where: str) -> list[Config]:
             changes.get("model", current.model),
             changes.get("concurrency", current.concurrency),
             source if "model" in changes else current.source,
+            changes.get("draft", current.draft),
         )
         out.append(current)
     for i, config in enumerate(out):
+        if config.draft is not None and (why := engines.get(config.engine).drafts):
+            problems.append(
+                f"{where}: steps.{i} ({stack.steps[i].name}): draft: speculative decoding through "
+                f"{engines.get(config.engine).label}: {why}; a draft step needs engine llamacpp"
+            )
         if config.engine == "llamacpp" and config.dtype not in ("auto", "float16"):
             problems.append(
                 f"{where}: steps.{i} ({stack.steps[i].name}): dtype {config.dtype}: llama.cpp serves a model's own "
@@ -252,9 +266,14 @@ def resolve_models(
 
     base = models.resolve(stack.base, field="base", experiment=experiment)
     found: dict[str | None, Resolved] = {None: Resolved(base.path, label=models.short_name(stack.base))}
+    found[BASE] = found[None]
     pending: list[Config] = []
     problems: list[str] = []
-    for config in {c.model_key: c for c in steps if c.model is not None}.values():
+    wanted = {c.model_key: c for c in steps if c.model is not None}
+    for c in steps:  # a draft named by reference (not by an earlier step) is resolved like a step's model
+        if c.draft is not None and c.draft != BASE and c.draft not in wanted:
+            wanted[c.draft] = Config(c.engine, c.dtype, c.draft, 1)
+    for config in wanted.values():
         ref, key = config.model, config.model_key
         assert ref is not None and key is not None
         if ref.startswith("recipe:"):
@@ -358,14 +377,18 @@ def against_base(models_: dict[str | None, Resolved], workdir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(base)
     ids = tokenizer(data.python_docs("evaluation"))["input_ids"][:CHAIN_TOKENS]
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    log_path = workdir / "against-base.log"
+    log_path = workdir / AGAINST_BASE_LOG
     base_file = llamacpp.base_gguf(base, log_path=log_path)
     for resolved in chained:
         log.info("stack: %s was measured against %s; scoring it against the base through llama.cpp",
                  resolved.label, resolved.base)  # fmt: skip
         gguf = gguf_file(resolved.path)
         assert gguf is not None
-        resolved.metrics = llamacpp.engine_quality(base_file, gguf, text, CHAIN_WINDOW, workdir / "kld", log_path)
+        try:
+            resolved.metrics = llamacpp.engine_quality(base_file, gguf, text, CHAIN_WINDOW, workdir / "kld", log_path)
+        except UserError as exc:  # the step is measured all the same; its quality stays unknown
+            log.warning("stack: %s: no quality against the base: %s", resolved.label, "; ".join(exc.problems))
+            continue
         resolved.base = None
         resolved.label += " (quality against the base measured by the stack)"
 
@@ -382,6 +405,13 @@ def check_engines(stack: StackFile, steps: list[Config], models_: dict[str | Non
     others = {str(models_[c.model_key].path) for c in steps if c.model is not None} - {str(models_[None].path)}
     if others:
         problems += _tokenizer_problems(sorted(others), models_[None].path)
+    drafts = {str(models_[c.draft].path) for c in steps if c.draft is not None} - {str(models_[None].path)} - others
+    problems += [
+        p.replace("its tokenizer reads the prompts differently from the base model's", "a draft: its tokenizer is not "
+                  "the target's (the base model's)").replace("a stack compares models on the same tokens",
+                                                             "a draft must propose the target's tokens")
+        for p in _tokenizer_problems(sorted(drafts), models_[None].path)
+    ]  # fmt: skip
     if problems:
         raise UserError(problems)
 
@@ -488,6 +518,7 @@ def measure(
                     compiled=workload.compile,
                     dtype=config.dtype,
                     slots=slots,
+                    draft=models_[config.draft].path if config.draft else None,
                 )
                 log_path = logs_dir / f"{len(started)}-{config.engine}.log"
                 log.info("stack: starting %s for %s", engine.label, resolved.label or resolved.path)
@@ -534,6 +565,11 @@ def ledger(results: list[StepResult], qualities: list[dict | None], workload: Wo
             "dtype": result.config.dtype,
             "model": (result.config.model or "base") + (f" of {result.config.source}" if result.config.source else ""),
             "concurrency": result.config.concurrency,
+            "draft": None
+            if result.config.draft is None
+            else "base"
+            if result.config.draft == BASE
+            else result.config.draft,
             "status": "failed" if result.error else "measured",
             "error": result.error,
             "quality": quality,
@@ -547,6 +583,8 @@ def ledger(results: list[StepResult], qualities: list[dict | None], workload: Wo
             speed = summarize(result.samples, _profile(workload, result.config.concurrency))
             row |= {k: speed[k] for k in ("decode_tok_s", "ttft_ms_p50", "e2e_ms_p50", "peak_mem_mb") if k in speed}
             level = f"c{result.config.concurrency}"
+            if result.samples.get(f"{level}/spec_acceptance"):  # a draft: its tokens accepted at the load level
+                row["spec_acceptance"] = statistics.median(result.samples[f"{level}/spec_acceptance"])
             for name in ("ttft_ms_p50", "ttft_ms_p95", "e2e_ms_p50", "e2e_ms_p95", "requests_s"):
                 if f"{level}/{name}" in speed:
                     row[f"level_{name}"] = speed[f"{level}/{name}"]
@@ -610,7 +648,12 @@ def table(report: dict) -> str:
         row = [
             r["step"],
             r["adds"],
-            f"{r['engine']} · {r['model']} · c{r['concurrency']}",
+            f"{r['engine']} · {r['model']} · c{r['concurrency']}"
+            + (
+                f" · draft {r['draft']}" + (f" (accepted {r['spec_acceptance']:.0%})" if "spec_acceptance" in r else "")
+                if r.get("draft")
+                else ""
+            ),
             f"{r['throughput_tok_s']:.1f}" if "throughput_tok_s" in r else "FAILED",
             f"{r['multiplier']:.2f}×{interval(r.get('multiplier_ci'))}" if "multiplier" in r else "—",
             f"{r['cumulative']:.2f}×{interval(r.get('cumulative_ci'))}" if "cumulative" in r else "—",
@@ -694,8 +737,7 @@ def compose(stack: StackFile, steps: list[Config], keep: tuple[int, ...]) -> Con
     step that sets it leaves it (a model keeps the source it was made from)."""
     config = steps[0]
     for i in keep:
-        step = stack.steps[i]
-        changes = {k: getattr(step, k) for k in KNOBS if getattr(step, k) is not None}
+        changes = {k: getattr(steps[i], k) for k in KNOBS if getattr(stack.steps[i], k) is not None}
         if "model" in changes:
             changes["source"] = steps[i].source
         config = dataclasses.replace(config, **changes)
@@ -723,6 +765,8 @@ def best_subset(
                 continue  # a failed step: nothing to predict from
             config = compose(stack, steps, keep)
             if config.engine == "llamacpp" and config.dtype not in ("auto", "float16"):
+                continue
+            if config.draft is not None and engines.get(config.engine).drafts:
                 continue
             key = (config.engine, config.model_key)
             if key not in serves:
@@ -805,8 +849,8 @@ def run(
             try:
                 results = measure(stack, steps, models_, logs_dir)
             finally:
-                for path in sorted(logs_dir.glob("*.log")):
-                    parent.log_artifact(path, "servers")
+                for path in sorted(logs_dir.glob("*.log")):  # and llama-perplexity's, scoring a model against the base
+                    parent.log_artifact(path, "quality" if path.name == AGAINST_BASE_LOG else "servers")
             report = ledger(results, qualities, stack.workload)
             report |= {
                 "stack": stack_name,
@@ -900,7 +944,7 @@ def _measure_best(
 
 def _step_metrics(row: dict) -> dict[str, float]:
     out = {}
-    for key in ("throughput_tok_s", "decode_tok_s", "ttft_ms_p50", "e2e_ms_p50", "peak_mem_mb"):
+    for key in ("throughput_tok_s", "decode_tok_s", "ttft_ms_p50", "e2e_ms_p50", "peak_mem_mb", "spec_acceptance"):
         if key in row:
             out[f"speed/{key}"] = row[key]
     for key in ("multiplier", "cumulative"):

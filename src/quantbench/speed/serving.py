@@ -128,6 +128,9 @@ def load_level(
     }
     if gaps:
         out |= {"itl_ms_p50": statistics.median(gaps), "itl_ms_p95": pct(gaps, 0.95), "itl_ms_p99": pct(gaps, 0.99)}
+    drafted = [s.drafted for s in streams if s.drafted]
+    if drafted and sum(d for d, _ in drafted):  # speculative decoding: the level's draft tokens accepted
+        out["spec_acceptance"] = sum(a for _, a in drafted) / sum(d for d, _ in drafted)
     return out
 
 
@@ -160,6 +163,8 @@ def openai_measurer(
                 if s.decode_tok_s:
                     out[f"p{length}/decode_tok_s"] = s.decode_tok_s
                     out[f"p{length}/itl_ms"] = statistics.median(s.gaps) * 1000
+                if s.drafted and s.drafted[0]:
+                    out[f"p{length}/spec_acceptance"] = s.drafted[1] / s.drafted[0]
             rows = prompt_sets[max(prompt_sets)]
             for n, rate in [(n, None) for n in profile.concurrency] + [(None, r) for r in profile.request_rates]:
                 count = profile.level_requests(n)
