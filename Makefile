@@ -165,6 +165,7 @@ benchmarks: $(STAMP)
 	$(BIN)/python bench/stability.py
 	$(BIN)/python bench/serving_fidelity.py
 	$(BIN)/python bench/ray_overhead.py
+	$(BIN)/python bench/stack.py
 
 clean:
 	rm -rf outputs
