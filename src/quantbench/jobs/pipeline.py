@@ -78,6 +78,13 @@ class Job:
     )
     model: object = None  # the base model in the compute dtype, when the estimate loaded it (execute takes it)
 
+    @property
+    def produce_dtype(self) -> str:
+        """The dtype the produce step computes in: the backend's own where it says (GPTQModel's AWQ
+        computes in the saved dtype), else the job's compute dtype."""
+        computes_in = getattr(self.backend, "computes_in", None)
+        return computes_in(self.loaded.recipe.model) if computes_in else self.compute_dtype
+
     def take_model(self):
         """The base model loaded in prepare, handed over once (None when prepare loaded none)."""
         model, self.model = self.model, None
@@ -442,7 +449,7 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
                 )
 
                 log.info(
-                    "computing in %s, saving in %s (%s)", job.compute_dtype, spec.model.dtype, hardware.device_line()
+                    "computing in %s, saving in %s (%s)", job.produce_dtype, spec.model.dtype, hardware.device_line()
                 )
                 model = job.take_model()  # loaded by prepare's estimate, in the same dtype
                 if model is None:
@@ -582,7 +589,7 @@ def _candidate_tags(job: Job) -> dict[str, str]:
         TAG + "format": job.backend.format,
         TAG + "loaders": job.backend.loaders(),
         TAG + "kv_cache": getattr(q, "kv_cache", None) or "none",
-        TAG + "compute_dtype": job.compute_dtype,
+        TAG + "compute_dtype": job.produce_dtype,
         TAG + "license": job.base.license,
         TAG + "bos": data.bos_tag(job.tokenizer, data.bos_id(job.tokenizer)),  # what every window starts with
         **{TAG + k: v for k, v in environment.describe().items()},
@@ -611,7 +618,7 @@ def _resolved_record(job: Job) -> dict:
             "fingerprint": job.base.fingerprint,
         },
         "text_sha256": job.text_shas,
-        "compute_dtype": job.compute_dtype,
+        "compute_dtype": job.produce_dtype,
         "environment": environment.describe(),
     }
 

@@ -86,7 +86,9 @@ class Backend(Protocol):
       (also what `quantbench validate` runs);
     - `prepare(loaded, base, tokenizer)`: further input checks before the run starts (e.g. training
       text); returns the sha of any text it will read, by role;
-    - `produce(inputs)`: write the checkpoint into `inputs.staging`.
+    - `produce(inputs)`: write the checkpoint into `inputs.staging`;
+    - `computes_in(model)` (optional): the dtype the engine computes in where that is not the model
+      section's `computes_in()` (the run's `quantbench.compute_dtype` says it).
     """
 
     engine: ClassVar[str]

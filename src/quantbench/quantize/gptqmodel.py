@@ -94,10 +94,14 @@ class GPTQModelBackend:
             inputs.staging,
             inputs.log_path,
             inputs.loaded.recipe.calibration.seed,
-            # AWQ's kernels refuse float32 (check): that format computes in what it saves
-            compute=model.dtype if self.format == "awq" else model.computes_in(),
+            compute=self.computes_in(model),
         )
         return Produced(card=calibration_card(inputs))
+
+    def computes_in(self, model) -> str:
+        """The dtype GPTQModel computes in: AWQ's kernels refuse float32 (check), so that format
+        computes in what it saves, even where that dtype is emulated; GPTQ in the job's."""
+        return model.dtype if self.format == "awq" else model.computes_in()
 
     def loaders(self) -> str:
         from importlib.metadata import version as dist_version
