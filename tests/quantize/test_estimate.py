@@ -18,6 +18,11 @@ def test_work_grows_with_the_methods_knobs():
     assert estimate.passes(AWQSpec(method="awq"), 32, 30)[0] == 2 * estimate.passes(AWQSpec(method="awq"), 16, 30)[0]
     count, fixed, how = estimate.passes(GPTQSpec(method="gptq"), 8, 30)
     assert count == 8 * estimate.GPTQ_PASSES and fixed == 30 * estimate.GPTQ_SOLVE_S and "30 layers" in how
+    # GPTQModel's formats add its child process's start and save, a fixed cost
+    count2, fixed2, how2 = estimate.passes(GPTQSpec(method="gptq", format="gptq"), 8, 30)
+    assert count2 == count and fixed2 == fixed + estimate.GPTQMODEL_FIXED_S and "GPTQModel's child process" in how2
+    awq = estimate.passes(AWQSpec(method="awq"), 16, 30)
+    assert estimate.passes(AWQSpec(method="awq", format="awq"), 16, 30)[1] == awq[1] + estimate.GPTQMODEL_FIXED_S
     assert estimate.passes(DistillSpec(method="distill", steps=10, batch_size=2), 0, 30)[0] == 20 * estimate.DISTILL_PER_STEP
     assert estimate.passes(AutoRoundSpec(method="autoround", iters=50, batch_size=8), 4, 30)[0] == 4 * 3.0 * 50  # 4 windows: a batch of 4
     assert estimate.passes(FP8Spec(method="fp8"), 8, 30) is None  # seconds whatever the data
