@@ -219,7 +219,7 @@ def pytest_itemcollected(item):
 def pytest_collection_modifyitems(config, items):
     """The order the suite runs in: the real tier, then the slow one, then the fast one (two
     workers finish together when the long tests start first), and the tests that need llama.cpp's
-    tools last: `.ci/run` builds them (niced) while the rest of the suite runs, whose waits on
+    tools last: `.ci/run` builds them while the rest of the suite runs, whose waits on
     servers and child processes leave the CPU idle much of the time."""
     items.sort(key=lambda item: (item.get_closest_marker("llamacpp") is not None,
                                  item.get_closest_marker("real") is None, item.get_closest_marker("slow") is None))
