@@ -36,9 +36,9 @@ GPTQ_SOLVE_S = 0.5  # seconds per layer for the solve at the default model's wid
 GPTQMODEL_FIXED_S = 60.0
 AUTOROUND_PER_ITER = 3.0  # per window of a tuning step: forward + backward through a block, over every block
 # per window of a batch: the teacher's forward, the half-size student's forward and backward, and
-# the KL over the 49k-token vocabulary at every position; fitted on the AVX2 class (float32): 9.4 s a
+# the KL over the 49k-token vocabulary at every position; fitted on the AVX2 class (float32): 8.3 s a
 # step of 4 x 256 tokens against forward passes of 0.568 s (2.5, the matmuls alone, said 5.7 s)
-DISTILL_PER_STEP = 4.1
+DISTILL_PER_STEP = 3.7
 
 
 @dataclass(frozen=True)
