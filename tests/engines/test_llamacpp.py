@@ -186,3 +186,4 @@ def test_engine_kld_reads_the_running_line_when_the_summary_is_lost(tiny_gguf, t
         (value, se), (value2, se2) = summary[name], running[name]
         assert value2 == pytest.approx(value, rel=1e-3, abs=1e-5) and se2 == pytest.approx(se, rel=0.05, abs=1e-5)
     assert llamacpp.kld_stats("no statistics here") is None
+

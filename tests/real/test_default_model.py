@@ -230,3 +230,33 @@ def test_the_default_model_passes_the_base_check_and_refuses_a_foreign_tokenizer
     bad = verify.check_perplexity(model, tiny_tokenizer(evaluation)["input_ids"][:2048],
                                   tiny_tokenizer(calibration)["input_ids"], 512, vocab)
     assert bad.verdict == "refused" and bad.ppl > bad.unigram_ppl
+
+
+@pytest.mark.llamacpp  # the real llama.cpp converter
+def test_a_model_made_from_the_default_model_converts_to_gguf_with_its_own_tokenizer(tmp_path):
+    """transformers writes the default model's byte-level BPE vocabulary (read from its GGUF) as a
+    tokenizer.json with byte_fallback on; a model made from it (a distilled student: here the
+    converted directory's files under another directory, with no GGUF to go back to) went through
+    llama.cpp's converter as a Llama SentencePiece vocabulary, and its file's tokenizer prepended
+    token 0 to every text (base_gguf refused it: "its tokenizer does not reproduce"). It converts
+    through a view with byte_fallback off, and the file reads text as the model does."""
+    from transformers import AutoTokenizer
+
+    from quantbench.engines import llamacpp
+    from quantbench.sources import models
+    from quantbench.sources.verify import gguf_tokenizer
+
+    converted = models.resolve("builtin:smollm2-135m-instruct").path
+    spec = json.loads((converted / "tokenizer.json").read_text())
+    assert spec["model"]["byte_fallback"] is True and spec["pre_tokenizer"]["type"] == "ByteLevel"  # the trap
+    student = tmp_path / "student"
+    student.mkdir()
+    for item in converted.iterdir():
+        if item.name != models.SOURCE_INFO:
+            (student / item.name).symlink_to(item)
+    assert models.source_gguf(student) is None  # converted by convert_hf_to_gguf.py, not de-quantized
+    gguf = llamacpp.base_gguf(student, log_path=tmp_path / "convert.log")
+    assert "convert_hf_to_gguf.py" in (tmp_path / "convert.log").read_text()
+    text = "def f(x):\n    return x ** 2  # squares\n"
+    assert gguf_tokenizer(gguf)(text)["input_ids"] == AutoTokenizer.from_pretrained(student)(text)["input_ids"]
+    assert json.loads((student / "tokenizer.json").read_text())["model"]["byte_fallback"] is True  # left as it was

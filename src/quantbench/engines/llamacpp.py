@@ -21,6 +21,8 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from quantbench.core.errors import UserError
@@ -217,17 +219,46 @@ def base_gguf(model_dir: Path, tools: build.Tools | None = None, log_path: Path 
                     f"{model_dir}: converting it to GGUF needs llama.cpp's convert_hf_to_gguf.py, which "
                     f"${build.BIN_VAR} does not provide; unset it to let quantbench build llama.cpp"
                 )
-            run_tool(
-                [sys.executable, str(tools.source / "convert_hf_to_gguf.py"), str(model_dir),
-                 "--outtype", BASE_TYPE.lower(), "--outfile", str(partial)],
-                log_path, f"converting {model_dir} to {BASE_TYPE} GGUF (convert_hf_to_gguf.py)",
-            )  # fmt: skip
+            with _converter_view(model_dir, dest.parent) as view:
+                run_tool(
+                    [sys.executable, str(tools.source / "convert_hf_to_gguf.py"), str(view),
+                     "--outtype", BASE_TYPE.lower(), "--outfile", str(partial)],
+                    log_path, f"converting {model_dir} to {BASE_TYPE} GGUF (convert_hf_to_gguf.py)",
+                )  # fmt: skip
         verify_tokenizer(partial, model_dir)
         os.replace(partial, dest)
     finally:
         partial.unlink(missing_ok=True)
     log.info("GGUF of %s: %s", model_dir, dest)
     return dest
+
+
+@contextmanager
+def _converter_view(model_dir: Path, scratch: Path):
+    """The directory convert_hf_to_gguf.py should read. transformers' GGUF loader writes a byte-level
+    BPE tokenizer (GPT-2 style: SmolLM2's) as tokenizer.json with `byte_fallback: true` and a
+    SentencePiece-style decoder; every model made from such a base (a distilled student) inherits
+    it, and llama.cpp's converter then takes the vocabulary for a Llama SentencePiece one (measured:
+    the file's tokenizer prepended token 0 to every text). A byte-level tokenizer never falls back to
+    bytes, so a view of the directory with `byte_fallback` off and the byte-level decoder alone is
+    the same tokenizer (verify_tokenizer checks the file against the model's own)."""
+    tokenizer_file = model_dir / "tokenizer.json"
+    spec = json.loads(tokenizer_file.read_text()) if tokenizer_file.is_file() else {}
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    if not (model.get("type") == "BPE" and model.get("byte_fallback") and pre.get("type") == "ByteLevel"):
+        yield model_dir
+        return
+    with tempfile.TemporaryDirectory(dir=scratch, prefix="convert-") as tmp:
+        view = Path(tmp) / model_dir.name  # the converter names the model after its directory
+        view.mkdir()
+        for item in model_dir.iterdir():
+            if item.name != "tokenizer.json":
+                (view / item.name).symlink_to(item.resolve())
+        spec["model"] = {**model, "byte_fallback": False}
+        spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+        (view / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+        log.info("converting through a view of %s with its byte-level tokenizer's byte_fallback off", model_dir)
+        yield view
 
 
 def verify_tokenizer(gguf: Path, model_dir: Path) -> None:
