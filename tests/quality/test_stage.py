@@ -32,6 +32,26 @@ def by_role(role):
     return [r for r in runs() if r.data.tags.get("quantbench.role") == role]
 
 
+def test_a_bfloat16_saved_base_is_scored_in_float32(workdir, tiny_model_dir, suite, capsys):
+    """A base saved in bfloat16 (a distilled student, quantized further) was loaded as saved: its
+    bfloat16 logits could not be rebuilt from its hidden states in float32, and the baseline failed
+    ("post-processes its logits after the output head"). Its reference is computed in float32,
+    as the default base's always was."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    student = workdir / "student-bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(student)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(student)
+    assert json.loads((student / "config.json").read_text())["dtype"] == "bfloat16"
+    write_recipe(workdir, "s", tiny_recipe(student, "method: fp8\n") + f"evaluate:\n  suite: {suite}\n")
+    assert main(["quantize", "s", "--json"]) == 0, capsys.readouterr().err[-2000:]
+    [baseline] = by_role("baseline")
+    [candidate] = by_role("candidate")
+    assert baseline.info.status == "FINISHED" and 1 < baseline.data.metrics["quality/ppl"]
+    assert 0 < candidate.data.metrics["quality/kld_mean"] < 1
+
+
 def test_quantize_evaluates_the_reloaded_checkpoint_and_reuses_the_baseline(workdir, tiny_model_dir, suite, capsys):
     write_recipe(workdir, "a", tiny_recipe(tiny_model_dir, GPTQ) + f"evaluate:\n  suite: {suite}\n")
     write_recipe(workdir, "b", tiny_recipe(tiny_model_dir, "method: fp8\n") + f"evaluate:\n  suite: {suite}\n")

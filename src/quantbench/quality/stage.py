@@ -256,6 +256,7 @@ def get_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan) -> Basel
 
 
 def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys: dict) -> Baseline:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantbench.core import environment
@@ -276,7 +277,11 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys:
     )
     with tracker.start_run(f"baseline · {models.short_name(base.source)} · {p.suite.name}", tags) as run:
         run.log_params({"suite": spec.model_dump(mode="json")})
-        model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto")
+        # the reference distributions in float32, whatever the base is saved in: a bfloat16-saved
+        # base (a distilled student, quantized further) loaded as saved gave bfloat16 logits that its
+        # float32 head could not rebuild (reference() refused it), and is emulated on AVX2-only CPUs;
+        # the default base (a float32 conversion) was always scored in float32
+        model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(base.path)
         ref = reference(model, p.token_ids, spec.window, spec.batch_size)
         metrics = {"quality/ppl": math.exp(ref.nll.double().mean().item()), "quality/positions": float(len(ref.nll))}
