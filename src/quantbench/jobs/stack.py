@@ -565,11 +565,7 @@ def ledger(results: list[StepResult], qualities: list[dict | None], workload: Wo
             "dtype": result.config.dtype,
             "model": (result.config.model or "base") + (f" of {result.config.source}" if result.config.source else ""),
             "concurrency": result.config.concurrency,
-            "draft": None
-            if result.config.draft is None
-            else "base"
-            if result.config.draft == BASE
-            else result.config.draft,
+            "draft": _draft_name(result.config.draft, results),
             "status": "failed" if result.error else "measured",
             "error": result.error,
             "quality": quality,
@@ -607,6 +603,15 @@ def ledger(results: list[StepResult], qualities: list[dict | None], workload: Wo
         "product": last_product,
         "product_vs_direct": (last_product / direct) if direct and last_product else None,
     }
+
+
+def _draft_name(key: str | None, results: list[StepResult]) -> str | None:
+    """A draft as the ledger shows it: the first step that serves its model, else its reference."""
+    if key is None:
+        return None
+    if key == BASE:
+        return "base"
+    return next((r.name for r in results if r.config.model_key == key), key)
 
 
 def _ratio(values: list[float], against: list[float]) -> tuple[float, list[float] | None]:
