@@ -59,7 +59,7 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
     assert main(["stack", "src"]) == 2
     err = capsys.readouterr().err
     for expected in (
-        "steps.0 (start): source: the first step has no earlier step to start from",
+        "steps.0 (start): source: the first step is the naive start; it names no earlier step's model",
         "steps.2 (dir): source: names the model a recipe starts from; it needs model: recipe:NAME",
         "steps.3 (fwd): source: 'later' is not an earlier step. Earlier steps: start, student, dir",
         "steps.4 (basic): source: step 'start' serves the base model, which a recipe starts from anyway",
@@ -88,7 +88,9 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
                 "  - {name: start, engine: hf}\n"
                 "  - {name: in-process, draft: start}\n"
                 "  - {name: server, engine: llamacpp, draft: /a/dir}\n"
-                "  - {name: same, draft: /a/dir}\n")  # fmt: skip
+                "  - {name: same, draft: /a/dir}\n"
+                "  - {name: back, engine: hf}\n"            # the draft kept, on an engine that takes none
+                "  - {name: more, concurrency: 2}\n")  # fmt: skip
     with pytest.raises(stack.UserError) as refused:
         stack.load("drafts")
     assert refused.value.problems == [
@@ -96,7 +98,9 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
         "something",
         "stacks/drafts.yaml: steps.1 (in-process): draft: speculative decoding through in-process transformers "
         "generate: not offered through quantbench for this engine; a draft step needs engine llamacpp",
-    ]
+        "stacks/drafts.yaml: steps.4 (back): draft: speculative decoding through in-process transformers "
+        "generate: not offered through quantbench for this engine; a draft step needs engine llamacpp",
+    ]  # said where the draft meets such an engine, not again for the step after
 
 
 def test_every_shipped_stack_loads(monkeypatch):

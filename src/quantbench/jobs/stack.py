@@ -170,8 +170,12 @@ def configs(stack: StackFile, where: str) -> list[Config]:
         problems.append(
             f"{where}: steps.0 ({first.name}): the first step is the naive start: name its engine (e.g. hf)"
         )
-    if first.source is not None:
-        problems.append(f"{where}: steps.0 ({first.name}): source: the first step has no earlier step to start from")
+    for knob in ("source", "draft"):
+        if getattr(first, knob) is not None:
+            problems.append(
+                f"{where}: steps.0 ({first.name}): {knob}: the first step is the naive start; it names no earlier "
+                "step's model (make it a step of its own)"
+            )
     current = Config(first.engine or "hf", first.dtype or "auto", first.model, first.concurrency or 1)
     out = [current]
     seen = {first.name: 0}
@@ -221,8 +225,13 @@ def configs(stack: StackFile, where: str) -> list[Config]:
             changes.get("draft", current.draft),
         )
         out.append(current)
+
+    def no_draft_here(config: Config) -> str | None:
+        return engines.get(config.engine).drafts if config.draft is not None else None
+
     for i, config in enumerate(out):
-        if config.draft is not None and (why := engines.get(config.engine).drafts):
+        # said once, where the draft meets an engine that takes none (not again for each later step)
+        if (why := no_draft_here(config)) and not (i and no_draft_here(out[i - 1])):
             problems.append(
                 f"{where}: steps.{i} ({stack.steps[i].name}): draft: speculative decoding through "
                 f"{engines.get(config.engine).label}: {why}; a draft step needs engine llamacpp"
