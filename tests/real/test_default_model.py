@@ -3,6 +3,7 @@ trimmed calibration budget. The reloaded checkpoint's perplexity is compared wit
 model's, both measured in the same run on the same held-out text."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -249,14 +250,17 @@ def test_a_model_made_from_the_default_model_converts_to_gguf_with_its_own_token
     converted = models.resolve("builtin:smollm2-135m-instruct").path
     spec = json.loads((converted / "tokenizer.json").read_text())
     assert spec["model"]["byte_fallback"] is True and spec["pre_tokenizer"]["type"] == "ByteLevel"  # the trap
-    student = tmp_path / "student"
+    student = tmp_path / f"student-{tmp_path.name}-{os.getpid()}"  # not a name whose file is cached already
     student.mkdir()
     for item in converted.iterdir():
         if item.name != models.SOURCE_INFO:
             (student / item.name).symlink_to(item)
     assert models.source_gguf(student) is None  # converted by convert_hf_to_gguf.py, not de-quantized
     gguf = llamacpp.base_gguf(student, log_path=tmp_path / "convert.log")
-    assert "convert_hf_to_gguf.py" in (tmp_path / "convert.log").read_text()
-    text = "def f(x):\n    return x ** 2  # squares\n"
-    assert gguf_tokenizer(gguf)(text)["input_ids"] == AutoTokenizer.from_pretrained(student)(text)["input_ids"]
+    try:
+        assert "convert_hf_to_gguf.py" in (tmp_path / "convert.log").read_text()
+        text = "def f(x):\n    return x ** 2  # squares\n"
+        assert gguf_tokenizer(gguf)(text)["input_ids"] == AutoTokenizer.from_pretrained(student)(text)["input_ids"]
+    finally:
+        gguf.unlink()  # 270 MB in the cache, under a name no later run asks for
     assert json.loads((student / "tokenizer.json").read_text())["model"]["byte_fallback"] is True  # left as it was
