@@ -411,34 +411,35 @@ def check_engines(stack: StackFile, steps: list[Config], models_: dict[str | Non
         why = engine.unavailable() or engine.unserved(path)
         if why:
             problems.append(f"steps.{i} ({stack.steps[i].name}): {engine.label} cannot serve {path} here: {why}")
-    others = {str(models_[c.model_key].path) for c in steps if c.model is not None} - {str(models_[None].path)}
-    if others:
-        problems += _tokenizer_problems(sorted(others), models_[None].path)
-    drafts = {str(models_[c.draft].path) for c in steps if c.draft is not None} - {str(models_[None].path)} - others
+    base = models_[None].path
+    others = {str(models_[c.model_key].path) for c in steps if c.model is not None} - {str(base)}
+    drafts = {str(models_[c.draft].path) for c in steps if c.draft is not None} - {str(base)} - others
+    differ = _tokenizers_differ(sorted(others | drafts), base)
     problems += [
-        p.replace("its tokenizer reads the prompts differently from the base model's", "a draft: its tokenizer is not "
-                  "the target's (the base model's)").replace("a stack compares models on the same tokens",
-                                                             "a draft must propose the target's tokens")
-        for p in _tokenizer_problems(sorted(drafts), models_[None].path)
-    ]  # fmt: skip
+        f"model {p}: its tokenizer reads the prompts differently from the base model's ({base}); "
+        "a stack compares models on the same tokens"
+        for p in sorted(others & differ)
+    ]
+    problems += [
+        f"model {p}: a draft: its tokenizer is not the target's (the base model's) ({base}); "
+        "a draft must propose the target's tokens"
+        for p in sorted(drafts & differ)
+    ]
     if problems:
         raise UserError(problems)
 
 
-def _tokenizer_problems(paths: list[str], base: Path) -> list[str]:
-    """Every model must read the prompts as the base does: the same token ids for a sample."""
+def _tokenizers_differ(paths: list[str], base: Path) -> set[str]:
+    """The models that do not read the prompts as the base does (other token ids for a sample)."""
     from transformers import AutoTokenizer
 
     from quantbench.sources import data
 
+    if not paths:
+        return set()
     sample = data.python_docs("evaluation")[:4000]
     want = AutoTokenizer.from_pretrained(base)(sample)["input_ids"]
-    return [
-        f"model {p}: its tokenizer reads the prompts differently from the base model's ({base}); "
-        "a stack compares models on the same tokens"
-        for p in paths
-        if AutoTokenizer.from_pretrained(p)(sample)["input_ids"] != want
-    ]
+    return {p for p in paths if AutoTokenizer.from_pretrained(p)(sample)["input_ids"] != want}
 
 
 # ---------------------------------------------------------------------------------------------
