@@ -25,6 +25,19 @@ def write_stack(workdir: Path, name: str, text: str) -> Path:
     return path
 
 
+def write_tiny_gptq(workdir: Path, model_dir: Path, bench: bool = False) -> None:
+    """recipes/tiny-gptq.yaml (GPTQ INT4 on the tiny model, evaluated with the tiny suite; with
+    `bench`, a bench section too) and what it names."""
+    (workdir / "suites").mkdir()
+    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
+    sections = "evaluate:\n  suite: tiny\n"
+    if bench:
+        (workdir / "profiles").mkdir()
+        (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE)
+        sections += "bench:\n  profile: tiny\n  backend: hf\n"
+    write_recipe(workdir, "tiny-gptq", tiny_recipe(model_dir, "method: gptq\ngroup_size: 32\n") + sections)
+
+
 def test_a_bad_stack_is_refused_with_every_problem_and_nothing_written(workdir, tiny_model_dir, capsys):
     write_stack(workdir, "bad", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
                 "  - {name: start, dtype: float32}\n"          # no engine: the naive start must name one
@@ -137,12 +150,7 @@ def test_schema_errors_and_unknown_references_name_the_file_and_field(workdir, t
 @pytest.mark.slow  # a quantize job, then three steps measured in-process over 3 rounds
 def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, tiny_model_dir, tiny128_model_dir,
                                                                       capsys):
-    (workdir / "suites").mkdir()
-    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
-    (workdir / "profiles").mkdir()
-    (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE)
-    write_recipe(workdir, "tiny-gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n")
-                 + "evaluate:\n  suite: tiny\nbench:\n  profile: tiny\n  backend: hf\n")  # fmt: skip
+    write_tiny_gptq(workdir, tiny_model_dir, bench=True)
     write_stack(workdir, "tiny", f"description: the tiny model in-process\nbase: {tiny_model_dir}\n{WORKLOAD}steps:\n"
                 "  - {name: naive, engine: hf, dtype: float32}\n"
                 "  - {name: batched, concurrency: 4}\n"
@@ -221,10 +229,7 @@ def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, 
 
 @pytest.mark.slow  # a quantize job, then three steps and the best subset measured in-process
 def test_best_finds_the_fastest_passing_subset_and_measures_it(workdir, tiny_model_dir, capsys):
-    (workdir / "suites").mkdir()
-    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
-    write_recipe(workdir, "tiny-gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n")
-                 + "evaluate:\n  suite: tiny\n")  # fmt: skip
+    write_tiny_gptq(workdir, tiny_model_dir)
     write_stack(workdir, "best", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
                 "  - {name: naive, engine: hf, dtype: float32}\n"
                 "  - {name: int4, model: recipe:tiny-gptq}\n"
