@@ -113,10 +113,12 @@ SPEED: dict[str, Direction] = {
     "spec_acceptance": "higher",  # speculative decoding with a draft model (bench --draft)
     "spec_decode_tok_s": "higher",
     "spec_tokens_per_target_step": "higher",
+    "max_rate_rps": "higher",  # a rate sweep: requests/s with every request sent at once
+    "slo_rate_rps": "higher",  # ... the highest rate that held every SLO
 }
 # speed/<level>/<name>: a load level, c<N> (N requests in flight) or r<R> (R requests/s); the
 # latencies are measured through a server only
-CONCURRENT: dict[str, Direction] = {
+CONCURRENT: dict[str, Direction | None] = {
     "throughput_tok_s": "higher",
     "requests_s": "higher",
     "ttft_ms_p50": "lower",
@@ -128,6 +130,10 @@ CONCURRENT: dict[str, Direction] = {
     "e2e_ms_p50": "lower",
     "e2e_ms_p95": "lower",
     "spec_acceptance": "higher",  # with a draft model (a stack's draft step): the level's drafted tokens accepted
+    "saturated": None,  # a request rate: 1 when the level stopped early, the server over-saturated
+    "slo_pct": "higher",  # a profile with SLOs: the share of the level's requests meeting every one
+    "goodput_rps": "higher",  # ... requests/s meeting every SLO
+    "slo_held": None,  # ... 1 when every SLO held at its percentile over the level
 }
 LEVEL = re.compile(r"(?:c\d+|r[0-9.]+)/(.+)")
 # task/<task>/<metric>: lm-eval's metric names; these are lower-is-better, the rest higher.
@@ -245,6 +251,7 @@ ARTIFACTS: dict[str, str] = {
     "bench.json": "the bench stage: settings, hardware, every sample (median, min, max), partial or not",
     "bench_spec.json": "bench --draft: speculative decoding samples",
     "bench_load.png": "the load curve through a server: throughput against TTFT and ITL p50 per level, candidate and base",
+    "bench_slo.png": "a rate sweep with SLOs: TTFT and ITL p95 against requests/s, candidate and base, the SLOs drawn",
     "evaluation_engine.json": "evaluate --engine: the tasks scored through the engine, per-item results",
     "servers/<name>.log": "the logs of the servers quantbench started (candidate, base; engine for evaluate --engine)",
     "gate/<policy>-<time>.json": "a gate report: every check, value, threshold, result",

@@ -1,12 +1,15 @@
 """A real OpenAI-compatible streaming server for the engine-registry tests: /health, /v1/models and
 streamed /v1/completions that send `max_tokens` one-word chunks, one every --gap-ms. No model: what
 the tests check is the engine seam (start, health, first completion, measure, stop), not text.
+`--slots K`: at most K completions stream at once, the others wait for a slot (as a serving engine's
+parallel slots queue requests), so the server has a capacity of K / (max_tokens x gap) requests/s.
 
-    python tests/engines/echo_server.py serve --port 8123 --model DIR [--gap-ms 2]
+    python tests/engines/echo_server.py serve --port 8123 --model DIR [--gap-ms 2] [--slots 2]
 """
 
 import argparse
 import json
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -18,7 +21,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--gap-ms", type=float, default=2.0)
+    parser.add_argument("--slots", type=int, default=0, help="completions streamed at once (0: no limit)")
     args = parser.parse_args()
+    slots = threading.BoundedSemaphore(args.slots) if args.slots else None
 
     class Handler(BaseHTTPRequestHandler):
         def _json(self, code: int, body: dict) -> None:
@@ -47,11 +52,17 @@ def main() -> None:
             self.send_header("Connection", "close")
             self.end_headers()
             n = int(body["max_tokens"])
-            for i in range(n):
-                time.sleep(args.gap_ms / 1000)
-                chunk = {"choices": [{"index": 0, "text": f" w{i}", "finish_reason": "length" if i == n - 1 else None}]}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.wfile.flush()
+            if slots:
+                slots.acquire()
+            try:
+                for i in range(n):
+                    time.sleep(args.gap_ms / 1000)
+                    chunk = {"choices": [{"index": 0, "text": f" w{i}", "finish_reason": "length" if i == n - 1 else None}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+            finally:
+                if slots:
+                    slots.release()
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
             self.close_connection = True

@@ -33,6 +33,7 @@ from quantbench.sources.checkpoint import load_model, weights_size_mb
 from quantbench.speed.measure import (
     PartialBench,
     Profile,
+    SweepRates,
     bench_pair,
     hf_measurer,
     load_profile,
@@ -42,6 +43,7 @@ from quantbench.tracking import TAG
 
 log = logging.getLogger(__name__)
 PLOT = "bench_load.png"
+SLO_PLOT = "bench_slo.png"
 
 
 @dataclass
@@ -122,10 +124,11 @@ def prepare(
             profile_name, profile, ids, engines.get("openai"), endpoints, backend, "asked for (--backend openai)"
         )
     chosen = engines.choose(backend, server, checkpoint, base_path, backend_field)
-    if chosen.engine.kind == "in-process" and profile.request_rates:
+    if chosen.engine.kind == "in-process" and (profile.request_rates or profile.sweep):
+        what = "request_rates need" if profile.request_rates else "a sweep needs"
         raise UserError(
-            f"{field}: request_rates need a server (open-loop arrivals); the hf backend measures "
-            "batched generate only. Drop request_rates or measure through a server"
+            f"{field}: {what} a server (open-loop arrivals); the hf backend measures "
+            "batched generate only. Measure through a server (--backend auto picks one where one serves)"
         )
     plan = Plan(profile_name, profile, ids, chosen.engine, None, backend, chosen.why)
     if chosen.engine.kind == "server":
@@ -169,9 +172,10 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
         TAG + "bench_base_dtype": base_dtype,
     }
     logs: list[Path] = []
+    sweep = SweepRates() if plan.profile.sweep else None
     try:
-        with _measurers(plan, checkpoint, base, logs) as measurers:
-            result = bench_pair(measurers, plan.token_ids, plan.profile)
+        with _measurers(plan, checkpoint, base, logs, sweep) as measurers:
+            result = bench_pair(measurers, plan.token_ids, plan.profile, sweep)
     except PartialBench as exc:
         tags |= _served_dtypes(plan, logs)
         partial = BenchResult(
@@ -185,8 +189,12 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
     metrics = {**result.metrics, "model/size_mb": weights_size_mb(checkpoint)}
     plots = []
     if logs:  # a server backend: its load levels have latencies to plot
-        plot = load_plot(metrics, logs[0].parent / PLOT, f"{checkpoint.name} vs {base.name} · {engine}")
-        plots = [plot] if plot else []
+        title = f"{checkpoint.name} vs {base.name} · {engine}"
+        plots = [p for p in (load_plot(metrics, logs[0].parent / PLOT, title),) if p]
+        if sweep and plan.profile.slo:
+            plots.append(slo_plot(metrics, plan.profile.slo, logs[0].parent / SLO_PLOT, title))
+    if sweep:
+        report["sweep_rates"] = sweep.rates
     report = {
         **report,
         "partial": False,
@@ -233,9 +241,12 @@ def spread(samples: dict[str, dict[str, list[float]]]) -> dict:
 
 
 @contextmanager
-def _measurers(plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: list[Path]):
+def _measurers(
+    plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: list[Path], sweep: SweepRates | None = None
+):
     """{"candidate": measure(prompt_sets, rep), "base": ...} for the engine; servers started one
-    after the other (never two starting at once), stopped on exit, their logs appended to `logs`."""
+    after the other (never two starting at once), stopped on exit, their logs appended to `logs`.
+    `sweep`: the sweep's rates, shared by both measurers (set by bench_pair after the warm-up)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -254,8 +265,12 @@ def _measurers(plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: l
     if plan.backend == "openai":
         assert plan.endpoints is not None
         yield {
-            "candidate": openai_measurer(plan.endpoints[0], str(checkpoint), tokenizer, profile, engine=plan.engine),
-            "base": openai_measurer(plan.endpoints[1], str(base.path), tokenizer, profile, engine=plan.engine),
+            "candidate": openai_measurer(
+                plan.endpoints[0], str(checkpoint), tokenizer, profile, engine=plan.engine, sweep=sweep
+            ),
+            "base": openai_measurer(
+                plan.endpoints[1], str(base.path), tokenizer, profile, engine=plan.engine, sweep=sweep
+            ),
         }
         return
     directory = Path(tempfile.mkdtemp(prefix="qb-serve-"))
@@ -271,8 +286,12 @@ def _measurers(plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: l
             model_server(base.path, directory / "base.log", engine, settings) as ref,
         ):
             yield {
-                "candidate": openai_measurer(cand[0], cand[1], tokenizer, profile, server_pid=cand[2], engine=engine),
-                "base": openai_measurer(ref[0], ref[1], tokenizer, profile, server_pid=ref[2], engine=engine),
+                "candidate": openai_measurer(
+                    cand[0], cand[1], tokenizer, profile, server_pid=cand[2], engine=engine, sweep=sweep
+                ),
+                "base": openai_measurer(
+                    ref[0], ref[1], tokenizer, profile, server_pid=ref[2], engine=engine, sweep=sweep
+                ),
             }
     finally:
         logs.extend(sorted(directory.glob("*.log")))
@@ -321,6 +340,45 @@ def load_plot(metrics: dict[str, float], path: Path, title: str) -> Path | None:
                 ax.annotate(p["level"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
         ax.set_xlabel("output throughput (tokens/s)")
         ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def slo_plot(metrics: dict[str, float], slo: dict[str, float], path: Path, title: str) -> Path:
+    """A sweep against its SLOs: TTFT and ITL p95 against the offered load (a rate level's rate, a
+    concurrency level's achieved requests/s), candidate and base on one chart, each SLO on a latency
+    drawn as a dashed line and each model's SLO rate (the highest rate that held every SLO) as a
+    dotted one."""
+
+    def offered(point: dict) -> float:
+        return float(point["level"][1:]) if point["level"].startswith("r") else point["requests_s"]
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = load_curve(metrics)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
+    for ax, metric in ((axes[0], "ttft"), (axes[1], "itl")):
+        key = f"{metric}_ms_p95"
+        for model, prefix, color in (("candidate", "speed/", "tab:green"), ("base", "base_speed/", "tab:gray")):
+            points = sorted((offered(p), p[key]) for p in curve[model] if key in p)
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", color=color, label=model)
+            rate = metrics.get(prefix + "slo_rate_rps")
+            if rate:
+                ax.axvline(rate, color=color, linestyle=":", label=f"{model} SLO rate {rate:.3g}/s")
+        for name, limit in slo.items():
+            if name.startswith(metric + "_"):
+                ax.axhline(limit, color="tab:red", linestyle="--", label=f"SLO {name} ≤ {limit:g} ms")
+        ax.set_xlabel("offered load (requests/s; a concurrency level: what it achieved)")
+        ax.set_ylabel(f"{'time to first token' if metric == 'ttft' else 'inter-token latency'}, p95 (ms)")
+        ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)

@@ -27,13 +27,13 @@ import random
 import re
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt, ValidationInfo, field_validator
 
-from quantbench.core.errors import UserError
+from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.intervals import pct
 from quantbench.core.processes import PeakRSS
 from quantbench.recipe import Strict, load_named
@@ -41,6 +41,25 @@ from quantbench.recipe import Strict, load_named
 DEFAULT_PROFILE = "cpu-smoke"
 LEVEL = re.compile(r"c\d+|r[0-9.]+")  # a load level's sample prefix: c4, r0.5
 LOWER_IS_FASTER = ("_ms_p50", "_ms_p95", "_ms_p99", "peak_mem_mb")
+NO_RATIO = ("/saturated", "/slo_held")  # a level's flags: no speedup
+# An SLO: a request latency at a percentile of a level's requests, e.g. ttft_ms_p95 (ITL: of the
+# level's inter-token gaps, and for one request of its own gaps)
+SLO_NAME = re.compile(r"(ttft|itl|e2e)_ms_p(\d{1,2}(?:\.\d+)?)")
+SWEEP_MEASURES = ("max_rate_rps", "slo_rate_rps")  # a sweep's per-repetition samples besides its levels
+
+
+class Sweep(Strict):
+    """A rate sweep to saturation (through a server): a synchronous run (level c1: one request at
+    a time), a throughput run (level c<requests>: every request at once), then `rates` open-loop
+    rates evenly between the slowest synchronous and the fastest throughput rate the warm-up
+    measured (the same rates for candidate and base), each level `requests` requests."""
+
+    rates: int = Field(ge=2, le=20)
+    requests: int = Field(16, ge=4)
+    arrivals: Literal["poisson", "constant"] = "poisson"
+    # the share of a level's first and of its last requests left out of its latencies and SLO share
+    # (warm-up and cool-down); its throughput is over every request
+    trim: float = Field(0.1, ge=0, lt=0.5)
 
 
 class Profile(Strict):
@@ -67,6 +86,35 @@ class Profile(Strict):
     # server on CPU here). false: --enforce-eager, ~3x faster start-up but ~35% more CPU per
     # decoded token on CPU, which narrows speedups; the tests' profiles use it
     compile: bool = True
+    # a rate sweep to saturation (servers only): speed/r<R>/..., speed/max_rate_rps, speed/slo_rate_rps
+    sweep: Sweep | None = None
+    # service-level objectives, e.g. {ttft_ms_p95: 500, itl_ms_p95: 50}: per level the share of
+    # requests meeting every one (slo_pct), the goodput (goodput_rps) and whether each held at its
+    # percentile over the level (slo_held); with a sweep, the highest rate that held (slo_rate_rps)
+    slo: dict[str, PositiveFloat] = Field(default_factory=dict)
+
+    @field_validator("slo")
+    @classmethod
+    def _known_slos(cls, value: dict[str, float]) -> dict[str, float]:
+        for name in value:
+            found = SLO_NAME.fullmatch(name)
+            if not found or not 0 < float(found.group(2)) < 100:
+                examples = ["ttft_ms_p95", "itl_ms_p95", "e2e_ms_p95", "ttft_ms_p99", "itl_ms_p50", "e2e_ms_p50"]
+                raise ValueError(
+                    f"unknown SLO '{name}': an SLO is ttft_ms_p<P>, itl_ms_p<P> or e2e_ms_p<P> (P a "
+                    f"percentile between 0 and 100), e.g. ttft_ms_p95: 500." + did_you_mean(name, examples)
+                )
+        return value
+
+    @field_validator("sweep")
+    @classmethod
+    def _sweep_has_a_warmup(cls, value: Sweep | None, info: ValidationInfo) -> Sweep | None:
+        if value and info.data.get("warmup", 1) < 1:
+            raise ValueError(
+                "a sweep needs warmup of at least 1: its rates are set from the warm-up's synchronous "
+                "and throughput runs"
+            )
+        return value
 
     def level_requests(self, concurrency: int | None) -> int:
         """Requests a load level sends per repetition."""
@@ -77,10 +125,25 @@ class Profile(Strict):
     @property
     def max_requests(self) -> int:
         return max(
-            [max(self.concurrency)]
+            [max(self.concurrency), self.sweep.requests if self.sweep else 0]
             + [self.level_requests(n) for n in self.concurrency]
             + [self.level_requests(None) for _ in self.request_rates]
         )
+
+
+@dataclass
+class SweepRates:
+    """The rates of a profile's sweep, shared by the candidate's and the base's measurer: empty
+    during the warm-up, set by bench_pair from the warm-up's synchronous and throughput runs."""
+
+    rates: list[float] = field(default_factory=list)
+
+
+def sweep_rates(slowest: float, fastest: float, count: int) -> list[float]:
+    """`count` rates evenly between the synchronous and the throughput rate (both excluded), each
+    to 3 significant figures (a level's name is r<rate>)."""
+    low, high = min(slowest, fastest), max(slowest, fastest)
+    return [float(f"{low + (high - low) * i / (count + 1):.3g}") for i in range(1, count + 1)]
 
 
 def profiles_dir() -> Path:
@@ -199,16 +262,24 @@ def hf_measurer(load, profile: Profile):
     return run
 
 
-def bench_pair(measurers: dict, token_ids: list[int], profile: Profile) -> SpeedResult:
-    """Measure "candidate" and "base" with `profile`, interleaved A B A B; the warm-up dropped."""
+def bench_pair(measurers: dict, token_ids: list[int], profile: Profile, sweep: SweepRates | None = None) -> SpeedResult:
+    """Measure "candidate" and "base" with `profile`, interleaved A B A B; the warm-up dropped.
+    With a sweep, its rates are set after the warm-up from its synchronous and throughput runs."""
     from tqdm import tqdm
 
     count = profile.max_requests + profile.repetitions + profile.warmup
     prompt_sets = {length: prompts(token_ids, length, count, profile.seed) for length in profile.prompt_tokens}
     samples: dict[str, dict[str, list[float]]] = {"candidate": {}, "base": {}}
     total = (profile.warmup + profile.repetitions) * 2
+    warm: dict[str, dict[str, float]] = {}
     with tqdm(total=total, desc="bench", unit="run") as bar:
         for rep in range(profile.warmup + profile.repetitions):
+            if sweep is not None and profile.sweep and rep == profile.warmup:
+                sweep.rates = sweep_rates(
+                    min(w["c1/requests_s"] for w in warm.values()),
+                    max(w[f"c{profile.sweep.requests}/requests_s"] for w in warm.values()),
+                    profile.sweep.rates,
+                )
             for name in ("candidate", "base"):  # A B A B
                 try:
                     values = measurers[name](prompt_sets, rep)
@@ -217,12 +288,14 @@ def bench_pair(measurers: dict, token_ids: list[int], profile: Profile) -> Speed
                 if rep >= profile.warmup:
                     for key, value in values.items():
                         samples[name].setdefault(key, []).append(value)
+                else:
+                    warm[name] = values
                 bar.update(1)
     metrics = {}
     for name, prefix in (("candidate", "speed/"), ("base", "base_speed/")):
         metrics.update({prefix + k: v for k, v in summarize(samples[name], profile).items()})
     for key, value in list(metrics.items()):
-        if key.startswith("speed/") and "base_" + key in metrics:
+        if key.startswith("speed/") and "base_" + key in metrics and not key.endswith(NO_RATIO):
             base = metrics["base_" + key]
             if value <= 0 or base <= 0:  # e.g. a tiny model whose load did not grow the process: no ratio
                 continue
@@ -250,7 +323,7 @@ def speedup_intervals(samples: dict[str, dict[str, list[float]]], profile: Profi
         except (KeyError, ValueError, statistics.StatisticsError):
             return {}  # a repetition that did not measure every sample: no paired interval
         for key in c.keys() & b.keys():
-            if c[key] > 0 and b[key] > 0 and not key.endswith("_p95"):
+            if c[key] > 0 and b[key] > 0 and not key.endswith(("_p95", *NO_RATIO)):
                 ratios.setdefault(key, []).append(b[key] / c[key] if key.endswith(LOWER_IS_FASTER) else c[key] / b[key])
     out = {}
     for key, values in sorted(ratios.items()):
@@ -280,6 +353,6 @@ def summarize(samples: dict[str, list[float]], profile: Profile) -> dict[str, fl
         out["decode_tok_s"] = statistics.median(pooled("/decode_tok_s"))
         out["itl_ms_p50"] = statistics.median(pooled("/itl_ms"))
     for key, values in samples.items():  # load levels: c<N>/... and r<R>/..., medians over repetitions
-        if LEVEL.fullmatch(key.split("/", 1)[0]):
+        if LEVEL.fullmatch(key.split("/", 1)[0]) or key in SWEEP_MEASURES:
             out[key] = statistics.median(values)
     return out

@@ -36,6 +36,7 @@ from quantbench.core.intervals import pct
 from quantbench.core.processes import PeakRSS
 from quantbench.engines import ServingEngine
 from quantbench.engines.server import Stream, http_client, stream_one
+from quantbench.speed.measure import SweepRates
 
 
 def check_endpoint(url: str, field: str) -> None:
@@ -64,9 +65,16 @@ def load_level(
     rate: float | None = None,
     seed: int = 0,
     client=None,
+    arrivals: str = "poisson",
+    trim: float = 0.0,
+    slo: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """Send `bodies` with at most `concurrency` in flight, or at Poisson arrivals of `rate`/s;
-    the level's throughput and latency percentiles (ms)."""
+    """Send `bodies` with at most `concurrency` in flight, or at `rate`/s (Poisson or constant
+    arrivals, open loop); the level's throughput and latency percentiles (ms). At a rate the
+    level stops sending once the server is over-saturated (`oversaturated`): `saturated` is then
+    1 and the requests never sent count as missing the SLOs. `trim`: the share of the first and of
+    the last requests (warm-up, cool-down) left out of the latencies and the SLO share. `slo`:
+    adds `slo_pct`, `goodput_rps` and `slo_held` (`meets_slo`, `level_holds`)."""
     results: list[Stream | BaseException | None] = [None] * len(bodies)
     own = client is None
     client = client or http_client()
@@ -77,6 +85,7 @@ def load_level(
         except BaseException as exc:  # re-raised below, in the measuring thread
             results[i] = exc
 
+    saturated = False
     start = time.perf_counter()
     if rate is None:
         queue = list(range(len(bodies)))
@@ -101,10 +110,13 @@ def load_level(
             wait = start + due - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
+            if oversaturated(results[:i]):
+                saturated = True
+                break
             t = threading.Thread(target=send, args=(i,))
             t.start()
             threads.append(t)
-            due += rng.expovariate(rate)
+            due += rng.expovariate(rate) if arrivals == "poisson" else 1 / rate
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
@@ -113,10 +125,12 @@ def load_level(
     for r in results:
         if isinstance(r, BaseException):
             raise r
-    streams: list[Stream] = results  # type: ignore[assignment]
-    ttft = [s.ttft * 1000 for s in streams]
-    e2e = [s.e2e * 1000 for s in streams]
-    gaps = [g * 1000 for s in streams for g in s.gaps]
+    streams: list[Stream] = [r for r in results if isinstance(r, Stream)]
+    cut = int(len(streams) * trim)
+    steady = streams[cut : len(streams) - cut] or streams
+    ttft = [s.ttft * 1000 for s in steady]
+    e2e = [s.e2e * 1000 for s in steady]
+    gaps = [g * 1000 for s in steady for g in s.gaps]
     out = {
         "throughput_tok_s": sum(s.tokens for s in streams) / wall,
         "requests_s": len(streams) / wall,
@@ -131,7 +145,60 @@ def load_level(
     drafted = [s.drafted for s in streams if s.drafted]
     if drafted and sum(d for d, _ in drafted):  # speculative decoding: the level's draft tokens accepted
         out["spec_acceptance"] = sum(a for _, a in drafted) / sum(d for d, _ in drafted)
+    if rate is not None:
+        out["saturated"] = float(saturated)
+    if slo:
+        # the requests never sent (an over-saturated level) miss the SLOs; trimmed ones are not counted
+        planned = len(bodies) - (len(streams) - len(steady))
+        met = sum(meets_slo(s, slo) for s in steady)
+        out["slo_pct"] = 100 * met / planned
+        out["goodput_rps"] = out["requests_s"] * met / planned
+        out["slo_held"] = float(not saturated and level_holds(steady, slo))
     return out
+
+
+def oversaturated(results: list, min_done: int = 6, min_backlog: int = 4) -> bool:
+    """Whether an open-loop level's server is over-saturated, from the requests sent so far (in
+    sending order; None while in flight): with at least `min_done` finished and `min_backlog` in
+    flight, the TTFT keeps rising: the median of the 3 latest finished is above twice the median of
+    the first 3 finished plus 50 ms. A server past its capacity queues each arrival behind the
+    last, so its TTFT grows without bound; waiting for the level to end would only measure the
+    queue."""
+    done = [r.ttft for r in results if isinstance(r, Stream)]
+    backlog = sum(r is None for r in results)
+    if len(done) < min_done or backlog < min_backlog:
+        return False
+    return statistics.median(done[-3:]) > 2 * statistics.median(done[:3]) + 0.05
+
+
+def _slo_value(stream: Stream, name: str) -> float:
+    """One request's value for an SLO name (ms): its TTFT, its end-to-end latency, or its own
+    inter-token gaps at the SLO's percentile."""
+    metric, q = name.split("_ms_p")
+    if metric == "ttft":
+        return stream.ttft * 1000
+    if metric == "e2e":
+        return stream.e2e * 1000
+    return pct(stream.gaps, float(q) / 100) * 1000 if stream.gaps else 0.0
+
+
+def meets_slo(stream: Stream, slo: dict[str, float]) -> bool:
+    """Whether one request meets every SLO (its TTFT, e2e and own ITL percentile within each limit)."""
+    return all(_slo_value(stream, name) <= limit for name, limit in slo.items())
+
+
+def level_holds(streams: list[Stream], slo: dict[str, float]) -> bool:
+    """Whether a level held every SLO: each named percentile over the level's requests (ITL: over
+    all its gaps, as its itl_ms_p<P>) within its limit."""
+    for name, limit in slo.items():
+        metric, q = name.split("_ms_p")
+        if metric == "itl":
+            values = [g * 1000 for s in streams for g in s.gaps]
+        else:
+            values = [_slo_value(s, name) for s in streams]
+        if values and pct(values, float(q) / 100) > limit:
+            return False
+    return True
 
 
 def level_name(concurrency: int | None = None, rate: float | None = None) -> str:
@@ -144,12 +211,20 @@ def level_name(concurrency: int | None = None, rate: float | None = None) -> str
 
 
 def openai_measurer(
-    url: str, model: str, tokenizer, profile, server_pid: int | None = None, engine: ServingEngine | None = None
+    url: str,
+    model: str,
+    tokenizer,
+    profile,
+    server_pid: int | None = None,
+    engine: ServingEngine | None = None,
+    sweep: SweepRates | None = None,
 ):
     """Backends openai and serve: one repetition = a streamed request per prompt length, then each
-    load level (concurrency levels, then request rates) with the longest prompts. `engine`: whose
-    request body to send (default: a plain OpenAI one, as to a user's endpoint)."""
+    load level (concurrency levels, then request rates, then the profile's sweep: synchronous,
+    throughput and `sweep`'s rates, once bench_pair has set them) with the longest prompts.
+    `engine`: whose request body to send (default: a plain OpenAI one, as to a user's endpoint)."""
     request_body = (engine or engines.get("openai")).request_body
+    spec = profile.sweep if sweep is not None else None
 
     def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -166,19 +241,52 @@ def openai_measurer(
                 if s.drafted and s.drafted[0]:
                     out[f"p{length}/spec_acceptance"] = s.drafted[1] / s.drafted[0]
             rows = prompt_sets[max(prompt_sets)]
-            for n, rate in [(n, None) for n in profile.concurrency] + [(None, r) for r in profile.request_rates]:
-                count = profile.level_requests(n)
+            swept = {1, spec.requests} if spec else set()
+            levels = [(n, None, profile.level_requests(n)) for n in profile.concurrency if n not in swept]
+            levels += [(None, r, profile.level_requests(None)) for r in profile.request_rates]
+            if spec and sweep is not None:  # synchronous, all at once, then the rates (after the warm-up)
+                levels += [(1, None, spec.requests), (spec.requests, None, spec.requests)]
+                levels += [(None, r, spec.requests) for r in sweep.rates]
+            for n, rate, count in levels:
                 bodies = [
                     request_body(model, tokenizer.decode(rows[(rep + i) % len(rows)]), profile.output_tokens)
                     for i in range(count)
                 ]
-                level = load_level(url, bodies, concurrency=n, rate=rate, seed=profile.seed + rep, client=client)
+                level = load_level(
+                    url,
+                    bodies,
+                    concurrency=n,
+                    rate=rate,
+                    seed=profile.seed + rep,
+                    client=client,
+                    arrivals=spec.arrivals if spec else "poisson",
+                    trim=spec.trim if spec else 0.0,
+                    slo=profile.slo,
+                )
                 out.update({f"{level_name(n, rate)}/{k}": v for k, v in level.items()})
+            if spec and sweep is not None:
+                out["max_rate_rps"] = out[f"c{spec.requests}/requests_s"]
+                if profile.slo and sweep.rates:
+                    out["slo_rate_rps"] = slo_rate(out, sweep.rates, spec.requests)
         if server_pid is not None:
             out["peak_mem_mb"] = mem.peak / 2**20
         return out
 
     return run
+
+
+def slo_rate(levels: dict[str, float], rates: list[float], all_at_once: int) -> float:
+    """The highest rate of a sweep that held every SLO, climbing from the synchronous run (its
+    achieved requests/s) through the swept rates to the throughput run (its achieved requests/s)
+    and stopping at the first level that did not hold: 0 when even one request at a time missed."""
+    ladder = [(levels["c1/requests_s"], "c1")] + [(r, level_name(None, r)) for r in sorted(rates)]
+    ladder.append((levels[f"c{all_at_once}/requests_s"], f"c{all_at_once}"))
+    best = 0.0
+    for rate, name in ladder:
+        if not levels.get(f"{name}/slo_held"):
+            break
+        best = max(best, rate)
+    return best
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,180 @@
+"""Rate sweeps to saturation and goodput under SLOs (profile `sweep:` and `slo:`): the rates set from
+the warm-up, over-saturation detected while a level runs, each request and each level against the
+SLOs, the SLO rate; bad profiles refused before anything runs. The slow test sweeps two real
+servers of known capacity (tests/engines/echo_server.py with parallel slots)."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from mlflow.artifacts import download_artifacts
+
+from quantbench import engines
+from quantbench.cli import main
+from quantbench.engines import ServerSettings
+from quantbench.engines.server import Stream
+from quantbench.speed.measure import Profile, SweepRates, bench_pair, sweep_rates
+from quantbench.speed.serving import level_holds, meets_slo, oversaturated, slo_rate
+from tests.engines.test_registry import SCRIPT, EchoServer, echo_servers
+from tests.helpers import last_json, runs
+
+
+def stream(ttft_ms: float, gaps_ms: list[float] = (), e2e_ms: float | None = None) -> Stream:
+    times = [ttft_ms / 1000]
+    for gap in gaps_ms:
+        times.append(times[-1] + gap / 1000)
+    return Stream(ttft_ms / 1000, (e2e_ms or times[-1] * 1000) / 1000, times, [1] * len(times), False)
+
+
+def test_the_rates_lie_evenly_between_the_synchronous_and_the_throughput_rate():
+    assert sweep_rates(5.0, 45.0, 3) == [15.0, 25.0, 35.0]
+    assert sweep_rates(45.0, 5.0, 3) == [15.0, 25.0, 35.0]
+    assert sweep_rates(1.234, 9.87, 2) == [4.11, 6.99]  # 3 significant figures: the level's name r4.11
+
+
+def test_a_level_is_oversaturated_when_its_ttft_keeps_rising_with_requests_waiting():
+    steady = [stream(30)] * 8 + [None] * 4
+    assert not oversaturated(steady)
+    rising = [stream(30), stream(35), stream(40), stream(120), stream(200), stream(260)] + [None] * 4
+    assert oversaturated(rising)
+    # the same rise with too few requests waiting, or too few finished, is not yet a verdict
+    assert not oversaturated(rising[:6] + [None] * 3)
+    assert not oversaturated(rising[:5] + [None] * 5)
+    # a rise smaller than twice the start plus 50 ms is noise
+    assert not oversaturated([stream(30)] * 3 + [stream(100)] * 3 + [None] * 4)
+
+
+def test_each_request_and_each_level_against_the_slos():
+    slo = {"ttft_ms_p95": 100, "itl_ms_p50": 20}
+    fast, slow_start, slow_tokens = stream(50, [10, 10, 10]), stream(150, [10, 10]), stream(50, [30, 30, 10])
+    assert meets_slo(fast, slo) and not meets_slo(slow_start, slo) and not meets_slo(slow_tokens, slo)
+    assert meets_slo(stream(50, [10], e2e_ms=900), slo) and not meets_slo(stream(50, [10], e2e_ms=900), {"e2e_ms_p99": 500})
+    # over a level: the 95th percentile of 20 TTFTs is the 19th; one slow request of 20 holds it
+    assert level_holds([fast] * 19 + [slow_start], {"ttft_ms_p95": 100})
+    assert not level_holds([fast] * 18 + [slow_start] * 2, {"ttft_ms_p95": 100})
+    # ITL over all the level's gaps
+    assert level_holds([fast, slow_tokens], {"itl_ms_p50": 20}) and not level_holds([slow_tokens], {"itl_ms_p50": 20})
+
+
+def test_the_slo_rate_climbs_until_the_first_level_that_did_not_hold():
+    levels = {"c1/requests_s": 4.0, "c1/slo_held": 1.0, "r8/slo_held": 1.0, "r12/slo_held": 0.0, "r16/slo_held": 1.0,
+              "c16/requests_s": 20.0, "c16/slo_held": 1.0}
+    assert slo_rate(levels, [16.0, 8.0, 12.0], 16) == 8.0  # r16 held, but above a rate that did not
+    assert slo_rate({**levels, "r12/slo_held": 1.0}, [8.0, 12.0, 16.0], 16) == 20.0  # all held: the throughput run's rate
+    assert slo_rate({**levels, "c1/slo_held": 0.0}, [8.0, 12.0, 16.0], 16) == 0.0
+
+
+def test_the_warm_up_sets_the_rates_both_models_are_swept_at():
+    """bench_pair sets the shared rates after the warm-up, from the slower synchronous and the
+    faster throughput rate; every measured repetition of both models sees the same rates."""
+    profile = Profile(prompt_tokens=[16], concurrency=[2], repetitions=3, warmup=1,
+                      sweep={"rates": 3, "requests": 8}, slo={"ttft_ms_p95": 100})
+    sweep = SweepRates()
+    seen: list[tuple[str, int, list[float]]] = []
+
+    def measurer(name: str, sync: float, all_at_once: float):
+        def run(prompt_sets, rep):
+            seen.append((name, rep, list(sweep.rates)))
+            return {"p16/ttft_ms": 10.0, "p16/e2e_ms": 30.0, "p16/prefill_tok_s": 100.0,
+                    "c1/requests_s": sync, "c8/requests_s": all_at_once, "max_rate_rps": all_at_once,
+                    **({"slo_rate_rps": sync} if sweep.rates else {})}
+        return run
+
+    result = bench_pair({"candidate": measurer("candidate", 10.0, 45.0), "base": measurer("base", 5.0, 20.0)},
+                        list(range(200)), profile, sweep)
+    assert sweep.rates == [15.0, 25.0, 35.0]  # between the base's 5 and the candidate's 45 requests/s
+    assert seen[:2] == [("candidate", 0, []), ("base", 0, [])]  # the warm-up: no rates yet
+    assert all(rates == [15.0, 25.0, 35.0] for _, rep, rates in seen[2:]) and len(seen) == 8
+    m = result.metrics
+    assert m["speed/max_rate_rps"] == 45.0 and m["base_speed/max_rate_rps"] == 20.0
+    assert m["speedup/slo_rate_rps"] == 2.0 and m["speedup/slo_rate_rps.ci_low"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sweep: {rates: 1}\n", "sweep.rates: Input should be greater than or equal to 2"),
+    ("sweep: {rates: 3}\nwarmup: 0\n", "sweep: Value error, a sweep needs warmup of at least 1"),
+    ("slo: {ttft_ms_p95: 500, tpot_ms_p95: 50}\n", "slo: Value error, unknown SLO 'tpot_ms_p95'"),
+    ("slo: {ttft_ms_p100: 500}\n", "unknown SLO 'ttft_ms_p100'"),
+    ("slo: {ttft_ms_p95: -1}\n", "slo.ttft_ms_p95: Input should be greater than 0"),
+])
+def test_bad_sweeps_and_slos_are_refused_before_anything_runs(text, message, workdir, tiny_model_dir, capsys):
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "bad.yaml").write_text("prompt_tokens: [16]\noutput_tokens: 4\n" + text)
+    assert main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--profile", "bad"]) == 2
+    err = capsys.readouterr().err
+    assert "profiles/bad.yaml: " + message in err, err
+    assert runs() == []
+
+
+def test_a_sweep_in_process_is_refused(workdir, tiny_model_dir, capsys):
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "sweep.yaml").write_text("prompt_tokens: [16]\noutput_tokens: 4\nsweep: {rates: 2}\n")
+    assert main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--profile", "sweep", "--backend", "hf"]) == 2
+    assert "--profile: a sweep needs a server (open-loop arrivals)" in capsys.readouterr().err
+    assert runs() == []
+
+
+GAP_MS = {"fast": 10, "base": 40}  # per model: the echo server's pause before each token
+
+
+class SlotEcho(EchoServer):
+    """The echo server with 2 parallel slots: with 4 tokens a request, the candidate ("fast",
+    10 ms a token) serves up to 50 requests/s, the base (40 ms a token) 12.5."""
+
+    name = "slotecho"
+
+    def server_command(self, checkpoint, port, settings: ServerSettings, tmp):
+        gap = GAP_MS["fast" if checkpoint.name == "fast" else "base"]
+        return [sys.executable, str(SCRIPT), "serve", "--port", str(port), "--model", str(checkpoint),
+                "--gap-ms", str(gap), "--slots", "2"], {}
+
+
+@pytest.fixture
+def slot_echo():
+    engines.register("slotecho", f"{__name__}:SlotEcho")
+    yield engines.get("slotecho")
+    engines.unregister("slotecho")
+
+
+@pytest.mark.slow  # two real servers swept at 5 levels, 4 times each: ~1 min
+def test_a_sweep_finds_each_servers_slo_rate_and_stops_a_level_the_server_cannot_keep_up_with(
+    slot_echo, workdir, tiny_model_dir, capsys
+):
+    fast = workdir / "fast"
+    shutil.copytree(tiny_model_dir, fast)
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "slo.yaml").write_text(
+        "prompt_tokens: [16]\noutput_tokens: 4\nconcurrency: [2]\nrepetitions: 3\nwarmup: 1\n"
+        "sweep: {rates: 3, requests: 24, arrivals: constant}\nslo: {ttft_ms_p95: 100}\n"
+    )
+    assert main(["bench", str(fast), "--base", str(tiny_model_dir), "--profile", "slo", "--backend", "slotecho",
+                 "--json"]) == 0
+    m = last_json(capsys.readouterr().out)["metrics"]
+    [run] = runs()
+    report = json.loads(Path(download_artifacts(run_id=run.info.run_id, artifact_path="bench.json")).read_text())
+    rates = report["sweep_rates"]
+    # 3 rates evenly between the base's synchronous rate (1 request at a time: under 6.25/s) and
+    # the candidate's throughput run (24 at once on 2 slots: under 50/s)
+    assert len(rates) == 3 and rates[0] < rates[1] < rates[2]
+    assert rates[0] - m["base_speed/c1/requests_s"] == pytest.approx(rates[1] - rates[0], rel=0.05)
+    for prefix in ("speed/", "base_speed/"):
+        for level in ["c1", "c2", "c24"] + [f"r{r:g}" for r in rates]:
+            assert 0 <= m[f"{prefix}{level}/slo_pct"] <= 100
+            assert m[f"{prefix}{level}/goodput_rps"] <= m[f"{prefix}{level}/requests_s"] + 1e-9
+    # the base cannot keep up with the top rate (about 3x its 12.5/s): the level stopped early,
+    # and the requests never sent missed the SLO
+    top = f"r{rates[2]:g}"
+    assert m[f"base_speed/{top}/saturated"] == 1 and m[f"base_speed/{top}/slo_pct"] < 100
+    assert m[f"base_speed/{top}/slo_held"] == 0
+    # one request at a time holds a 100 ms TTFT on both; the candidate holds it at higher rates
+    assert m["base_speed/c1/slo_held"] == 1 and m["speed/c1/slo_held"] == 1
+    assert m["speed/slo_rate_rps"] >= m["speed/c1/requests_s"] * 0.9
+    assert m["base_speed/slo_rate_rps"] < rates[1]
+    assert m["speedup/slo_rate_rps"] > 2 and m["speedup/slo_rate_rps.ci_low"] <= m["speedup/slo_rate_rps"]
+    assert m["speed/max_rate_rps"] > m["base_speed/max_rate_rps"]
+    artifacts = {f.path for f in MlflowClient().list_artifacts(run.info.run_id)}
+    assert {"bench_slo.png", "bench_load.png", "bench.json"} <= artifacts
+    assert echo_servers() == []
