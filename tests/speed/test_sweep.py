@@ -29,10 +29,11 @@ def stream(ttft_ms: float, gaps_ms: list[float] = (), e2e_ms: float | None = Non
     return Stream(ttft_ms / 1000, (e2e_ms or times[-1] * 1000) / 1000, times, [1] * len(times), False)
 
 
-def test_the_rates_lie_evenly_between_the_synchronous_and_the_throughput_rate():
-    assert sweep_rates(5.0, 45.0, 3) == [15.0, 25.0, 35.0]
-    assert sweep_rates(45.0, 5.0, 3) == [15.0, 25.0, 35.0]
-    assert sweep_rates(1.234, 9.87, 2) == [4.11, 6.99]  # 3 significant figures: the level's name r4.11
+def test_the_rates_climb_evenly_from_the_synchronous_rate_to_past_the_throughput_rate():
+    # from 5 (excluded) to a quarter above 40 (included)
+    assert sweep_rates(5.0, 40.0, 3) == [20.0, 35.0, 50.0]
+    assert sweep_rates(40.0, 5.0, 3) == [20.0, 35.0, 50.0]
+    assert sweep_rates(1.234, 9.87, 2) == [6.79, 12.3]  # 3 significant figures: the level's name r6.79
 
 
 def test_a_level_is_oversaturated_when_its_ttft_keeps_rising_with_requests_waiting():
@@ -63,12 +64,14 @@ def test_the_slo_rate_climbs_until_the_first_level_that_did_not_hold():
     levels = {"c1/requests_s": 4.0, "c1/slo_held": 1.0, "r8/slo_held": 1.0, "r12/slo_held": 0.0, "r16/slo_held": 1.0,
               "c16/requests_s": 20.0, "c16/slo_held": 1.0}
     assert slo_rate(levels, [16.0, 8.0, 12.0], 16) == 8.0  # r16 held, but above a rate that did not
+    # in order of rate: a synchronous run faster than the swept rates comes after them
+    assert slo_rate({**levels, "c1/requests_s": 10.0}, [8.0, 12.0, 16.0], 16) == 10.0
     assert slo_rate({**levels, "r12/slo_held": 1.0}, [8.0, 12.0, 16.0], 16) == 20.0  # all held: the throughput run's rate
     assert slo_rate({**levels, "c1/slo_held": 0.0}, [8.0, 12.0, 16.0], 16) == 0.0
 
 
 def test_the_warm_up_sets_the_rates_both_models_are_swept_at():
-    """bench_pair sets the shared rates after the warm-up, from the slower synchronous and the
+    """bench_pair sets the shared rates after the warm-up, from the slower synchronous and past the
     faster throughput rate; every measured repetition of both models sees the same rates."""
     profile = Profile(prompt_tokens=[16], concurrency=[2], repetitions=3, warmup=1,
                       sweep={"rates": 3, "requests": 8}, slo={"ttft_ms_p95": 100})
@@ -83,13 +86,13 @@ def test_the_warm_up_sets_the_rates_both_models_are_swept_at():
                     **({"slo_rate_rps": sync} if sweep.rates else {})}
         return run
 
-    result = bench_pair({"candidate": measurer("candidate", 10.0, 45.0), "base": measurer("base", 5.0, 20.0)},
+    result = bench_pair({"candidate": measurer("candidate", 10.0, 40.0), "base": measurer("base", 5.0, 20.0)},
                         list(range(200)), profile, sweep)
-    assert sweep.rates == [15.0, 25.0, 35.0]  # between the base's 5 and the candidate's 45 requests/s
+    assert sweep.rates == [20.0, 35.0, 50.0]  # from the base's 5 to past the candidate's 40 requests/s
     assert seen[:2] == [("candidate", 0, []), ("base", 0, [])]  # the warm-up: no rates yet
-    assert all(rates == [15.0, 25.0, 35.0] for _, rep, rates in seen[2:]) and len(seen) == 8
+    assert all(rates == [20.0, 35.0, 50.0] for _, rep, rates in seen[2:]) and len(seen) == 8
     m = result.metrics
-    assert m["speed/max_rate_rps"] == 45.0 and m["base_speed/max_rate_rps"] == 20.0
+    assert m["speed/max_rate_rps"] == 40.0 and m["base_speed/max_rate_rps"] == 20.0
     assert m["speedup/slo_rate_rps"] == 2.0 and m["speedup/slo_rate_rps.ci_low"] == pytest.approx(2.0)
 
 
@@ -97,7 +100,9 @@ def test_the_warm_up_sets_the_rates_both_models_are_swept_at():
     ("sweep: {rates: 1}\n", "sweep.rates: Input should be greater than or equal to 2"),
     ("sweep: {rates: 3}\nwarmup: 0\n", "sweep: Value error, a sweep needs warmup of at least 1"),
     ("slo: {ttft_ms_p95: 500, tpot_ms_p95: 50}\n", "slo: Value error, unknown SLO 'tpot_ms_p95'"),
-    ("slo: {ttft_ms_p100: 500}\n", "unknown SLO 'ttft_ms_p100'"),
+    ("slo: {tpot_ms_p95: 50}\n", "Did you mean itl_ms_p95? (time per output token is the inter-token latency here)"),
+    ("slo: {ttft_ms_p100: 500}\n", "slo: Value error, unknown SLO 'ttft_ms_p100': an SLO is ttft_ms_p<P>"),
+    ("slo: {tfft_ms_p95: 500}\n", "slo: Value error, unknown SLO 'tfft_ms_p95'"),
     ("slo: {ttft_ms_p95: -1}\n", "slo.ttft_ms_p95: Input should be greater than 0"),
 ])
 def test_bad_sweeps_and_slos_are_refused_before_anything_runs(text, message, workdir, tiny_model_dir, capsys):
@@ -105,7 +110,7 @@ def test_bad_sweeps_and_slos_are_refused_before_anything_runs(text, message, wor
     (workdir / "profiles" / "bad.yaml").write_text("prompt_tokens: [16]\noutput_tokens: 4\n" + text)
     assert main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--profile", "bad"]) == 2
     err = capsys.readouterr().err
-    assert "profiles/bad.yaml: " + message in err, err
+    assert "profiles/bad.yaml: " in err and message in err, err
     assert runs() == []
 
 
@@ -156,8 +161,8 @@ def test_a_sweep_finds_each_servers_slo_rate_and_stops_a_level_the_server_cannot
     [run] = runs()
     report = json.loads(Path(download_artifacts(run_id=run.info.run_id, artifact_path="bench.json")).read_text())
     rates = report["sweep_rates"]
-    # 3 rates evenly between the base's synchronous rate (1 request at a time: under 6.25/s) and
-    # the candidate's throughput run (24 at once on 2 slots: under 50/s)
+    # 3 rates evenly from the base's synchronous rate (1 request at a time: under 6.25/s) to a
+    # quarter past the candidate's throughput run (24 at once on 2 slots: under 50/s)
     assert len(rates) == 3 and rates[0] < rates[1] < rates[2]
     assert rates[0] - m["base_speed/c1/requests_s"] == pytest.approx(rates[1] - rates[0], rel=0.05)
     for prefix in ("speed/", "base_speed/"):
@@ -178,3 +183,24 @@ def test_a_sweep_finds_each_servers_slo_rate_and_stops_a_level_the_server_cannot
     artifacts = {f.path for f in MlflowClient().list_artifacts(run.info.run_id)}
     assert {"bench_slo.png", "bench_load.png", "bench.json"} <= artifacts
     assert echo_servers() == []
+
+
+def test_a_policy_gates_on_the_slo_rate_and_its_interval():
+    """The release policy's commented SLO example, switched on: the pessimistic end of
+    speedup/slo_rate_rps and the candidate's own SLO rate."""
+    import yaml
+
+    from quantbench.release.gate import Policy, evaluate_policy
+
+    policy = yaml.safe_load((Path(__file__).resolve().parents[2] / "policies" / "release.yaml").read_text())
+    policy["min"] = {"speedup/slo_rate_rps": {"value": 1.0, "on": "ci_low"}, "speed/slo_rate_rps": 2.0}
+    policy = Policy.model_validate({**policy, "recovery": {}, "max": {}, "stages": ["bench"]})
+    tags = {"quantbench.bench_server": "llamacpp", "quantbench.license": "mit"}
+    measured = {"speed/ttft_ms_p50": 10.0, "speed/slo_rate_rps": 6.0, "speedup/slo_rate_rps": 1.5,
+                "speedup/slo_rate_rps.ci_low": 1.1, "speedup/slo_rate_rps.ci_high": 2.0}
+    checks = {c.check: c for c in evaluate_policy(policy, "FINISHED", tags, measured)}
+    assert checks["speedup/slo_rate_rps"].passed and checks["speed/slo_rate_rps"].passed
+    noisy = {**measured, "speedup/slo_rate_rps.ci_low": 0.9}  # faster on the median, not shown to be
+    assert not {c.check: c for c in evaluate_policy(policy, "FINISHED", tags, noisy)}["speedup/slo_rate_rps"].passed
+    slow = {**measured, "speed/slo_rate_rps": 1.5}
+    assert not {c.check: c for c in evaluate_policy(policy, "FINISHED", tags, slow)}["speed/slo_rate_rps"].passed

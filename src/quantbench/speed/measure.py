@@ -22,6 +22,7 @@ interval, `speedup/<metric>.ci_low` / `.ci_high`, from the paired repetitions
 
 from __future__ import annotations
 
+import difflib
 import os
 import random
 import re
@@ -33,7 +34,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationInfo, field_validator
 
-from quantbench.core.errors import UserError, did_you_mean
+from quantbench.core.errors import UserError
 from quantbench.core.intervals import pct
 from quantbench.core.processes import PeakRSS
 from quantbench.recipe import Strict, load_named
@@ -51,8 +52,9 @@ SWEEP_MEASURES = ("max_rate_rps", "slo_rate_rps")  # a sweep's per-repetition sa
 class Sweep(Strict):
     """A rate sweep to saturation (through a server): a synchronous run (level c1: one request at
     a time), a throughput run (level c<requests>: every request at once), then `rates` open-loop
-    rates evenly between the slowest synchronous and the fastest throughput rate the warm-up
-    measured (the same rates for candidate and base), each level `requests` requests."""
+    rates evenly from the slower synchronous rate the warm-up measured to a quarter above the
+    faster throughput rate (`sweep_rates`; the same rates for candidate and base), each level
+    `requests` requests."""
 
     rates: int = Field(ge=2, le=20)
     requests: int = Field(16, ge=4)
@@ -99,10 +101,14 @@ class Profile(Strict):
         for name in value:
             found = SLO_NAME.fullmatch(name)
             if not found or not 0 < float(found.group(2)) < 100:
-                examples = ["ttft_ms_p95", "itl_ms_p95", "e2e_ms_p95", "ttft_ms_p99", "itl_ms_p50", "e2e_ms_p50"]
+                metric = name.split("_", 1)[0]
+                close = ["itl"] if metric == "tpot" else difflib.get_close_matches(metric, ["ttft", "itl", "e2e"], n=1)
+                hint = f" Did you mean {close[0]}_ms_p95?" if close and close[0] != metric else ""
+                if metric == "tpot":
+                    hint += " (time per output token is the inter-token latency here)"
                 raise ValueError(
                     f"unknown SLO '{name}': an SLO is ttft_ms_p<P>, itl_ms_p<P> or e2e_ms_p<P> (P a "
-                    f"percentile between 0 and 100), e.g. ttft_ms_p95: 500." + did_you_mean(name, examples)
+                    f"percentile above 0 and below 100), e.g. ttft_ms_p95: 500.{hint}"
                 )
         return value
 
@@ -139,11 +145,16 @@ class SweepRates:
     rates: list[float] = field(default_factory=list)
 
 
+SWEEP_BEYOND = 1.25  # the top of a sweep's range: this many times the faster throughput run's rate
+
+
 def sweep_rates(slowest: float, fastest: float, count: int) -> list[float]:
-    """`count` rates evenly between the synchronous and the throughput rate (both excluded), each
-    to 3 significant figures (a level's name is r<rate>)."""
-    low, high = min(slowest, fastest), max(slowest, fastest)
-    return [float(f"{low + (high - low) * i / (count + 1):.3g}") for i in range(1, count + 1)]
+    """`count` rates evenly from the synchronous rate (excluded) to a quarter above the throughput
+    rate (included): a warm-up under-measures a server still warming its caches, and the top rate
+    should find where the faster model saturates. Each to 3 significant figures (a level's name
+    is r<rate>)."""
+    low, high = min(slowest, fastest), max(slowest, fastest) * SWEEP_BEYOND
+    return [float(f"{low + (high - low) * i / count:.3g}") for i in range(1, count + 1)]
 
 
 def profiles_dir() -> Path:

@@ -276,16 +276,17 @@ def openai_measurer(
 
 
 def slo_rate(levels: dict[str, float], rates: list[float], all_at_once: int) -> float:
-    """The highest rate of a sweep that held every SLO, climbing from the synchronous run (its
-    achieved requests/s) through the swept rates to the throughput run (its achieved requests/s)
-    and stopping at the first level that did not hold: 0 when even one request at a time missed."""
-    ladder = [(levels["c1/requests_s"], "c1")] + [(r, level_name(None, r)) for r in sorted(rates)]
-    ladder.append((levels[f"c{all_at_once}/requests_s"], f"c{all_at_once}"))
+    """The highest rate of a sweep that held every SLO: its levels in order of rate (the
+    synchronous and the throughput run at the requests/s they achieved, the swept rates at their
+    own), climbing from the lowest and stopping at the first level that did not hold; 0 when the
+    lowest did not."""
+    ladder = [(levels["c1/requests_s"], "c1"), (levels[f"c{all_at_once}/requests_s"], f"c{all_at_once}")]
+    ladder += [(r, level_name(None, r)) for r in rates]
     best = 0.0
-    for rate, name in ladder:
+    for rate, name in sorted(ladder):
         if not levels.get(f"{name}/slo_held"):
             break
-        best = max(best, rate)
+        best = rate
     return best
 
 
