@@ -100,7 +100,7 @@ FIXED: dict[str, Direction | None] = {
     "tune/best_bits_per_weight": None,
 }
 # speed/<name> (also base_speed/<name>); c<N>/... per concurrency level.
-SPEED: dict[str, Direction] = {
+SPEED: dict[str, Direction | None] = {
     "ttft_ms_p50": "lower",
     "ttft_ms_p95": "lower",
     "e2e_ms_p50": "lower",
@@ -115,6 +115,10 @@ SPEED: dict[str, Direction] = {
     "spec_tokens_per_target_step": "higher",
     "max_rate_rps": "higher",  # a rate sweep: requests/s with every request sent at once
     "slo_rate_rps": "higher",  # ... the highest rate that held every SLO
+    "prefix/ttft_ms_p50": "lower",  # prompts sharing a prefix: TTFT with the server's prefix cache on
+    "prefix/nocache_ttft_ms_p50": "lower",  # ... and off
+    "prefix/ttft_ratio": "higher",  # ... off / on
+    "prefix/computed_share": None,  # ... prompt tokens computed with the cache on / off (the server's counts)
 }
 # speed/<level>/<name>: a load level, c<N> (N requests in flight) or r<R> (R requests/s); the
 # latencies are measured through a server only

@@ -86,7 +86,9 @@ def tiny_gguf(tmp_path_factory) -> Path:
 @pytest.mark.llamacpp
 def test_a_gguf_recipe_is_quantized_reloaded_and_benched_through_llama_server(tiny_gguf, workdir, capsys):
     (workdir / "profiles").mkdir()
-    (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE.replace("repetitions: 1", "repetitions: 2"))
+    # with a prefix workload: 4 prompts sharing their first 64 tokens, each then 8 of its own
+    (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE.replace("repetitions: 1", "repetitions: 2")
+                                                    + "prefix: {tokens: 64, prompts: 4, suffix_tokens: 8}\n")
     write_recipe(
         workdir, "tiny-q8",
         f"model:\n  source: {tiny_gguf}\n  dtype: float32\nquantize:\n  method: gguf\n  type: Q8_0\n"
@@ -114,6 +116,11 @@ def test_a_gguf_recipe_is_quantized_reloaded_and_benched_through_llama_server(ti
     assert tags["quantbench.bench_dtype"] == "Q8_0" and tags["quantbench.bench_base_dtype"] == "F16"
     for prefix in ("speed/", "base_speed/"):
         assert m[prefix + "c1/throughput_tok_s"] > 0 and m[prefix + "ttft_ms_p50"] > 0
+        # the prefix cache, by the server's own counts: with it on, only each prompt's own tail is
+        # computed (its 8 tokens and the few where the prefix's text re-tokenizes differently)
+        assert m[prefix + "prefix/computed_share"] < 0.3
+        assert m[prefix + "prefix/ttft_ratio"] == pytest.approx(
+            m[prefix + "prefix/nocache_ttft_ms_p50"] / m[prefix + "prefix/ttft_ms_p50"], rel=0.5)
     assert "Tensor types written: " in (checkpoint / "README.md").read_text()
     assert llama_servers() == []  # both stopped
 

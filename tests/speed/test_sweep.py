@@ -138,6 +138,13 @@ class SlotEcho(EchoServer):
 
 
 @pytest.fixture
+def echo_engine():
+    engines.register("echo", "tests.engines.test_registry:EchoServer")
+    yield engines.get("echo")
+    engines.unregister("echo")
+
+
+@pytest.fixture
 def slot_echo():
     engines.register("slotecho", f"{__name__}:SlotEcho")
     yield engines.get("slotecho")
@@ -204,3 +211,19 @@ def test_a_policy_gates_on_the_slo_rate_and_its_interval():
     assert not {c.check: c for c in evaluate_policy(policy, "FINISHED", tags, noisy)}["speedup/slo_rate_rps"].passed
     slow = {**measured, "speed/slo_rate_rps": 1.5}
     assert not {c.check: c for c in evaluate_policy(policy, "FINISHED", tags, slow)}["speed/slo_rate_rps"].passed
+
+
+def test_a_prefix_workload_needs_an_engine_that_turns_its_cache_off_per_request(echo_engine, workdir, tiny_model_dir,
+                                                                                 capsys):
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "prefix.yaml").write_text("prompt_tokens: [16]\noutput_tokens: 4\nprefix: {tokens: 64}\n")
+    bench = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--profile", "prefix"]
+    assert main([*bench, "--backend", "echo"]) == 2
+    assert ("--profile: prefix: echo server does not turn its prefix cache on and off per request; llama.cpp's server "
+            "turns its cache off per request") in capsys.readouterr().err
+    assert main([*bench, "--backend", "hf"]) == 2
+    assert "a prefix workload needs a server with a prefix cache" in capsys.readouterr().err
+    (workdir / "profiles" / "prefix.yaml").write_text("prompt_tokens: [16]\nprefix: {tokens: 64, prompts: 1}\n")
+    assert main([*bench, "--backend", "echo"]) == 2
+    assert "profiles/prefix.yaml: prefix.prompts: Input should be greater than or equal to 2" in capsys.readouterr().err
+    assert runs() == [] and echo_servers() == []

@@ -72,6 +72,9 @@ class ServingEngine:
     # speculative decoding with a draft model through the server (ServerSettings.draft), the
     # acceptance reported per request; None: the engine here offers none, and why
     drafts: ClassVar[str | None] = "not offered through quantbench for this engine"
+    # a prefix cache turned on or off per request (`with_prefix_cache`), so one server measures
+    # both; None: offered, else why not
+    prefix_cache: ClassVar[str | None] = "does not turn its prefix cache on and off per request"
 
     @property
     def tag_name(self) -> str:
@@ -118,6 +121,10 @@ class ServingEngine:
     def request_body(self, model: str, prompt: str, max_tokens: int) -> dict:
         """A streamed greedy /v1/completions request."""
         return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+
+    def with_prefix_cache(self, body: dict, on: bool) -> dict:
+        """A request body that asks the server to reuse (or not) the cached prefix of earlier prompts."""
+        raise NotImplementedError(f"{self.label} {self.prefix_cache}")
 
     def explain(self, log_path: Path) -> str:
         """The server's own account of a failure, from its log: its exception lines, else its last lines."""

@@ -53,6 +53,7 @@ class LlamaServer(ServingEngine):
     kind = "server"
     quality = "none"  # llama-server refuses `echo` (prompt log-probabilities): tasks score elsewhere
     drafts = None  # llama-server --model-draft; each response's timings count draft tokens and accepted ones
+    prefix_cache = None  # the request's cache_prompt; each response's timings count the prompt tokens computed
     health_timeout_s = 120.0  # loading a GGUF is seconds; a first build happens before, in ensure()
 
     def __init__(self) -> None:
@@ -130,6 +131,11 @@ class LlamaServer(ServingEngine):
             draft = gguf_file(settings.draft) or base_gguf(settings.draft, self.tools)
             cmd += ["--model-draft", str(draft), "--spec-type", "draft-simple"]
         return cmd, {**os.environ, **settings.extra_env}
+
+    def with_prefix_cache(self, body: dict, on: bool) -> dict:
+        # llama-server keeps each slot's KV cache and, with cache_prompt, computes only the part of a
+        # prompt that differs from what the slot holds
+        return {**body, "cache_prompt": on}
 
     def explain(self, log_path: Path) -> str:
         lines = [x.strip() for x in log_path.read_text(errors="replace").splitlines() if x.strip()]

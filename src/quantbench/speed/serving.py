@@ -218,11 +218,13 @@ def openai_measurer(
     server_pid: int | None = None,
     engine: ServingEngine | None = None,
     sweep: SweepRates | None = None,
+    prefix_texts: list[str] | None = None,
 ):
     """Backends openai and serve: one repetition = a streamed request per prompt length, then each
     load level (concurrency levels, then request rates, then the profile's sweep: synchronous,
     throughput and `sweep`'s rates, once bench_pair has set them) with the longest prompts.
-    `engine`: whose request body to send (default: a plain OpenAI one, as to a user's endpoint)."""
+    `engine`: whose request body to send (default: a plain OpenAI one, as to a user's endpoint).
+    `prefix_texts`: the profile's prefix workload (`prefix_cache`), measured last."""
     request_body = (engine or engines.get("openai")).request_body
     spec = profile.sweep if sweep is not None else None
 
@@ -264,6 +266,9 @@ def openai_measurer(
                     slo=profile.slo,
                 )
                 out.update({f"{level_name(n, rate)}/{k}": v for k, v in level.items()})
+            if prefix_texts:
+                assert engine is not None  # prepare() refuses a prefix workload without an engine that offers it
+                out.update(prefix_cache(url, [request_body(model, t, 2) for t in prefix_texts], engine, client))
             if spec and sweep is not None:
                 out["max_rate_rps"] = out[f"c{spec.requests}/requests_s"]
                 if profile.slo and sweep.rates:
@@ -273,6 +278,23 @@ def openai_measurer(
         return out
 
     return run
+
+
+def prefix_cache(url: str, bodies: list[dict], engine: ServingEngine, client) -> dict[str, float]:
+    """Prompts sharing a prefix, one at a time, with the server's prefix cache off, then on (the
+    first request of each series left out: with the cache on it fills the cache). TTFT medians,
+    their ratio, and where the server counts them the share of prompt tokens it still computed
+    with the cache on."""
+    series: dict[bool, list[Stream]] = {}
+    for on in (False, True):
+        series[on] = [stream_one(url, engine.with_prefix_cache(b, on), client) for b in bodies][1:]
+    cached = statistics.median(s.ttft for s in series[True]) * 1000
+    fresh = statistics.median(s.ttft for s in series[False]) * 1000
+    out = {"prefix/ttft_ms_p50": cached, "prefix/nocache_ttft_ms_p50": fresh, "prefix/ttft_ratio": fresh / cached}
+    computed = {on: [s.prompt_computed for s in streams] for on, streams in series.items()}
+    if all(n is not None for n in computed[True] + computed[False]) and sum(computed[False]):  # type: ignore[arg-type]
+        out["prefix/computed_share"] = sum(computed[True]) / sum(computed[False])  # type: ignore[arg-type]
+    return out
 
 
 def slo_rate(levels: dict[str, float], rates: list[float], all_at_once: int) -> float:
