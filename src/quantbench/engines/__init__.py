@@ -57,6 +57,7 @@ class ServerSettings:
     extra_env: dict[str, str] = field(default_factory=dict)
     slots: int = 1  # requests served at once (llama-server --parallel): the profile's highest concurrency
     draft: Path | None = None  # speculative decoding: the draft model's checkpoint (engines with `drafts`)
+    kv_cache: str | None = None  # the KV cache's type (one of the engine's `kv_cache_types`); None: its 16-bit default
 
 
 class ServingEngine:
@@ -75,6 +76,8 @@ class ServingEngine:
     # a prefix cache turned on or off per request (`with_prefix_cache`), so one server measures
     # both; None: offered, else why not
     prefix_cache: ClassVar[str | None] = "does not turn its prefix cache on and off per request"
+    # the KV-cache types a server can be started with here (ServerSettings.kv_cache), its own names
+    kv_cache_types: ClassVar[tuple[str, ...]] = ()
 
     @property
     def tag_name(self) -> str:
@@ -132,6 +135,15 @@ class ServingEngine:
 
     def served_dtype(self, log_path: Path) -> str | None:
         """The dtype the server says it ran the model in, if it says."""
+        return None
+
+    def kv_cache_unfit(self, checkpoint: Path | dict, kv_cache: str) -> str | None:
+        """Why a server for this checkpoint (its directory, or its config.json as a dict) cannot
+        keep its KV cache in `kv_cache` (one of `kv_cache_types`), or None if it can."""
+        return None
+
+    def kv_cache_mb(self, log_path: Path) -> float | None:
+        """The size of the KV cache the server allocated (MiB), as its log says, if it says."""
         return None
 
     def max_model_len(self, checkpoint: Path) -> int | None:

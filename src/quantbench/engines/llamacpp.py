@@ -54,6 +54,8 @@ class LlamaServer(ServingEngine):
     quality = "none"  # llama-server refuses `echo` (prompt log-probabilities): tasks score elsewhere
     drafts = None  # llama-server --model-draft; each response's timings count draft tokens and accepted ones
     prefix_cache = None  # the request's cache_prompt; each response's timings count the prompt tokens computed
+    # llama-server --cache-type-k/-v (a quantized V cache needs flash attention, turned on with it)
+    kv_cache_types = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "iq4_nl", "q4_1", "q4_0")
     health_timeout_s = 120.0  # loading a GGUF is seconds; a first build happens before, in ensure()
 
     def __init__(self) -> None:
@@ -125,7 +127,10 @@ class LlamaServer(ServingEngine):
             "--ctx-size", str(settings.max_len * slots),  # split between the slots
             "--seed", "0",
             "--no-ui",
+            "--log-verbosity", "4",  # the KV cache's size (kv_cache_mb), a few lines per request
         ]  # fmt: skip
+        if settings.kv_cache:
+            cmd += ["--cache-type-k", settings.kv_cache, "--cache-type-v", settings.kv_cache, "--flash-attn", "on"]
         if settings.draft is not None:  # speculative decoding with a draft model (llama.cpp's defaults: up to 3
             # tokens drafted per step); a draft model alone drafts nothing without its type named
             draft = gguf_file(settings.draft) or base_gguf(settings.draft, self.tools)
@@ -141,6 +146,23 @@ class LlamaServer(ServingEngine):
         lines = [x.strip() for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
         errors = [x for x in lines if re.search(r"\b(error|failed|invalid)\b", x, re.I)]
         return " | ".join(dict.fromkeys(errors[-2:])) if errors else explain_log(log_path)
+
+    def kv_cache_unfit(self, checkpoint: Path | dict, kv_cache: str) -> str | None:
+        # a quantized type stores blocks of 32 values along each attention head: the server fails to
+        # create its context for a head that is not a whole number of blocks
+        if kv_cache in ("f16", "bf16"):
+            return None
+        config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
+        text = config.get("text_config") or config
+        head = text.get("head_dim") or text.get("hidden_size", 0) // (text.get("num_attention_heads") or 1)
+        if head % 32:
+            return f"{kv_cache} stores blocks of 32 values along each attention head; this model's heads have {head}"
+        return None
+
+    def kv_cache_mb(self, log_path: Path) -> float | None:
+        # "llama_kv_cache: size =   95.62 MiB (  8192 cells,  30 layers,  4/1 seqs), K (q8_0): ..."
+        found = re.findall(r"llama_kv_cache: size =\s*([0-9.]+) MiB", log_path.read_text(errors="replace"))
+        return float(found[-1]) if found else None
 
     def served_dtype(self, log_path: Path) -> str | None:
         """The file type of the GGUF the server was started with (its command line heads the log;

@@ -21,7 +21,7 @@ import re
 import statistics
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from quantbench import engines
@@ -110,7 +110,7 @@ def prepare(
     will have. Creates vLLM's environment if the engine is vLLM and it does not exist yet."""
     profile = load_profile(profile_name, field)
     ids = tokenizer(data.python_docs("evaluation"))["input_ids"]
-    for length in profile.prompt_tokens:
+    for length in [*profile.prompt_tokens, *profile.context_tokens]:
         prompts(ids, length, 1, profile.seed)
     if backend == "openai":
         from quantbench.speed.serving import check_endpoint
@@ -131,6 +131,20 @@ def prepare(
             f"{field}: {what} a server (open-loop arrivals); the hf backend measures "
             "batched generate only. Measure through a server (--backend auto picks one where one serves)"
         )
+    if chosen.engine.kind == "in-process" and (profile.context_tokens or profile.kv_cache):
+        what = "context_tokens need" if profile.context_tokens else "kv_cache needs"
+        raise UserError(f"{field}: {what} a server (the server's memory and KV cache); the hf backend has neither")
+    if profile.kv_cache and profile.kv_cache not in chosen.engine.kv_cache_types:
+        offered = chosen.engine.kv_cache_types
+        raise UserError(
+            f"{field}: kv_cache: {chosen.engine.label} does not start with a KV cache of type "
+            f"'{profile.kv_cache}' here"
+            + (f"; it takes {', '.join(offered)}" if offered else "; it takes no KV-cache type through quantbench")
+            + ("" if chosen.engine.name == "llamacpp" else " (llama.cpp's server takes q8_0, q4_0, ...)")
+        )
+    unfit = chosen.engine.kv_cache_unfit(checkpoint, profile.kv_cache) if profile.kv_cache and checkpoint else None
+    if unfit:
+        raise UserError(f"{field}: kv_cache: {chosen.engine.label} cannot keep this checkpoint's KV cache so: {unfit}")
     if profile.prefix and chosen.engine.kind == "in-process":
         raise UserError(f"{field}: a prefix workload needs a server with a prefix cache; the hf backend has none")
     if profile.prefix and chosen.engine.prefix_cache is not None:
@@ -141,12 +155,14 @@ def prepare(
     plan = Plan(profile_name, profile, ids, chosen.engine, None, backend, chosen.why)
     if chosen.engine.kind == "server":
         chosen.engine.ensure(f"{backend_field} {backend}")
-        longest = max([*profile.prompt_tokens, prefix_length(profile)]) + profile.output_tokens + 16
+        longest = (
+            max([*profile.prompt_tokens, *profile.context_tokens, prefix_length(profile)]) + profile.output_tokens + 16
+        )
         for path in (checkpoint, base_path):
             limit = chosen.engine.max_model_len(path) if isinstance(path, Path) else None
             if limit is not None and longest > limit:
                 raise UserError(
-                    f"{field}: prompts of {max(profile.prompt_tokens)} tokens plus {profile.output_tokens} "
+                    f"{field}: prompts of {longest - profile.output_tokens - 16} tokens plus {profile.output_tokens} "
                     f"output tokens exceed {path}'s max_position_embeddings ({limit})"
                 )
     return plan
@@ -194,7 +210,9 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
         )
         raise BenchFailed(exc, partial) from exc
     tags |= _served_dtypes(plan, logs)
-    metrics = {**result.metrics, "model/size_mb": weights_size_mb(checkpoint)}
+    if plan.profile.kv_cache:
+        tags[TAG + "bench_kv_cache"] = plan.profile.kv_cache
+    metrics = {**result.metrics, **_kv_cache_sizes(plan, logs), "model/size_mb": weights_size_mb(checkpoint)}
     plots = []
     if logs:  # a server backend: its load levels have latencies to plot
         title = f"{checkpoint.name} vs {base.name} · {engine}"
@@ -240,6 +258,16 @@ def _served_dtypes(plan: Plan, logs: list[Path]) -> dict[str, str]:
         dtype = plan.engine.served_dtype(path)
         if dtype:
             out[TAG + ("bench_dtype" if path.stem == "candidate" else "bench_base_dtype")] = dtype
+    return out
+
+
+def _kv_cache_sizes(plan: Plan, logs: list[Path]) -> dict[str, float]:
+    """The KV cache each server allocated (MiB), as its log says, and the candidate's against the
+    base's (speedup: base / candidate, as for memory)."""
+    sizes = {path.stem: plan.engine.kv_cache_mb(path) for path in logs if plan.engine.kind == "server"}
+    out = {f"{'speed' if m == 'candidate' else 'base_speed'}/kv_cache_mb": v for m, v in sizes.items() if v}
+    if len(out) == 2:
+        out["speedup/kv_cache_mb"] = out["base_speed/kv_cache_mb"] / out["speed/kv_cache_mb"]
     return out
 
 
@@ -290,13 +318,17 @@ def _measurers(
     directory = Path(tempfile.mkdtemp(prefix="qb-serve-"))
     engine = plan.engine
     try:
-        length = max([*profile.prompt_tokens, prefix_length(profile)]) + profile.output_tokens + 64
+        length = (
+            max([*profile.prompt_tokens, *profile.context_tokens, prefix_length(profile)]) + profile.output_tokens + 64
+        )
         limits = [x for x in (engine.max_model_len(checkpoint), engine.max_model_len(base.path)) if x]
         settings = ServerSettings(
             min([length, *limits]), compiled=profile.compile, dtype=profile.serve_dtype, slots=max(profile.concurrency)
         )
         with (
-            model_server(checkpoint, directory / "candidate.log", engine, settings) as cand,
+            model_server(
+                checkpoint, directory / "candidate.log", engine, replace(settings, kv_cache=profile.kv_cache)
+            ) as cand,
             model_server(base.path, directory / "base.log", engine, settings) as ref,
         ):
             yield {

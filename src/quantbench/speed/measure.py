@@ -106,6 +106,12 @@ class Profile(Strict):
     slo: dict[str, PositiveFloat] = Field(default_factory=dict)
     # prefix caching (servers whose cache is turned off per request: llama.cpp): speed/prefix/...
     prefix: PrefixWorkload | None = None
+    # long context (servers only): one streamed request per length, speed/ctx<L>/...
+    context_tokens: list[PositiveInt] = Field(default_factory=list)
+    # the candidate's server's KV-cache type, in the engine's own names (llama.cpp: q8_0, q4_0, ...);
+    # the base's server keeps the engine's 16-bit cache. The sizes the servers allocated are logged
+    # (speed/kv_cache_mb): bench a checkpoint against itself to see the KV cache alone
+    kv_cache: str | None = None
 
     @field_validator("slo")
     @classmethod
@@ -235,7 +241,8 @@ def measure(model, prompt_sets: dict[int, list[list[int]]], profile: Profile, re
 
     device = next(model.parameters()).device
     out: dict[str, float] = {}
-    for length, rows in prompt_sets.items():
+    for length in profile.prompt_tokens:
+        rows = prompt_sets[length]
         clock = _Clock()
         batch = torch.tensor([rows[rep % len(rows)]], device=device)
         start = time.perf_counter()
@@ -250,7 +257,7 @@ def measure(model, prompt_sets: dict[int, list[list[int]]], profile: Profile, re
         if gaps:
             out[f"p{length}/decode_tok_s"] = len(gaps) / sum(gaps)
             out[f"p{length}/itl_ms"] = statistics.median(gaps) * 1000
-    length = max(prompt_sets)
+    length = max(profile.prompt_tokens)
     for n in profile.concurrency:
         rows = prompt_sets[length]
         batch = torch.tensor([rows[(rep + i) % len(rows)] for i in range(n)], device=device)
@@ -299,7 +306,8 @@ def bench_pair(measurers: dict, token_ids: list[int], profile: Profile, sweep: S
     from tqdm import tqdm
 
     count = profile.max_requests + profile.repetitions + profile.warmup
-    prompt_sets = {length: prompts(token_ids, length, count, profile.seed) for length in profile.prompt_tokens}
+    lengths = [*profile.prompt_tokens, *profile.context_tokens]
+    prompt_sets = {length: prompts(token_ids, length, count, profile.seed) for length in lengths}
     samples: dict[str, dict[str, list[float]]] = {"candidate": {}, "base": {}}
     total = (profile.warmup + profile.repetitions) * 2
     warm: dict[str, dict[str, float]] = {}
@@ -384,6 +392,6 @@ def summarize(samples: dict[str, list[float]], profile: Profile) -> dict[str, fl
         out["decode_tok_s"] = statistics.median(pooled("/decode_tok_s"))
         out["itl_ms_p50"] = statistics.median(pooled("/itl_ms"))
     for key, values in samples.items():  # load levels: c<N>/... and r<R>/..., medians over repetitions
-        if LEVEL.fullmatch(key.split("/", 1)[0]) or key in SWEEP_MEASURES or key.startswith("prefix/"):
+        if LEVEL.fullmatch(key.split("/", 1)[0]) or key in SWEEP_MEASURES or key.startswith(("prefix/", "ctx")):
             out[key] = statistics.median(values)
     return out

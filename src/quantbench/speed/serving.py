@@ -29,6 +29,7 @@ import random
 import statistics
 import threading
 import time
+from contextlib import nullcontext
 
 from quantbench import engines
 from quantbench.core.errors import UserError
@@ -220,8 +221,8 @@ def openai_measurer(
     sweep: SweepRates | None = None,
     prefix_texts: list[str] | None = None,
 ):
-    """Backends openai and serve: one repetition = a streamed request per prompt length, then each
-    load level (concurrency levels, then request rates, then the profile's sweep: synchronous,
+    """Backends openai and serve: one repetition = a streamed request per prompt length, one per
+    long-context length (with the server's peak memory during it), then each load level (concurrency levels, then request rates, then the profile's sweep: synchronous,
     throughput and `sweep`'s rates, once bench_pair has set them) with the longest prompts.
     `engine`: whose request body to send (default: a plain OpenAI one, as to a user's endpoint).
     `prefix_texts`: the profile's prefix workload (`prefix_cache`), measured last."""
@@ -231,7 +232,8 @@ def openai_measurer(
     def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
         out: dict[str, float] = {}
         with PeakRSS(server_pid, tree=True) as mem, http_client() as client:
-            for length, rows in prompt_sets.items():
+            for length in profile.prompt_tokens:
+                rows = prompt_sets[length]
                 body = request_body(model, tokenizer.decode(rows[rep % len(rows)]), profile.output_tokens)
                 s = stream_one(url, body, client)
                 out[f"p{length}/ttft_ms"] = s.ttft * 1000
@@ -242,7 +244,18 @@ def openai_measurer(
                     out[f"p{length}/itl_ms"] = statistics.median(s.gaps) * 1000
                 if s.drafted and s.drafted[0]:
                     out[f"p{length}/spec_acceptance"] = s.drafted[1] / s.drafted[0]
-            rows = prompt_sets[max(prompt_sets)]
+            for length in profile.context_tokens:  # long context: one request per length
+                rows = prompt_sets[length]
+                body = request_body(model, tokenizer.decode(rows[rep % len(rows)]), profile.output_tokens)
+                with PeakRSS(server_pid, tree=True) if server_pid is not None else nullcontext() as peak:
+                    s = stream_one(url, body, client)
+                out[f"ctx{length}/ttft_ms_p50"] = s.ttft * 1000
+                if s.decode_tok_s:
+                    out[f"ctx{length}/decode_tok_s"] = s.decode_tok_s
+                    out[f"ctx{length}/itl_ms_p50"] = statistics.median(s.gaps) * 1000
+                if peak is not None:
+                    out[f"ctx{length}/peak_mem_mb"] = peak.peak / 2**20
+            rows = prompt_sets[max(profile.prompt_tokens)]
             swept = {1, spec.requests} if spec else set()
             levels = [(n, None, profile.level_requests(n)) for n in profile.concurrency if n not in swept]
             levels += [(None, r, profile.level_requests(None)) for r in profile.request_rates]
