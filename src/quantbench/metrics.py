@@ -157,6 +157,7 @@ RECOVERABLE = re.compile(r"quality/ppl|quality_ood/ppl|task/[^.]+")
 # not the speedups of 95th percentiles (a tail of a handful of timings per repetition).
 WITH_INTERVAL = re.compile(
     r"(quality|quality_ood)/(ppl|kld_mean|kld_p90|kld_p99|top1_agreement)|quality_engine/.+"
+    r"|(quality|quality_ood)/(kld_mean|top1_agreement):pos\d+-\d+"
     r"|quality/flips_(pct|right_to_wrong_pct|wrong_to_right_pct)"
     r"|task/[^/.]+/[^/.]+|recovery/.+|speedup/.+(?<!_p95)|stack/(multiplier|cumulative)"
 )
@@ -174,6 +175,8 @@ PATTERNS = (
     "task_engine/<task>/<metric>",
     "stack/<step>/multiplier",
     "stack/<step>/cumulative",
+    "quality/kld_mean:pos<a>-<b>",
+    "quality/top1_agreement:pos<a>-<b>",
 )
 
 # Every tag quantbench sets (prefix quantbench.), with its meaning. `<...>` stands for a part
@@ -316,6 +319,9 @@ def direction(name: str) -> Direction | None:
     """Which way is better for a metric name (an interval's bound: its metric's); None for context
     values and unknown names."""
     name = without_interval_suffix(name)
+    bucket = re.fullmatch(r"(quality(?:_ood)?/(?:kld_mean|top1_agreement)):pos\d+-\d+", name)
+    if bucket:  # a bucket of window positions: its metric's direction
+        name = bucket.group(1)
     if name.startswith("noise_seed/"):
         return None
     if name in FIXED:

@@ -108,3 +108,21 @@ def test_windows_that_start_with_bos_score_every_text_token_and_never_the_bos(ti
     assert math.isclose(perplexity(tiny, ids, 64), math.exp(nll), rel_tol=1e-5)
     m = compare(tiny, ids, 64, reference(tiny, ids, 64)).metrics()
     assert m["quality/positions"] == 3 * 63 and m["quality/ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
+
+
+def test_position_buckets_slice_every_window_and_stop_at_its_end():
+    import torch
+
+    from quantbench.core.measures import Comparison
+    from quantbench.quality.suite import Suite
+
+    # 2 windows of 4 scored positions; the KLD grows with position, agreement falls
+    c = Comparison(torch.zeros(8), torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 3.0, 3.0]),
+                   torch.tensor([1, 1, 0, 0, 1, 1, 1, 0]).bool(), per_window=4)
+    assert c.by_position([0, 2, 100]) == {"quality/kld_mean:pos0-1": 0.0, "quality/top1_agreement:pos0-1": 1.0,
+                                          "quality/kld_mean:pos2-3": 2.0, "quality/top1_agreement:pos2-3": 0.25}
+    assert list(c.by_position([0, 4, 8], "quality_ood/")) == ["quality_ood/kld_mean:pos0-3",
+                                                              "quality_ood/top1_agreement:pos0-3"]
+    for edges in ([512, 0], [0], [-1, 4], [0, 4, 4]):
+        with pytest.raises(ValueError, match="the buckets' edges"):
+            Suite(position_buckets=edges)

@@ -130,12 +130,23 @@ def test_evaluate_by_run_id_and_by_directory(workdir, tiny_model_dir, suite, cap
     by_id = last_json(out)
     assert by_id["run_id"] == made["run_id"] and by_id["baseline_reused"] is False
     assert "quality/kld_mean" in out and "recovery" in out  # the table
-    # the same checkpoint by directory: logs into the same run, baseline reused, same numbers
-    assert main(["evaluate", made["checkpoint"], "--suite", suite, "--json"]) == 0
+    # the same checkpoint by directory: logs into the same run, baseline reused, same numbers; with
+    # the suite's windows cut into position buckets (the baseline serves every bucketing)
+    (workdir / "suites" / "tiny-pos.yaml").write_text(TINY_SUITE + "position_buckets: [0, 16, 32, 64]\n")
+    assert main(["evaluate", made["checkpoint"], "--suite", "tiny-pos", "--json"]) == 0
     by_dir = last_json(capsys.readouterr().out)
     assert by_dir["run_id"] == made["run_id"] and by_dir["baseline_reused"] is True
-    assert by_dir["metrics"]["quality/kld_mean"] == pytest.approx(by_id["metrics"]["quality/kld_mean"], rel=1e-6)
-    assert by_dir["metrics"]["quality/flips_pct"] == by_id["metrics"]["quality/flips_pct"]
+    m = by_dir["metrics"]
+    assert m["quality/kld_mean"] == pytest.approx(by_id["metrics"]["quality/kld_mean"], rel=1e-6)
+    assert m["quality/flips_pct"] == by_id["metrics"]["quality/flips_pct"]
+    # windows of 64 score 63 positions: buckets of 16, 16 and 31, whose weighted mean is the whole's
+    buckets = {":pos0-15": 16, ":pos16-31": 16, ":pos32-62": 31}
+    for metric in ("kld_mean", "top1_agreement"):
+        whole = sum(m[f"quality/{metric}{b}"] * n for b, n in buckets.items()) / 63
+        assert whole == pytest.approx(m[f"quality/{metric}"], rel=1e-9)
+        for b in buckets:  # 10 windows: each bucket has its interval
+            assert m[f"quality/{metric}{b}.ci_low"] <= m[f"quality/{metric}{b}"] <= m[f"quality/{metric}{b}.ci_high"]
+    assert "quality_ood/kld_mean:pos32-62" in m
     [run] = by_role("candidate")
     assert run.info.status == "FINISHED" and run.data.metrics["quality/kld_mean"] > 0
     assert len(by_role("baseline")) == 1

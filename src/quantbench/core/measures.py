@@ -160,6 +160,40 @@ class Comparison:
             prefix + "positions": float(len(self.nll)),
         }
 
+    def buckets(self, edges: list[int]) -> list[tuple[str, slice]]:
+        """The position buckets of a window `edges` bound ([0, 512, 2048]: positions 0-511 and
+        512-2047 of each window; the last edge is cut to the window), named as the metrics are."""
+        ends = [min(e, self.per_window) for e in edges]
+        return [(f":pos{a}-{b - 1}", slice(a, b)) for a, b in zip(ends, ends[1:]) if b > a]
+
+    def by_position(self, edges: list[int], prefix: str = "quality/") -> dict[str, float]:
+        """KLD and top-1 agreement over the positions of each bucket of every window
+        (`quality/kld_mean:pos0-511`, ...): a candidate whose error grows with context is seen."""
+        kld = self.kld.double().view(self.windows, self.per_window)
+        agree = self.top1_agree.double().view(self.windows, self.per_window)
+        out = {}
+        for name, cut in self.buckets(edges):
+            out[f"{prefix}kld_mean{name}"] = kld[:, cut].mean().item()
+            out[f"{prefix}top1_agreement{name}"] = agree[:, cut].mean().item()
+        return out
+
+    def position_intervals(self, edges: list[int], boot, prefix: str = "quality/") -> dict[str, float]:
+        """95 % intervals of `by_position`, from the same paired bootstrap over whole windows."""
+        from quantbench.core import intervals
+
+        if not intervals.enough(self.windows) or boot.resamples == 0:
+            return {}
+        counts = boot.counts(self.windows)
+        kld = self.kld.double().view(self.windows, self.per_window)
+        agree = self.top1_agree.double().view(self.windows, self.per_window)
+        out = {}
+        for name, cut in self.buckets(edges):
+            sizes = torch.full((self.windows,), float(cut.stop - cut.start), dtype=torch.float64)
+            for metric, values in (("kld_mean", kld), ("top1_agreement", agree)):
+                draws = intervals.weighted_means(counts, values[:, cut].sum(1), sizes)
+                out.update(intervals.bounds(f"{prefix}{metric}{name}", draws, self.windows))
+        return out
+
     def intervals(self, base_nll: torch.Tensor, boot, prefix: str = "quality/") -> dict[str, float]:
         """95 % intervals of the metrics above (and of recovery/<prefix>ppl against `base_nll`, the
         base model's per-position NLL), from a paired block bootstrap over whole windows

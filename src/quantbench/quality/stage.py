@@ -156,11 +156,15 @@ def evaluate(model, tokenizer, base: models.ResolvedModel, p: Plan, tracker: Tra
     log.info("evaluate: quality pass over %d held-out tokens", len(p.token_ids))
     comparison = compare(model, p.token_ids, spec.window, baseline.reference, spec.batch_size)
     metrics = comparison.metrics()
+    if spec.position_buckets:
+        metrics.update(comparison.by_position(spec.position_buckets))
     ood = None
     if p.ood_ids is not None:
         log.info("evaluate: quality pass over %d out-of-domain tokens (%s)", len(p.ood_ids), spec.ood_text)
         ood = compare(model, p.ood_ids, spec.window, baseline.reference_ood, spec.batch_size)
         metrics.update(ood.metrics("quality_ood/"))
+        if spec.position_buckets:
+            metrics.update(ood.by_position(spec.position_buckets, "quality_ood/"))
     log.info("evaluate: tasks %s", ", ".join(spec.tasks))
     tasks = run_tasks(model, tokenizer, spec.tasks, p.tasks_dir, limit=spec.task_limit, batch_size=spec.task_batch_size)
     metrics.update(tasks.metrics)
@@ -228,6 +232,8 @@ def _intervals(
             continue
         if intervals.enough(result.windows):
             out.update(result.intervals(reference.nll, boot, prefix))
+            if p.suite.suite.position_buckets:
+                out.update(result.position_intervals(p.suite.suite.position_buckets, boot, prefix))
         else:
             notes.append(
                 f"{prefix}* and recovery/{prefix}ppl: {result.windows} windows, too few for an interval "

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, field_validator
 
 from quantbench.core.files import canonical_sha
 from quantbench.quality.tasks import OFFLINE_TASKS, SUITE_VERSION
@@ -51,6 +51,16 @@ class Suite(Strict):
     task_limit: PositiveInt | None = None
     task_batch_size: PositiveInt = 8
     intervals: IntervalSpec = Field(default_factory=IntervalSpec)
+    # long context: KLD and top-1 agreement per bucket of window positions, the buckets' edges
+    # ([0, 512, 2048, 4096]: positions 0-511, 512-2047, 2048-4095): quality/kld_mean:pos<a>-<b>
+    position_buckets: list[int] | None = None
+
+    @field_validator("position_buckets")
+    @classmethod
+    def _rising_edges(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (len(value) < 2 or value[0] < 0 or any(b <= a for a, b in zip(value, value[1:]))):
+            raise ValueError("the buckets' edges: at least 2 positions, from 0 or more, each above the one before")
+        return value
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,8 @@ class LoadedSuite:
         except metadata.PackageNotFoundError:
             lm_eval = "missing"
         key = {
-            "suite": self.suite.model_dump(mode="json"),
+            # the buckets only slice the candidate's comparison: a baseline serves every bucketing
+            "suite": self.suite.model_dump(mode="json", exclude={"position_buckets"}),
             "text": text_sha,
             "tasks_version": SUITE_VERSION,
             "lm_eval": lm_eval,
