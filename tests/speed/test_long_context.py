@@ -7,18 +7,12 @@ import shutil
 
 import pytest
 
-from quantbench import engines
 from quantbench.cli import main
 from quantbench.metrics import direction
 from tests.engines.test_registry import echo_servers
 from tests.helpers import runs
 
 
-@pytest.fixture
-def echo_engine():
-    engines.register("echo", "tests.engines.test_registry:EchoServer")
-    yield engines.get("echo")
-    engines.unregister("echo")
 
 
 def bench(tiny_model_dir, *extra: str) -> list[str]:

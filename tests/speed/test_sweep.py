@@ -137,11 +137,6 @@ class SlotEcho(EchoServer):
                 "--gap-ms", str(gap), "--slots", "2"], {}
 
 
-@pytest.fixture
-def echo_engine():
-    engines.register("echo", "tests.engines.test_registry:EchoServer")
-    yield engines.get("echo")
-    engines.unregister("echo")
 
 
 @pytest.fixture
