@@ -164,6 +164,7 @@ benchmarks: $(STAMP)
 	$(BIN)/python bench/distill.py
 	$(BIN)/python bench/stability.py
 	$(BIN)/python bench/serving_fidelity.py
+	$(BIN)/python bench/goodput_fidelity.py
 	$(BIN)/python bench/ray_overhead.py
 	$(BIN)/python bench/stack.py
 

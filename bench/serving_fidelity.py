@@ -36,13 +36,15 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    from quantbench import engines
     from quantbench.core import environment
     from quantbench.core.logs import configure_console
+    from quantbench.engines import ServerSettings
     from quantbench.engines import vllm_env as vllm_engine
     from quantbench.engines.server import http_client, model_server, stream_one
     from quantbench.sources import data, models
     from quantbench.speed.measure import prompts
-    from quantbench.speed.serving import ServerSpec, load_level, request_body
+    from quantbench.speed.serving import load_level
 
     configure_console()
     model = models.resolve(args.model, field="--model")
@@ -60,9 +62,10 @@ def main() -> None:
 
     ours: list[dict] = []
     theirs: list[dict] = []
-    with model_server(model.path, work / "server.log", ServerSpec("vllm", max_len, compiled=args.compile,
-                                                                  engine=engine)) as (url, name, _):
-        bodies = [request_body("vllm", name, t, args.output_tokens) for t in texts]
+    vllm = engines.get("vllm")
+    settings = ServerSettings(max_len, compiled=args.compile, slots=args.concurrency)
+    with model_server(model.path, work / "server.log", vllm, settings) as (url, name, _):
+        bodies = [vllm.request_body(name, t, args.output_tokens) for t in texts]
 
         def quantbench_client() -> dict:
             with http_client() as client:  # one pool per run, as bench keeps one per repetition
