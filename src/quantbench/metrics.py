@@ -264,7 +264,7 @@ ARTIFACTS: dict[str, str] = {
     "baseline/reference_ood.safetensors": "on a baseline run: the same for the suite's out-of-domain text",
     "baseline/task_samples.json": "on a baseline run: the base model's per-item task values (every metric of every item)",
     "noise.json": "on a noise run: what was compared with what, every metric, the recipe runs' spread",
-    "bench.json": "the bench stage: settings, hardware, every sample (median, min, max), partial or not",
+    "bench.json": "the bench stage: settings, hardware, every sample (median, min, max), partial or not (and the unfinished repetition's samples when a server fell over)",
     "bench_spec.json": "bench --draft: speculative decoding samples",
     "bench_load.png": "the load curve through a server: throughput against TTFT and ITL p50 per level, candidate and base",
     "bench_slo.png": "a rate sweep with SLOs: TTFT and ITL p95 against requests/s, candidate and base, the SLOs drawn",

@@ -222,3 +222,50 @@ def test_a_prefix_workload_needs_an_engine_that_turns_its_cache_off_per_request(
     assert main([*bench, "--backend", "echo"]) == 2
     assert "profiles/prefix.yaml: prefix.prompts: Input should be greater than or equal to 2" in capsys.readouterr().err
     assert runs() == [] and echo_servers() == []
+
+
+@pytest.mark.slow  # two real servers, one of them SIGKILLed mid-sweep
+def test_a_server_that_falls_over_mid_sweep_keeps_the_levels_measured_and_fails_the_run(
+    slot_echo, workdir, tiny_model_dir, capsys
+):
+    import os
+    import signal
+    import threading
+    import time
+
+    fast = workdir / "fast"
+    shutil.copytree(tiny_model_dir, fast)
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "slo.yaml").write_text(
+        "prompt_tokens: [16]\noutput_tokens: 4\nconcurrency: [2]\nrepetitions: 1\nwarmup: 1\n"
+        "sweep: {rates: 2, requests: 8, arrivals: constant}\nslo: {ttft_ms_p95: 100}\n"
+    )
+
+    def kill_the_candidate_mid_repetition() -> None:
+        # the warm-up sends the candidate 21 requests (1 single, 4 at c2, 8 at c1, 8 at c8, no rates yet);
+        # the measured repetition 1 + 4 more, then its synchronous run: killed 4 requests into that
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for proc in echo_servers():
+                if f"{fast}" in proc.info["cmdline"]:
+                    log = Path(os.readlink(f"/proc/{proc.pid}/fd/1"))
+                    if log.read_text().count("POST /v1/completions") >= 30:
+                        os.kill(proc.pid, signal.SIGKILL)
+                        return
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_the_candidate_mid_repetition)
+    killer.start()
+    code = main(["bench", str(fast), "--base", str(tiny_model_dir), "--profile", "slo", "--backend", "slotecho"])
+    killer.join()
+    assert code == 1
+    [run] = runs()
+    assert run.info.status == "FAILED" and run.data.tags["quantbench.bench_partial"] == "true"
+    report = json.loads(Path(download_artifacts(run_id=run.info.run_id, artifact_path="bench.json")).read_text())
+    assert report["partial"] is True and "EndpointError" in report["error"]
+    # the unfinished repetition's levels measured before the server fell over are kept, and marked so
+    unfinished = report["unfinished"]
+    assert unfinished["model"] == "candidate" and unfinished["repetition"] == 1 and unfinished["warmup"] is False
+    assert unfinished["measured"]["c2/requests_s"] > 0 and "p16/ttft_ms" in unfinished["measured"]
+    assert "c8/requests_s" not in unfinished["measured"]
+    assert echo_servers() == []  # the base's server stopped too

@@ -205,7 +205,13 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
         partial = BenchResult(
             {},
             {**tags, TAG + "bench_partial": "true"},
-            {**report, "partial": True, "error": str(exc), "samples": spread(exc.samples)},
+            {
+                **report,
+                "partial": True,
+                "error": str(exc),
+                "samples": spread(exc.samples),
+                "unfinished": exc.unfinished,
+            },
             logs,
         )
         raise BenchFailed(exc, partial) from exc

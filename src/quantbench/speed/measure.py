@@ -275,12 +275,30 @@ class SpeedResult:
     samples: dict[str, dict[str, list[float]]]  # model -> sample name -> values per repetition
 
 
-class PartialBench(RuntimeError):
-    """A backend failed part-way (e.g. the server died): what was measured before is kept."""
+class RepetitionFailed(RuntimeError):
+    """A measurer stopped part-way through a repetition: `measured` holds what it took before
+    (the load levels of a sweep finished before the server fell over)."""
 
-    def __init__(self, cause: BaseException, samples: dict[str, dict[str, list[float]]]):
-        super().__init__(f"bench stopped part-way: {type(cause).__name__}: {cause}")
+    def __init__(self, cause: BaseException, measured: dict[str, float]):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.measured = measured
+
+
+class PartialBench(RuntimeError):
+    """A backend failed part-way (e.g. the server died): what was measured before is kept, the
+    finished repetitions in `samples` and the unfinished one's samples in `unfinished`
+    ({"model", "repetition", "measured"}), marked as such."""
+
+    def __init__(
+        self, cause: BaseException, samples: dict[str, dict[str, list[float]]], unfinished: dict | None = None
+    ):
+        super().__init__(f"bench stopped part-way: {cause if isinstance(cause, RepetitionFailed) else _named(cause)}")
         self.samples = samples
+        self.unfinished = unfinished
+
+
+def _named(cause: BaseException) -> str:
+    return f"{type(cause).__name__}: {cause}"
 
 
 def hf_measurer(load, profile: Profile):
@@ -322,6 +340,14 @@ def bench_pair(measurers: dict, token_ids: list[int], profile: Profile, sweep: S
             for name in ("candidate", "base"):  # A B A B
                 try:
                     values = measurers[name](prompt_sets, rep)
+                except RepetitionFailed as exc:
+                    unfinished = {
+                        "model": name,
+                        "repetition": rep,
+                        "warmup": rep < profile.warmup,
+                        "measured": exc.measured,
+                    }
+                    raise PartialBench(exc, samples, unfinished) from exc
                 except Exception as exc:
                     raise PartialBench(exc, samples) from exc
                 if rep >= profile.warmup:

@@ -37,7 +37,7 @@ from quantbench.core.intervals import pct
 from quantbench.core.processes import PeakRSS
 from quantbench.engines import ServingEngine
 from quantbench.engines.server import Stream, http_client, stream_one
-from quantbench.speed.measure import SweepRates
+from quantbench.speed.measure import RepetitionFailed, SweepRates
 
 
 def check_endpoint(url: str, field: str) -> None:
@@ -231,6 +231,12 @@ def openai_measurer(
 
     def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
         out: dict[str, float] = {}
+        try:
+            return measure_into(prompt_sets, rep, out)
+        except Exception as exc:  # the server fell over mid-repetition: keep what this one measured
+            raise RepetitionFailed(exc, out) from exc
+
+    def measure_into(prompt_sets: dict[int, list[list[int]]], rep: int, out: dict[str, float]) -> dict[str, float]:
         with PeakRSS(server_pid, tree=True) as mem, http_client() as client:
             for length in profile.prompt_tokens:
                 rows = prompt_sets[length]
