@@ -73,9 +73,7 @@ def main() -> None:
     ours: dict[float, list[dict]] = {r: [] for r in rates}
     theirs: dict[float, list[dict]] = {r: [] for r in rates}
     with model_server(model.path, work / "server.log", engine, settings) as (url, name, _):
-        bodies = [engine.request_body(name, t, args.output_tokens) for t in texts]
-        for body in bodies:
-            body["ignore_eos"] = True  # exactly output_tokens each, as vllm bench serve asks
+        bodies = [engine.request_body(name, t, args.output_tokens) for t in texts]  # ignore_eos, as vllm bench serve's
 
         def quantbench_client(rate: float, round_: int) -> dict:
             with http_client() as client:

@@ -114,6 +114,20 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
         "stacks/drafts.yaml: steps.4 (back): draft: speculative decoding through in-process transformers "
         "generate: not offered through quantbench for this engine; a draft step needs engine llamacpp",
     ]  # said where the draft meets such an engine, not again for the step after
+    # a KV cache in a smaller type: only on an engine that takes that type
+    write_stack(workdir, "kv", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
+                "  - {name: start, engine: hf}\n"
+                "  - {name: kv-here, kv_cache: q8_0}\n"
+                "  - {name: server, engine: llamacpp}\n"           # takes q8_0
+                "  - {name: kv-odd, kv_cache: q9_0}\n")  # fmt: skip
+    with pytest.raises(stack.UserError) as refused:
+        stack.load("kv")
+    assert refused.value.problems == [
+        "stacks/kv.yaml: steps.1 (kv-here): kv_cache q8_0: in-process transformers generate takes no KV-cache type "
+        "through quantbench; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...)",
+        "stacks/kv.yaml: steps.3 (kv-odd): kv_cache q9_0: llama.cpp takes f16, bf16, q8_0, q5_1, q5_0, iq4_nl, q4_1, "
+        "q4_0; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...)",
+    ]
 
 
 def test_every_shipped_stack_loads(monkeypatch):
@@ -276,10 +290,11 @@ def test_a_stack_through_llama_server_stops_every_server(workdir, tmp_path_facto
     from quantbench.sources import models
 
     vocab = gg.gpt2_bpe_vocab(400, add_bos=False)
-    tiny_gguf = gg.write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", vocab)
+    # attention heads of 32 (2 of the hidden 64): whole blocks of an 8-bit KV cache
+    tiny_gguf = gg.write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", vocab, heads=2, kv_heads=1)
     # a "student": one layer, other weights, the same vocabulary (as an HF directory)
     student = models.resolve(str(gg.write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "student.gguf", vocab,
-                                                    layers=1, seed=1, std=0.2))).path  # fmt: skip
+                                                    layers=1, seed=1, std=0.2, heads=2, kv_heads=1))).path  # fmt: skip
     write_recipe(workdir, "tiny-q8", f"model:\n  source: {tiny_gguf}\n  dtype: float32\nquantize:\n  method: gguf\n"
                  "  type: Q8_0\ncheck:\n  base_ppl_bound: false\n  ppl_tokens: 512\n  window: 128\n")  # fmt: skip
     write_stack(workdir, "llama", f"base: {tiny_gguf}\n{WORKLOAD}steps:\n"
@@ -287,6 +302,7 @@ def test_a_stack_through_llama_server_stops_every_server(workdir, tmp_path_facto
                 "  - {name: server, engine: llamacpp, dtype: auto}\n"
                 "  - {name: self-draft, draft: server}\n"       # the base model drafting for itself
                 "  - {name: q8, model: recipe:tiny-q8}\n"
+                "  - {name: kv8, kv_cache: q8_0}\n"
                 "  - {name: batched, concurrency: 2}\n"
                 f"  - {{name: student, model: {student}}}\n"
                 "  - {name: student-q8, model: recipe:tiny-q8, source: student}\n")  # fmt: skip
@@ -301,7 +317,13 @@ def test_a_stack_through_llama_server_stops_every_server(workdir, tmp_path_facto
     assert steps["server"]["draft"] is None
     assert steps["self-draft"]["draft"] == "base" and 0.5 < steps["self-draft"]["spec_acceptance"] <= 1
     assert all(steps[n]["draft"] == "base" and 0 <= steps[n]["spec_acceptance"] <= 1
-               for n in ("q8", "batched", "student", "student-q8"))  # fmt: skip
+               for n in ("q8", "kv8", "batched", "student", "student-q8"))  # fmt: skip
+    # the Q8_0 model served with an 8-bit KV cache: its quality against the base through llama.cpp
+    # with that cache (a KL divergence, small: 8-bit weights and cache); every later step keeps the cache
+    kv8 = steps["kv8"]["quality"]
+    assert kv8["metric"] == "quality_engine/kld_mean" and kv8["label"] == "KLD (llama.cpp, q8_0 KV cache)"
+    assert 0 <= kv8["value"] < 0.05 and all(steps[n]["kv_cache"] == "q8_0" for n in ("kv8", "batched", "student"))
+    assert "· KV q8_0" in out
     assert "· draft base (accepted" in out
     assert 0.9 < steps["q8"]["quality"]["value"] < 1.1  # Q8_0: the reload check's ratio, from its run
     # the student quantized: its run measured it against the student; the stack scores it against
@@ -317,8 +339,8 @@ def test_a_stack_through_llama_server_stops_every_server(workdir, tmp_path_facto
     from mlflow import MlflowClient
 
     servers = {f.path for f in MlflowClient().list_artifacts(parent.info.run_id, "servers")}
-    # one server each: the base's F16 file, then with the base as draft: itself, the Q8_0 checkpoint, the
-    # student, its Q8_0
-    assert len(servers) == 5
+    # one server each: the base's F16 file, then with the base as draft: itself, the Q8_0 checkpoint
+    # (with its 16-bit, then its 8-bit KV cache), the student, its Q8_0
+    assert len(servers) == 6
     drafted = MlflowClient().download_artifacts(parent.info.run_id, "servers/1-llamacpp.log", str(workdir))
     assert "--model-draft" in Path(drafted).read_text()

@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -136,6 +137,11 @@ class LlamaServer(ServingEngine):
             draft = gguf_file(settings.draft) or base_gguf(settings.draft, self.tools)
             cmd += ["--model-draft", str(draft), "--spec-type", "draft-simple"]
         return cmd, {**os.environ, **settings.extra_env}
+
+    def request_body(self, model: str, prompt: str, max_tokens: int) -> dict:
+        # exactly max_tokens for every request (as against vLLM): a model that says EOS early would
+        # otherwise do less work than its base, or (a random test model) stream no token at all
+        return super().request_body(model, prompt, max_tokens) | {"ignore_eos": True}
 
     def with_prefix_cache(self, body: dict, on: bool) -> dict:
         # llama-server keeps each slot's KV cache and, with cache_prompt, computes only the part of a
@@ -358,11 +364,14 @@ def kld_stats(out: str) -> dict[str, tuple[float, float]] | None:
     }
 
 
-def engine_quality(base: Path, candidate: Path, text: str, ctx: int, workdir: Path, log_path: Path) -> dict[str, float]:
+def engine_quality(
+    base: Path, candidate: Path, text: str, ctx: int, workdir: Path, log_path: Path, candidate_flags: Sequence[str] = ()
+) -> dict[str, float]:
     """`quality_engine/*`: llama-perplexity on `text` in windows of `ctx` tokens (it scores the
     second half of each), the base's log-probabilities first (`--kl-divergence-base`), then the
-    candidate against them (`--kl-divergence`): mean KLD, PPL ratio and the share of positions
-    whose top token is the same, each with a 95 % interval (1.96 standard errors)."""
+    candidate against them (`--kl-divergence`, with `candidate_flags`: a KV-cache type): mean KLD,
+    PPL ratio and the share of positions whose top token is the same, each with a 95 % interval
+    (1.96 standard errors)."""
     tools = build.ensure("scoring through llama.cpp")
     workdir.mkdir(parents=True, exist_ok=True)
     text_file, logits = workdir / "engine-quality.txt", workdir / "engine-quality-base.kld"
@@ -372,7 +381,8 @@ def engine_quality(base: Path, candidate: Path, text: str, ctx: int, workdir: Pa
         run_tool([tools.tool("llama-perplexity"), "-m", str(base), *common, str(logits)], log_path,
                  "llama-perplexity: the base's log-probabilities")  # fmt: skip
         out = run_tool(
-            [tools.tool("llama-perplexity"), "-m", str(candidate), *common, str(logits), "--kl-divergence"],
+            [tools.tool("llama-perplexity"), "-m", str(candidate), *common, str(logits), "--kl-divergence",
+             *candidate_flags],  # fmt: skip
             log_path, "llama-perplexity: the candidate's KL divergence",
         )  # fmt: skip
     finally:

@@ -57,7 +57,7 @@ from quantbench.tracking import TAG, Tracker
 log = logging.getLogger(__name__)
 
 ENGINE_NAMES = ("hf", "transformers", "vllm", "llamacpp")  # the engines a step can name
-KNOBS = ("engine", "dtype", "model", "concurrency", "draft")  # what a step can change
+KNOBS = ("engine", "dtype", "model", "concurrency", "draft", "kv_cache")  # what a step can change
 PLOT = "stack_waterfall.png"
 AGAINST_BASE_LOG = "against-base.log"
 BASE = "<base>"  # a draft that is the base model (a step serving the base named as the draft)
@@ -98,6 +98,8 @@ class Step(Strict):
     # speculative decoding through the engine: the draft model, an earlier step's name (its model)
     # or run:ID / recipe:NAME / a checkpoint directory
     draft: str | None = None
+    # the server's KV cache in this type (the engine's own names: llama.cpp q8_0, q4_0, ...)
+    kv_cache: str | None = None
 
     @field_validator("engine")
     @classmethod
@@ -124,14 +126,15 @@ class Config:
     concurrency: int
     source: str | None = None  # model is recipe:NAME applied to this step's model (None: the base)
     draft: str | None = None  # the draft model's key (speculative decoding), as model_key names models
+    kv_cache: str | None = None  # the server's KV-cache type (None: the engine's 16-bit cache)
 
     @property
     def model_key(self) -> str | None:
         """The model, told apart from the same recipe applied to another step's model."""
         return f"{self.model}@{self.source}" if self.model and self.source else self.model
 
-    def server_key(self) -> tuple[str, str, str | None, str | None]:
-        return (self.engine, self.dtype, self.model_key, self.draft)
+    def server_key(self) -> tuple[str, str, str | None, str | None, str | None]:
+        return (self.engine, self.dtype, self.model_key, self.draft, self.kv_cache)
 
 
 @dataclass
@@ -223,11 +226,15 @@ def configs(stack: StackFile, where: str) -> list[Config]:
             changes.get("concurrency", current.concurrency),
             source if "model" in changes else current.source,
             changes.get("draft", current.draft),
+            changes.get("kv_cache", current.kv_cache),
         )
         out.append(current)
 
     def no_draft_here(config: Config) -> str | None:
         return engines.get(config.engine).drafts if config.draft is not None else None
+
+    def no_kv_cache_here(config: Config) -> bool:
+        return config.kv_cache is not None and config.kv_cache not in engines.get(config.engine).kv_cache_types
 
     for i, config in enumerate(out):
         # said once, where the draft meets an engine that takes none (not again for each later step)
@@ -235,6 +242,14 @@ def configs(stack: StackFile, where: str) -> list[Config]:
             problems.append(
                 f"{where}: steps.{i} ({stack.steps[i].name}): draft: speculative decoding through "
                 f"{engines.get(config.engine).label}: {why}; a draft step needs engine llamacpp"
+            )
+        if no_kv_cache_here(config) and not (i and no_kv_cache_here(out[i - 1])):
+            offered = engines.get(config.engine).kv_cache_types
+            problems.append(
+                f"{where}: steps.{i} ({stack.steps[i].name}): kv_cache {config.kv_cache}: "
+                f"{engines.get(config.engine).label} "
+                + (f"takes {', '.join(offered)}" if offered else "takes no KV-cache type through quantbench")
+                + "; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...)"
             )
         if config.engine == "llamacpp" and config.dtype not in ("auto", "float16"):
             problems.append(
@@ -402,6 +417,55 @@ def against_base(models_: dict[str | None, Resolved], workdir: Path) -> None:
         resolved.label += " (quality against the base measured by the stack)"
 
 
+def kv_cache_quality(
+    steps: list[Config], models_: dict[str | None, Resolved], workdir: Path
+) -> dict[tuple[str | None, str], dict | None]:
+    """A step that keeps its server's KV cache in a smaller type changes what the model computes:
+    its model so served, scored against the base through llama.cpp (llama-perplexity's KL divergence
+    with that KV-cache type against the base's F16 file with its 16-bit one, on CHAIN_TOKENS of the
+    held-out text). {(model key, type): quality figure, or None where it cannot be scored}."""
+    from transformers import AutoTokenizer
+
+    from quantbench.engines import llamacpp
+    from quantbench.sources import data
+    from quantbench.sources.checkpoint import gguf_file
+
+    wanted = sorted({(c.model_key, c.kv_cache) for c in steps if c.kv_cache}, key=str)
+    if not wanted:
+        return {}
+    base = models_[None].path
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    text = tokenizer.decode(
+        tokenizer(data.python_docs("evaluation"))["input_ids"][:CHAIN_TOKENS], skip_special_tokens=True
+    )
+    log_path = workdir / AGAINST_BASE_LOG
+    base_file = llamacpp.base_gguf(base, log_path=log_path)
+    out: dict[tuple[str | None, str], dict | None] = {}
+    for key, kv_cache in wanted:
+        resolved = models_[key]
+        if resolved.base is not None and gguf_file(resolved.path) is None:
+            out[(key, kv_cache)] = None  # measured against another model, and no GGUF to score here
+            continue
+        model_file = gguf_file(resolved.path) or llamacpp.base_gguf(resolved.path, log_path=log_path)
+        log.info("stack: scoring %s with a %s KV cache against the base through llama.cpp", resolved.label or "the base",
+                 kv_cache)  # fmt: skip
+        flags = ["--cache-type-k", kv_cache, "--cache-type-v", kv_cache, "--flash-attn", "on"]
+        try:
+            metrics = llamacpp.engine_quality(
+                base_file, model_file, text, CHAIN_WINDOW, workdir / "kld", log_path, flags
+            )
+        except UserError as exc:  # the step is measured all the same; its quality stays unknown
+            log.warning(
+                "stack: %s with a %s KV cache: no quality: %s", resolved.label, kv_cache, "; ".join(exc.problems)
+            )
+            out[(key, kv_cache)] = None
+            continue
+        out[(key, kv_cache)] = quality_of(Resolved(resolved.path, metrics=metrics)) | {
+            "label": f"KLD (llama.cpp, {kv_cache} KV cache)"
+        }
+    return out
+
+
 def check_engines(stack: StackFile, steps: list[Config], models_: dict[str | None, Resolved]) -> None:
     """Every step's model is one its engine serves here, said before anything starts."""
     problems = []
@@ -529,6 +593,7 @@ def measure(
                     dtype=config.dtype,
                     slots=slots,
                     draft=models_[config.draft].path if config.draft else None,
+                    kv_cache=config.kv_cache,
                 )
                 log_path = logs_dir / f"{len(started)}-{config.engine}.log"
                 log.info("stack: starting %s for %s", engine.label, resolved.label or resolved.path)
@@ -576,6 +641,7 @@ def ledger(results: list[StepResult], qualities: list[dict | None], workload: Wo
             "model": (result.config.model or "base") + (f" of {result.config.source}" if result.config.source else ""),
             "concurrency": result.config.concurrency,
             "draft": _draft_name(result.config.draft, results),
+            "kv_cache": result.config.kv_cache,
             "status": "failed" if result.error else "measured",
             "error": result.error,
             "quality": quality,
@@ -668,7 +734,8 @@ def table(report: dict) -> str:
                 f" · draft {r['draft']}" + (f" (accepted {r['spec_acceptance']:.0%})" if "spec_acceptance" in r else "")
                 if r.get("draft")
                 else ""
-            ),
+            )
+            + (f" · KV {r['kv_cache']}" if r.get("kv_cache") else ""),
             f"{r['throughput_tok_s']:.1f}" if "throughput_tok_s" in r else "FAILED",
             f"{r['multiplier']:.2f}×{interval(r.get('multiplier_ci'))}" if "multiplier" in r else "—",
             f"{r['cumulative']:.2f}×{interval(r.get('cumulative_ci'))}" if "cumulative" in r else "—",
@@ -783,6 +850,8 @@ def best_subset(
                 continue
             if config.draft is not None and engines.get(config.engine).drafts:
                 continue
+            if config.kv_cache is not None and config.kv_cache not in engines.get(config.engine).kv_cache_types:
+                continue
             key = (config.engine, config.model_key)
             if key not in serves:
                 engine = engines.get(config.engine)
@@ -853,7 +922,11 @@ def run(
     logs_dir = Path(tempfile.mkdtemp(prefix="qb-stack-"))
     try:  # the servers' and tools' logs, logged as artifacts, then removed
         against_base(models_, logs_dir)
-        qualities = [quality_of(models_[c.model_key]) if c.model else None for c in steps]
+        kv = kv_cache_quality(steps, models_, logs_dir)
+        qualities = [
+            kv[(c.model_key, c.kv_cache)] if c.kv_cache else quality_of(models_[c.model_key]) if c.model else None
+            for c in steps
+        ]
         parent = tracker.start_run(
             f"stack {stack_name}",
             {TAG + "role": "stack", TAG + "stack": stack_name, TAG + "base_model": stack.base},

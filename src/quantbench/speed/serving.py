@@ -6,8 +6,8 @@
   over the time from the first chunk to the last. Against vLLM every chunk with a choice is
   output (as `vllm bench serve` counts) and the server's total from its last usage chunk
   (`stream_options.include_usage`) fixes the token count; elsewhere a chunk with text counts as
-  one token. Against vLLM every request asks for
-  exactly `output_tokens` tokens (`ignore_eos`), so candidate and base generate the same amount.
+  one token. Against vLLM and llama.cpp every request asks for exactly `output_tokens` tokens
+  (`ignore_eos`), so candidate and base generate the same amount.
 - A load level sends a fixed set of requests either with at most N in flight (concurrency N,
   closed loop: the next starts when one ends) or at Poisson arrivals of R requests/s (open loop,
   seeded), and reports output throughput, requests/s, TTFT and ITL p50/p95/p99 and end-to-end
