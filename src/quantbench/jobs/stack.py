@@ -858,7 +858,9 @@ def best_subset(
                 serves[key] = not (engine.unavailable() or engine.unserved(models_[config.model_key].path))
             if not serves[key]:
                 continue
-            setter = max([0] + [i for i in keep if stack.steps[i].model is not None])  # whose model it serves
+            # whose quality it has: the last kept step that set the model or the KV cache (a KV cache
+            # kept from before a later model's step: that model's quality, without the cache's cost)
+            setter = max([0] + [i for i in keep if stack.steps[i].model is not None or stack.steps[i].kv_cache])
             if not rows[setter].get("policy_passed", False):
                 continue
             predicted = rows[0]["throughput_tok_s"] * math.prod(rows[i]["multiplier"] for i in keep)
