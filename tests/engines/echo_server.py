@@ -70,8 +70,11 @@ def main() -> None:
         def log_message(self, fmt, *rest):
             print(f"{self.command} {self.path}", flush=True)
 
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 128  # listen backlog (socketserver's default is 5): a level sends dozens at once
+
     print(f"serving {args.model} on {args.host}:{args.port}", flush=True)
-    ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+    Server((args.host, args.port), Handler).serve_forever()
 
 
 if __name__ == "__main__":

@@ -122,12 +122,12 @@ def test_a_sweep_in_process_is_refused(workdir, tiny_model_dir, capsys):
     assert runs() == []
 
 
-GAP_MS = {"fast": 10, "base": 40}  # per model: the echo server's pause before each token
+GAP_MS = {"fast": 20, "base": 40}  # per model: the echo server's pause before each token
 
 
 class SlotEcho(EchoServer):
     """The echo server with 2 parallel slots: with 4 tokens a request, the candidate ("fast",
-    10 ms a token) serves up to 50 requests/s, the base (40 ms a token) 12.5."""
+    20 ms a token) serves up to 25 requests/s, the base (40 ms a token) 12.5."""
 
     name = "slotecho"
 
@@ -164,22 +164,26 @@ def test_a_sweep_finds_each_servers_slo_rate_and_stops_a_level_the_server_cannot
     report = json.loads(Path(download_artifacts(run_id=run.info.run_id, artifact_path="bench.json")).read_text())
     rates = report["sweep_rates"]
     # 3 rates evenly from the base's synchronous rate (1 request at a time: under 6.25/s) to a
-    # quarter past the candidate's throughput run (24 at once on 2 slots: under 50/s)
-    assert len(rates) == 3 and rates[0] < rates[1] < rates[2]
-    assert rates[0] - m["base_speed/c1/requests_s"] == pytest.approx(rates[1] - rates[0], rel=0.05)
+    # quarter past the candidate's throughput run (24 at once on 2 slots: under 25/s), set from the
+    # warm-up's runs (so compared here with the rates alone: the measured runs differ a little)
+    assert len(rates) == 3 and rates[1] - rates[0] == pytest.approx(rates[2] - rates[1], abs=0.15)
+    assert rates[0] > m["base_speed/c1/requests_s"] * 0.8 and rates[2] > 2 * m["base_speed/max_rate_rps"]
     for prefix in ("speed/", "base_speed/"):
         for level in ["c1", "c2", "c24"] + [f"r{r:g}" for r in rates]:
             assert 0 <= m[f"{prefix}{level}/slo_pct"] <= 100
             assert m[f"{prefix}{level}/goodput_rps"] <= m[f"{prefix}{level}/requests_s"] + 1e-9
-    # the base cannot keep up with the top rate (about 3x its 12.5/s): the level stopped early,
-    # and the requests never sent missed the SLO
+    # the base cannot keep up with the top rate (about 2.5x its 12.5/s): the level stopped early
+    # (its 24 arrivals take ~0.8 s; by 0.48 s the base has finished 6 with 9 waiting and their
+    # TTFT rising), and the requests never sent missed the SLO
     top = f"r{rates[2]:g}"
     assert m[f"base_speed/{top}/saturated"] == 1 and m[f"base_speed/{top}/slo_pct"] < 100
     assert m[f"base_speed/{top}/slo_held"] == 0
-    # one request at a time holds a 100 ms TTFT on both; the candidate holds it at higher rates
+    # one request at a time holds a 100 ms TTFT on both; the candidate holds it at higher rates:
+    # its lowest swept rate (half its capacity) at least, where the base's every-request-at-once run
+    # (at ~12/s, below that rate) already misses it
     assert m["base_speed/c1/slo_held"] == 1 and m["speed/c1/slo_held"] == 1
-    assert m["speed/slo_rate_rps"] >= m["speed/c1/requests_s"] * 0.9
-    assert m["base_speed/slo_rate_rps"] < rates[1]
+    assert m["speed/slo_rate_rps"] >= rates[0]
+    assert m["base_speed/slo_rate_rps"] < rates[0]
     assert m["speedup/slo_rate_rps"] > 2 and m["speedup/slo_rate_rps.ci_low"] <= m["speedup/slo_rate_rps"]
     assert m["speed/max_rate_rps"] > m["base_speed/max_rate_rps"]
     artifacts = {f.path for f in MlflowClient().list_artifacts(run.info.run_id)}
