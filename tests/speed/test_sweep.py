@@ -37,15 +37,22 @@ def test_the_rates_climb_evenly_from_the_synchronous_rate_to_past_the_throughput
 
 
 def test_a_level_is_oversaturated_when_its_ttft_keeps_rising_with_requests_waiting():
-    steady = [stream(30)] * 8 + [None] * 4
+    # requests of 100 ms from first token to last: half a generation is 50 ms
+    def finished(ttft_ms: float) -> Stream:
+        return stream(ttft_ms, [50, 50])
+
+    steady = [finished(30)] * 8 + [None] * 4
     assert not oversaturated(steady)
-    rising = [stream(30), stream(35), stream(40), stream(120), stream(200), stream(260)] + [None] * 4
+    rising = [finished(30), finished(35), finished(40), finished(120), finished(200), finished(260)] + [None] * 4
     assert oversaturated(rising)
     # the same rise with too few requests waiting, or too few finished, is not yet a verdict
     assert not oversaturated(rising[:6] + [None] * 3)
     assert not oversaturated(rising[:5] + [None] * 5)
-    # a rise smaller than twice the start plus 50 ms is noise
-    assert not oversaturated([stream(30)] * 3 + [stream(100)] * 3 + [None] * 4)
+    # a rise within twice the start plus half a generation is a busy server keeping up
+    assert not oversaturated([finished(30)] * 3 + [finished(100)] * 3 + [None] * 4)
+    # ... and what counts as a rise grows with the generation: the same TTFTs for long requests
+    long_ones = [stream(t, [400, 400]) for t in (30, 35, 40, 120, 200, 260)] + [None] * 4
+    assert not oversaturated(long_ones)
 
 
 def test_each_request_and_each_level_against_the_slos():
