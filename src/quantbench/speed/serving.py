@@ -227,10 +227,11 @@ def openai_measurer(
     prefix_texts: list[str] | None = None,
 ):
     """Backends openai and serve: one repetition = a streamed request per prompt length, one per
-    long-context length (with the server's peak memory during it), then each load level (concurrency levels, then request rates, then the profile's sweep: synchronous,
-    throughput and `sweep`'s rates, once bench_pair has set them) with the longest prompts.
+    long-context length (with the server's peak memory during it), then each load level with the
+    longest prompts (concurrency levels, request rates, then the profile's sweep: synchronous,
+    throughput and `sweep`'s rates, once bench_pair has set them), then the prefix workload.
     `engine`: whose request body to send (default: a plain OpenAI one, as to a user's endpoint).
-    `prefix_texts`: the profile's prefix workload (`prefix_cache`), measured last."""
+    `prefix_texts`: the prefix workload's prompts (`prefix_cache`)."""
     request_body = (engine or engines.get("openai")).request_body
     spec = profile.sweep if sweep is not None else None
 
