@@ -146,6 +146,20 @@ class SlotEcho(EchoServer):
 
 
 
+def the_faster_model_and_a_sweep(workdir: Path, tiny_model_dir: Path, *, repetitions: int, rates: int,
+                                 requests: int) -> Path:
+    """The tiny model copied as "fast" (SlotEcho serves it faster) and profiles/slo.yaml: a sweep
+    with evenly spaced arrivals and a 100 ms TTFT SLO."""
+    fast = workdir / "fast"
+    shutil.copytree(tiny_model_dir, fast)
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "slo.yaml").write_text(
+        f"prompt_tokens: [16]\noutput_tokens: 4\nconcurrency: [2]\nrepetitions: {repetitions}\nwarmup: 1\n"
+        f"sweep: {{rates: {rates}, requests: {requests}, arrivals: constant}}\nslo: {{ttft_ms_p95: 100}}\n"
+    )
+    return fast
+
+
 @pytest.fixture
 def slot_echo():
     engines.register("slotecho", f"{__name__}:SlotEcho")
@@ -157,13 +171,7 @@ def slot_echo():
 def test_a_sweep_finds_each_servers_slo_rate_and_stops_a_level_the_server_cannot_keep_up_with(
     slot_echo, workdir, tiny_model_dir, capsys
 ):
-    fast = workdir / "fast"
-    shutil.copytree(tiny_model_dir, fast)
-    (workdir / "profiles").mkdir()
-    (workdir / "profiles" / "slo.yaml").write_text(
-        "prompt_tokens: [16]\noutput_tokens: 4\nconcurrency: [2]\nrepetitions: 3\nwarmup: 1\n"
-        "sweep: {rates: 3, requests: 24, arrivals: constant}\nslo: {ttft_ms_p95: 100}\n"
-    )
+    fast = the_faster_model_and_a_sweep(workdir, tiny_model_dir, repetitions=3, rates=3, requests=24)
     assert main(["bench", str(fast), "--base", str(tiny_model_dir), "--profile", "slo", "--backend", "slotecho",
                  "--json"]) == 0
     m = last_json(capsys.readouterr().out)["metrics"]
@@ -244,13 +252,7 @@ def test_a_server_that_falls_over_mid_sweep_keeps_the_levels_measured_and_fails_
     import threading
     import time
 
-    fast = workdir / "fast"
-    shutil.copytree(tiny_model_dir, fast)
-    (workdir / "profiles").mkdir()
-    (workdir / "profiles" / "slo.yaml").write_text(
-        "prompt_tokens: [16]\noutput_tokens: 4\nconcurrency: [2]\nrepetitions: 1\nwarmup: 1\n"
-        "sweep: {rates: 2, requests: 8, arrivals: constant}\nslo: {ttft_ms_p95: 100}\n"
-    )
+    fast = the_faster_model_and_a_sweep(workdir, tiny_model_dir, repetitions=1, rates=2, requests=8)
 
     def kill_the_candidate_mid_repetition() -> None:
         # the warm-up sends the candidate 21 requests (1 single, 4 at c2, 8 at c1, 8 at c8, no rates yet);

@@ -383,26 +383,32 @@ def quality_of(resolved: Resolved) -> dict | None:
     return None
 
 
+def _scoring_inputs(base: Path, workdir: Path) -> tuple[str, Path, Path]:
+    """What llama-perplexity scores a model against the stack's base on: CHAIN_TOKENS of the
+    held-out text, the base's F16 file, and the log both write to."""
+    from transformers import AutoTokenizer
+
+    from quantbench.engines import llamacpp
+    from quantbench.sources import data
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = tokenizer(data.python_docs("evaluation"))["input_ids"][:CHAIN_TOKENS]
+    log_path = workdir / AGAINST_BASE_LOG
+    return tokenizer.decode(ids, skip_special_tokens=True), llamacpp.base_gguf(base, log_path=log_path), log_path
+
+
 def against_base(models_: dict[str | None, Resolved], workdir: Path) -> None:
     """A model made from another step's model (a student quantized) carries its run's quality
     against *that* model; the ledger wants it against the stack's base. A GGUF one is scored here
     through llama.cpp (llama-perplexity's KL divergence against the base's F16 file, on
     CHAIN_TOKENS of the held-out text); any other keeps no quality figure, and the ledger says why."""
-    from transformers import AutoTokenizer
-
     from quantbench.engines import llamacpp
-    from quantbench.sources import data
     from quantbench.sources.checkpoint import gguf_file
 
     chained = [r for r in models_.values() if r.base is not None and gguf_file(r.path) is not None]
     if not chained:
         return
-    base = models_[None].path
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    ids = tokenizer(data.python_docs("evaluation"))["input_ids"][:CHAIN_TOKENS]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    log_path = workdir / AGAINST_BASE_LOG
-    base_file = llamacpp.base_gguf(base, log_path=log_path)
+    text, base_file, log_path = _scoring_inputs(models_[None].path, workdir)
     for resolved in chained:
         log.info("stack: %s was measured against %s; scoring it against the base through llama.cpp",
                  resolved.label, resolved.base)  # fmt: skip
@@ -424,22 +430,13 @@ def kv_cache_quality(
     its model so served, scored against the base through llama.cpp (llama-perplexity's KL divergence
     with that KV-cache type against the base's F16 file with its 16-bit one, on CHAIN_TOKENS of the
     held-out text). {(model key, type): quality figure, or None where it cannot be scored}."""
-    from transformers import AutoTokenizer
-
     from quantbench.engines import llamacpp
-    from quantbench.sources import data
     from quantbench.sources.checkpoint import gguf_file
 
     wanted = sorted({(c.model_key, c.kv_cache) for c in steps if c.kv_cache}, key=str)
     if not wanted:
         return {}
-    base = models_[None].path
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    text = tokenizer.decode(
-        tokenizer(data.python_docs("evaluation"))["input_ids"][:CHAIN_TOKENS], skip_special_tokens=True
-    )
-    log_path = workdir / AGAINST_BASE_LOG
-    base_file = llamacpp.base_gguf(base, log_path=log_path)
+    text, base_file, log_path = _scoring_inputs(models_[None].path, workdir)
     out: dict[tuple[str | None, str], dict | None] = {}
     for key, kv_cache in wanted:
         resolved = models_[key]

@@ -368,12 +368,7 @@ def load_plot(metrics: dict[str, float], path: Path, title: str) -> Path | None:
     curve = load_curve(metrics)
     if not any(curve.values()):
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
+    fig, axes = _two_panels()
     for ax, key, label in (
         (axes[0], "ttft_ms_p50", "time to first token, p50 (ms)"),
         (axes[1], "itl_ms_p50", "inter-token latency, p50 (ms)"),
@@ -388,13 +383,7 @@ def load_plot(metrics: dict[str, float], path: Path, title: str) -> Path | None:
                 ax.annotate(p["level"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
         ax.set_xlabel("output throughput (tokens/s)")
         ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, title, path)
 
 
 def slo_plot(metrics: dict[str, float], slo: dict[str, float], path: Path, title: str) -> Path:
@@ -406,13 +395,8 @@ def slo_plot(metrics: dict[str, float], slo: dict[str, float], path: Path, title
     def offered(point: dict) -> float:
         return float(point["level"][1:]) if point["level"].startswith("r") else point["requests_s"]
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     curve = load_curve(metrics)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
+    fig, axes = _two_panels()
     for ax, metric in ((axes[0], "ttft"), (axes[1], "itl")):
         key = f"{metric}_ms_p95"
         for model, prefix, color in (("candidate", "speed/", "tab:green"), ("base", "base_speed/", "tab:gray")):
@@ -427,6 +411,24 @@ def slo_plot(metrics: dict[str, float], slo: dict[str, float], path: Path, title
         ax.set_xlabel("offered load (requests/s; a concurrency level: what it achieved)")
         ax.set_ylabel(f"{'time to first token' if metric == 'ttft' else 'inter-token latency'}, p95 (ms)")
         ax.set_yscale("log")
+    return _save(fig, axes, title, path)
+
+
+def _two_panels():
+    """A figure of two charts side by side (matplotlib without a screen)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
+
+
+def _save(fig, axes, title: str, path: Path) -> Path:
+    """Grid and legend on each chart, the title over both, written to `path` and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
