@@ -141,7 +141,9 @@ def test_interrupted_then_resumed_search_measures_names_and_reuses(setup, capsys
     by_role = {}
     for r in runs():
         by_role.setdefault(r.data.tags.get("quantbench.role"), []).append(r)
-    assert [r.info.status for r in by_role["tune"]] == ["KILLED"] and [r.info.status for r in by_role["candidate"]] == ["KILLED"]
+    # the candidate running at the signal is KILLED; on a loaded machine an earlier one may have finished first
+    assert [r.info.status for r in by_role["tune"]] == ["KILLED"]
+    assert sorted(r.info.status for r in by_role["candidate"]) in (["KILLED"], ["FINISHED", "KILLED"])
     assert [r.info.status for r in by_role["sensitivity"]] == ["FINISHED"]
     assert not list((setup / "outputs").glob("tiny-rtn-mixed-*/*/config.json"))  # no checkpoint left
 
@@ -156,6 +158,8 @@ def test_interrupted_then_resumed_search_measures_names_and_reuses(setup, capsys
     assert main(["gc"]) == 0
     assert not [r for r in runs() if r.info.status == "RUNNING"]
     killed = {r.info.run_id for r in runs() if r.info.status in ("KILLED", "FAILED")}
+    finished_before = {r.info.run_id for r in runs() if r.info.status == "FINISHED" and r.data.tags.get("quantbench.role") == "candidate"}
+    killed_candidates = [r for r in runs() if r.info.run_id in killed and r.data.tags.get("quantbench.role") == "candidate"]
 
     code = main(tune_args("mid", "--budget-runs", "2"))
     out = capsys.readouterr().out
@@ -163,7 +167,9 @@ def test_interrupted_then_resumed_search_measures_names_and_reuses(setup, capsys
     assert summary["resumed"] and summary["parent_run"] == by_role["tune"][0].info.run_id  # the same tune, reopened
     assert summary["sensitivity_reused"]
     cands = summary["candidates"]
-    assert len(cands) == 2 and all(c["status"] == "finished" for c in cands)
+    assert len(cands) == 2 and any(c["status"] == "finished" for c in cands)
+    # what finished before a signal is reused, not measured again; the rest is measured now
+    assert [c["status"] for c in cands] == ["reused" if c["run_id"] in finished_before else "finished" for c in cands]
     first, second = cands
     bits = [c["metrics"]["model/bits_per_weight"] for c in cands]
     # bisection on the measured verdict: a pass looks smaller, a fail larger
@@ -207,7 +213,8 @@ def test_interrupted_then_resumed_search_measures_names_and_reuses(setup, capsys
     assert again["resumed"] and again["parent_run"] == summary["parent_run"] and again["sensitivity_reused"]
     assert [c["status"] for c in again["candidates"]] == ["reused", "reused"]
     assert [c["run_id"] for c in again["candidates"]] == [c["run_id"] for c in cands]
-    assert len(children(summary)) == 2 + 2  # the two it measured, the two interrupted
+    assert len(children(summary)) == 2 + len(killed_candidates)  # the two it measured, those interrupted
+    assert len(killed_candidates) >= 2  # one per signal
     assert not [r for r in runs() if r.info.status == "RUNNING"]
 
 
