@@ -88,6 +88,8 @@ FIXED: dict[str, Direction | None] = {
     "tune/bits_per_weight": None,
     "tune/size_mb": None,
     "tune/passed": None,
+    "tune/predicted_decode_ms": None,  # a latency tune: on a candidate, and per candidate on the parent run
+    "tune/decode_ms": None,  # per candidate on the parent run: 1000 / its speed/decode_tok_s
     "tune/candidates": None,  # the tune's parent run, at the end
     "stack/multiplier": "higher",  # a stack step's run: its output throughput over the step before it
     "stack/cumulative": "higher",  # ... over the stack's first step, measured in the same rounds

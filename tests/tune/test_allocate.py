@@ -34,6 +34,28 @@ def test_the_dynamic_programme_finds_the_least_kld_within_the_budget():
         assert got.predicted_kld <= brute_force(p, budget - (budget - lo) / 20000 * n) + 1e-12
 
 
+def test_a_latency_budget_is_spent_where_the_time_buys_the_most_kld():
+    """A latency problem: each option costs its predicted ms (a type can be smaller and still
+    slower: here the 5-bit type decodes slower than the 8-bit one); the least KLD within the ms
+    budget, checked against every combination, whatever the bits."""
+    rng = random.Random(1)
+    for _ in range(100):
+        n = rng.randint(1, 5)
+        options = [[(f"s{i}", rng.uniform(4, 16), rng.uniform(0, 1)) for i in range(rng.randint(1, 4))] for _ in range(n)]
+        unit_ms = [{o[0]: rng.uniform(-1, 3) for o in opts} for opts in options]
+        p = allocate.Problem([f"u{i}" for i in range(n)], [1] * n, options, unit_ms=unit_ms, base_ms=10.0)
+        fastest, slowest = p.bounds()
+        budget = rng.uniform(fastest, max(slowest, fastest + 1))
+        got = allocate.solve(p, budget, resolution=20000)
+        ms = {u: unit_ms[i][got.choice[u]] for i, u in enumerate(p.units)}
+        assert got.predicted_ms == pytest.approx(10.0 + sum(ms.values())) and got.predicted_ms <= budget + 1e-9
+        best = min(sum(o[2] for o in combo) for combo in itertools.product(*options)
+                   if 10.0 + sum(unit_ms[i][o[0]] for i, o in enumerate(combo)) <= budget - (budget - fastest) / 20000 * n)
+        assert got.predicted_kld <= best + 1e-12
+        # bits are still counted (the recipe's size), whatever the budget was in
+        assert got.bits == pytest.approx(sum(o[1] for i, opts in enumerate(options) for o in opts if o[0] == got.choice[f"u{i}"]))
+
+
 def sensitivity(widths=(64, 64, 96), kld=None) -> Sensitivity:
     names = ["W4A16-G64", "W4A16-G32", "W8A8", "BF16"]
     units = [Unit(f"model.layers.{i}.mlp.down_proj", [f"model.layers.{i}.mlp.down_proj"], w, [32], i)

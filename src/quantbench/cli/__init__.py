@@ -273,23 +273,49 @@ def build_parser() -> argparse.ArgumentParser:
         "--bits", type=float, help="average stored bits per quantizable weight (scales included), e.g. 4.5"
     )
     budget.add_argument("--max-size-mb", type=float, help="the checkpoint's size in MiB, embeddings included")
+    budget.add_argument(
+        "--latency-ms",
+        type=float,
+        metavar="MS",
+        help="with --engine llamacpp: one candidate, the least predicted KLD whose predicted decode time is at "
+        "most MS per token (from the cost table measured on this machine; implies --objective latency)",
+    )
+    t.add_argument(
+        "--objective",
+        choices=["size", "latency"],
+        default="size",
+        help="what the search minimises among the candidates that pass: size (default), or with --engine "
+        "llamacpp latency, the predicted decode time per token from llama.cpp's own kernels measured here "
+        "(a cost table per type, measured once with progress and cached: about a minute a type on the default "
+        "model on 2 cores)",
+    )
     t.add_argument(
         "--schemes",
         nargs="+",
         metavar="SCHEME",
         default=None,
         help="schemes to choose from (default: W4A16-G64 W4A16-G64-ASYM W4A16-G32 W4A16-G32-ASYM W8A8 BF16, "
-        "what vLLM serves together on CPU); also W8A16, FP8",
+        "what vLLM serves together on CPU; also W8A16, FP8); with --engine llamacpp llama.cpp tensor types "
+        "(default: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 F16)",
+    )
+    t.add_argument(
+        "--engine",
+        choices=["vllm", "llamacpp"],
+        default=None,
+        help="whose types to mix: vllm (compressed-tensors schemes, default) or llamacpp (GGUF tensor types, "
+        "each tensor its own, quantized by llama-quantize and served by llama-server); default: the --from "
+        "recipe's method",
     )
     t.add_argument("--budget-runs", type=int, default=6, help="candidates to quantize and measure at most (default 6)")
     t.add_argument(
         "--from",
         dest="templates",
         nargs="+",
-        default=["gptq-w4a16"],
+        default=None,
         metavar="RECIPE",
         help="the recipe the candidates start from: model, calibration, method (gptq, rtn, autoround, "
-        "spinquant), evaluate and bench sections (default gptq-w4a16). With several (e.g. gptq-w4a16 "
+        "spinquant; gguf for llama.cpp), evaluate and bench sections (default gptq-w4a16; with --engine "
+        "llamacpp gguf-q4_0). With several (e.g. gptq-w4a16 "
         "autoround-w4a16), the search uses the first and the answer's allocation is also made with each "
         "other; the best measured wins",
     )
@@ -455,6 +481,8 @@ def cmd_evaluate(args) -> int:
         base=args.base,
         experiment=args.experiment,
         engine=args.engine,
+        objective=args.objective,
+        latency_ms=args.latency_ms,
     )
     if result is None:
         return 1
@@ -583,7 +611,6 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from quantbench.recipe import schemes
     from quantbench.tune import search as tune
     from quantbench.tune import sensitivity
 
@@ -591,10 +618,13 @@ def cmd_tune(args) -> int:
         policy=args.policy,
         bits=args.bits,
         max_size_mb=args.max_size_mb,
-        schemes=args.schemes or list(schemes.DEFAULT_TUNE_SCHEMES),
+        schemes=args.schemes,
         budget_runs=args.budget_runs,
-        template=args.templates[0],
-        alternatives=args.templates[1:],
+        template=args.templates[0] if args.templates else None,
+        alternatives=(args.templates or [])[1:],
+        engine=args.engine,
+        objective=args.objective,
+        latency_ms=args.latency_ms,
         sensitivity=sensitivity.Settings(method=args.sensitivity, windows=args.sensitivity_windows),
         ray=args.ray,
     )

@@ -108,6 +108,82 @@ SCHEMES: dict[str, Scheme] = {
 DEFAULT_TUNE_SCHEMES = ("W4A16-G64", "W4A16-G64-ASYM", "W4A16-G32", "W4A16-G32-ASYM", "W8A8", "BF16")
 
 
+@dataclass(frozen=True)
+class GgufType(Scheme):
+    """A llama.cpp tensor type as `quantbench tune --engine llamacpp` chooses it per tensor: blocks of
+    `block` weights stored in `bytes_per_block` bytes (scale included), rounded as llama.cpp's
+    reference quantizer rounds (gguf-py's own port of it, which `fake_quantize` calls). Only the
+    types gguf-py can quantize are here: the legacy block types and F16. K- and I-quants are not
+    (gguf-py only de-quantizes them; they also need rows that are multiples of 256, which the
+    default model's 576 is not, so llama-quantize would fall back to these types anyway)."""
+
+    block: int = 32
+    bytes_per_block: int = 0
+
+    @property
+    def group_size(self) -> int | None:
+        return self.block
+
+    def fits(self, in_features: int) -> bool:
+        return in_features % self.block == 0
+
+    def bits(self, in_features: int, out_features: int, dtype_bits: int = 16, bias: bool = False) -> float:
+        """Stored bits per weight as the GGUF file holds them (a bias stays F32)."""
+        extra = 32 * out_features if bias else 0
+        return 8 * self.bytes_per_block / self.block + extra / (in_features * out_features)
+
+    def fake_quantize(self, weight):
+        """The weight as llama.cpp stores it in this type, de-quantized (a torch tensor, same dtype)."""
+        import numpy as np
+        import torch
+        from gguf import GGMLQuantizationType, quants
+
+        kind = GGMLQuantizationType[self.name]
+        w = weight.detach().float().cpu().numpy().astype(np.float32)
+        back = quants.dequantize(quants.quantize(w, kind), kind).reshape(w.shape)
+        return torch.from_numpy(np.ascontiguousarray(back)).to(weight.dtype)
+
+
+GGUF_TUNE_TYPES: dict[str, GgufType] = {
+    t.name: t
+    for t in (
+        GgufType("Q4_0", "4-bit blocks of 32, one F16 scale", {"gguf": "Q4_0"}, None, 32, 18),
+        GgufType("Q4_1", "4-bit blocks of 32, an F16 scale and minimum", {"gguf": "Q4_1"}, None, 32, 20),
+        GgufType("Q5_0", "5-bit blocks of 32, one F16 scale", {"gguf": "Q5_0"}, None, 32, 22),
+        GgufType("Q5_1", "5-bit blocks of 32, an F16 scale and minimum", {"gguf": "Q5_1"}, None, 32, 24),
+        GgufType("Q8_0", "8-bit blocks of 32, one F16 scale", {"gguf": "Q8_0"}, None, 32, 34),
+        GgufType("F16", "left unquantized: IEEE half precision", None, None, 1, 2),
+    )
+}
+# What `quantbench tune --engine llamacpp` chooses from unless told: every type above.
+DEFAULT_GGUF_TUNE_TYPES = tuple(GGUF_TUNE_TYPES)
+# llama.cpp types a tune cannot measure in-process (gguf-py has no quantizer for them)
+_GGUF_UNMEASURABLE = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "BF16")
+
+
+def tune_scheme(name: str, field: str = "--schemes", gguf: bool = False) -> Scheme:
+    """A scheme a tune chooses from: a compressed-tensors scheme, or with `gguf` a llama.cpp tensor
+    type; UserError naming `field` with the choices (and why a K-quant is not one)."""
+    if not gguf:
+        return get(name, field)
+    upper = name.upper()
+    if upper in GGUF_TUNE_TYPES:
+        return GGUF_TUNE_TYPES[upper]
+    if upper in _GGUF_UNMEASURABLE:
+        raise UserError(
+            f"{field}: {upper} cannot be tuned per tensor here: a tune rounds each tensor in-process as llama.cpp "
+            "does (gguf-py), which has no quantizer for K- or I-quants. Choose from "
+            + " ".join(GGUF_TUNE_TYPES)
+            + " (a recipe can still name it: quantize.type, or layers)"
+        )
+    raise UserError(f"{field}: unknown llama.cpp type '{name}' for a tune." + did_you_mean(upper, GGUF_TUNE_TYPES))
+
+
+def any_scheme(name: str) -> Scheme:
+    """A scheme or llama.cpp tune type by its exact name (names stored by a tune)."""
+    return GGUF_TUNE_TYPES[name] if name in GGUF_TUNE_TYPES else get(name)
+
+
 def get(name: str, field: str = "scheme") -> Scheme:
     """A scheme by name (case-insensitive); UserError naming `field` with the choices."""
     for scheme in SCHEMES.values():

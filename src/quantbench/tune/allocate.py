@@ -1,5 +1,6 @@
 """Bit allocation: one scheme per unit (a layer, or the layers vLLM fuses) that minimises the
-predicted KLD (the sum of each unit's measured sensitivity) under a size budget.
+predicted KLD (the sum of each unit's measured sensitivity) under a size budget, or under a
+budget of predicted decode time (a latency tune: cost.py's table gives each option its ms).
 
 This is a multiple-choice knapsack, solved exactly up to the budget's resolution by dynamic
 programming over the budget above the cheapest choice: every unit's extra cost is rounded *up*
@@ -27,16 +28,31 @@ class Problem:
     params: list[int]
     options: list[list[tuple[str, float, float]]]  # [unit] -> [(scheme, bits, kld)]
     fixed_bytes: float = 0.0  # the rest of the checkpoint (embeddings, norms): for size budgets
+    # a latency problem: the budget is predicted decode ms/token (base_ms + each unit's ms for its
+    # scheme, from a measured cost table), not bits
+    unit_ms: list[dict[str, float]] | None = None
+    base_ms: float = 0.0
 
     @property
     def total_params(self) -> int:
         return sum(self.params)
 
+    @property
+    def by_ms(self) -> bool:
+        return self.unit_ms is not None
+
+    def weight(self, u: int, option: tuple[str, float, float]) -> float:
+        """What an option spends of the budget: its bits, or in a latency problem its ms."""
+        return self.unit_ms[u][option[0]] if self.unit_ms is not None else option[1]
+
     def bounds(self) -> tuple[float, float]:
-        """Bits of the cheapest allocation and of the one with the least predicted KLD."""
-        cheapest = sum(min(o[1] for o in opts) for opts in self.options)
-        best = sum(min(opts, key=lambda o: (o[2], o[1]))[1] for opts in self.options)
-        return cheapest, best
+        """The budget (bits, or ms) of the cheapest allocation and of the one with the least
+        predicted KLD (the cheaper of equal ones)."""
+        cheapest = sum(min(self.weight(u, o) for o in opts) for u, opts in enumerate(self.options))
+        best = sum(
+            self.weight(u, min(opts, key=lambda o: (o[2], self.weight(u, o)))) for u, opts in enumerate(self.options)
+        )
+        return cheapest + self.base_ms, best + self.base_ms
 
     def bits_for_size(self, size_mb: float) -> float:
         return size_mb * 2**20 * 8 - self.fixed_bytes * 8
@@ -49,6 +65,7 @@ class Allocation:
     predicted_kld: float
     bits_per_weight: float
     size_mb: float  # predicted checkpoint size
+    predicted_ms: float | None = None  # predicted decode ms/token (a latency problem)
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -67,10 +84,10 @@ def problem(
     for unit, row in zip(sens.units, sens.kld):
         opts = []
         if unquantized.intersection(unit.layers):
-            options.append([("BF16", unit.bits(schemes.get("BF16"), dtype_bits), 0.0)])
+            options.append([("BF16", unit.bits(schemes.any_scheme("BF16"), dtype_bits), 0.0)])
             continue
         for name in scheme_names:
-            scheme = schemes.get(name)
+            scheme = schemes.any_scheme(name)
             bits = unit.bits(scheme, dtype_bits)
             if bits is not None and row[index[name]] is not None:
                 opts.append((name, bits, max(float(row[index[name]]), 0.0)))
@@ -78,7 +95,7 @@ def problem(
             stuck.append(unit)
         options.append(opts)
     if stuck:
-        groups = {s: schemes.get(s).group_size for s in scheme_names}
+        groups = {s: schemes.any_scheme(s).group_size for s in scheme_names}
         widths = sorted({u.in_features for u in stuck})
         raise UserError(
             f"--schemes: no scheme of {', '.join(scheme_names)} fits {len(stuck)} layer(s) of this model "
@@ -90,17 +107,20 @@ def problem(
 
 
 def solve(p: Problem, budget_bits: float, resolution: int = RESOLUTION) -> Allocation:
-    """The allocation with the least predicted KLD whose stored bits are at most `budget_bits`."""
-    cheapest = [min(opts, key=lambda o: o[1]) for opts in p.options]
+    """The allocation with the least predicted KLD whose stored bits (in a latency problem:
+    predicted decode ms) are at most `budget_bits`."""
+    weighted = [[(o[0], p.weight(u, o), o[2]) for o in opts] for u, opts in enumerate(p.options)]
+    budget = budget_bits - p.base_ms
+    cheapest = [min(opts, key=lambda o: o[1]) for opts in weighted]
     floor = sum(o[1] for o in cheapest)
-    if budget_bits < floor - 1e-6:
+    if budget < floor - 1e-6:
         raise ValueError("budget below the cheapest allocation")
-    extra = budget_bits - floor
+    extra = budget - floor
     step = extra / resolution if extra > 0 else 1.0
     size = resolution + 1 if extra > 0 else 1
     best = np.zeros(size)  # least KLD with at most k buckets spent, over the units so far
     picks = np.zeros((len(p.options), size), dtype=np.int16)
-    for u, opts in enumerate(p.options):
+    for u, opts in enumerate(weighted):
         low = cheapest[u][1]
         new = np.full(size, np.inf)
         pick = np.zeros(size, dtype=np.int16)
@@ -116,18 +136,25 @@ def solve(p: Problem, budget_bits: float, resolution: int = RESOLUTION) -> Alloc
         best, picks[u] = new, pick
     k = int(np.argmin(best))  # the least KLD over every spend (a larger spend never helps if it is not less)
     choice = {}
-    spent_bits = 0.0
+    spent_bits = spent = 0.0
     total_kld = 0.0
     for u in range(len(p.options) - 1, -1, -1):
         name, bits, kld = p.options[u][picks[u][k]]
+        weight = weighted[u][picks[u][k]][1]
         choice[p.units[u]] = name
         spent_bits += bits
+        spent += weight
         total_kld += kld
         low = cheapest[u][1]
-        k -= 0 if bits <= low + 1e-9 else math.ceil((bits - low) / step - 1e-9)
+        k -= 0 if weight <= low + 1e-9 else math.ceil((weight - low) / step - 1e-9)
     choice = {unit: choice[unit] for unit in p.units}
     return Allocation(
-        choice, spent_bits, total_kld, spent_bits / p.total_params, (p.fixed_bytes + spent_bits / 8) / 2**20
+        choice,
+        spent_bits,
+        total_kld,
+        spent_bits / p.total_params,
+        (p.fixed_bytes + spent_bits / 8) / 2**20,
+        p.base_ms + spent if p.by_ms else None,
     )
 
 

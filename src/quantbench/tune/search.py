@@ -29,7 +29,7 @@ import math
 import os
 import re
 import signal
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -47,13 +47,15 @@ from quantbench.recipe import (
 from quantbench.release import gate
 from quantbench.sources import models
 from quantbench.tracking import TAG, Tracker
-from quantbench.tune import allocate, sensitivity
+from quantbench.tune import allocate, cost, sensitivity
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TEMPLATE = "gptq-w4a16"
-MIXED_METHODS = ("gptq", "rtn", "autoround", "spinquant")
+DEFAULT_GGUF_TEMPLATE = "gguf-q4_0"
+MIXED_METHODS = ("gptq", "rtn", "autoround", "spinquant", "gguf")
 TOLERANCE_BITS = 0.05  # the search stops when passing and failing candidates are this close (bits per weight)
+TOLERANCE_MS = 0.01  # ... or, searching on predicted decode time, this close as a share of it
 CANDIDATE_TIMEOUT_S = 6 * 3600  # one candidate's quantize + evaluate + bench, at most
 # Checks more bits cannot fix: the search bisects on the others (quality), the answer reports all.
 NOT_QUALITY = ("run status", "licence", "checkpoint on disk")
@@ -64,9 +66,16 @@ class Request:
     policy: str
     bits: float | None = None
     max_size_mb: float | None = None
-    schemes: list[str] = field(default_factory=lambda: list(schemes.DEFAULT_TUNE_SCHEMES))
+    # None: the engine's defaults (schemes.DEFAULT_TUNE_SCHEMES, or DEFAULT_GGUF_TUNE_TYPES for llama.cpp)
+    schemes: list[str] | None = None
     budget_runs: int = 6
-    template: str = DEFAULT_TEMPLATE
+    # None: the engine's (gptq-w4a16 for vLLM, gguf-q4_0 for llama.cpp); a gguf template makes it a llama.cpp tune
+    template: str | None = None
+    engine: str | None = None  # vllm | llamacpp; None: the template's
+    # size: the smallest checkpoint that passes; latency: the fastest, by predicted decode time
+    # (llama.cpp: cost.py's measured table); `latency_ms` makes one candidate under that budget
+    objective: str = "size"
+    latency_ms: float | None = None
     # more templates (other methods: autoround-w4a16, spinquant-w4a16, ...): the answer's allocation is
     # also made with each, and the best measured one wins
     alternatives: list[str] = field(default_factory=list)
@@ -86,6 +95,7 @@ class Candidate:
     predicted_size_mb: float
     bits_per_weight: float  # predicted
     counts: dict[str, int]
+    predicted_ms: float | None = None  # predicted decode ms/token (a latency tune)
     run_id: str | None = None
     status: str = "pending"  # pending | finished | reused | failed
     reason: str = ""
@@ -117,6 +127,11 @@ class Plan:
     fixed_bytes: float
     tune_id: str
     directory: Path
+    gguf_names: dict[str, str] | None = None  # a llama.cpp tune: HF layer -> GGUF tensor base name
+
+    @property
+    def gguf(self) -> bool:
+        return self.gguf_names is not None
 
 
 def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
@@ -125,40 +140,76 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     from quantbench.sources.checkpoint import linear_layers
 
     policy = gate.load_policy(request.policy)
+    if request.engine not in (None, "vllm", "llamacpp"):
+        raise UserError(f"--engine: '{request.engine}'; a tune chooses types for vllm or llamacpp")
+    if request.template is None:
+        request.template = DEFAULT_GGUF_TEMPLATE if request.engine == "llamacpp" else DEFAULT_TEMPLATE
+    template, *alternatives = [_template(name) for name in [request.template, *request.alternatives]]
+    spec = template.recipe.quantize
+    gguf = spec.method == "gguf"
+    if request.engine is not None and gguf != (request.engine == "llamacpp"):
+        raise UserError(
+            f"--engine {request.engine}: --from {template.name} is a {spec.method} recipe; "
+            + (
+                "llama.cpp types need a method: gguf recipe (e.g. gguf-q4_0)"
+                if not gguf
+                else "a vLLM tune needs a compressed-tensors recipe (e.g. gptq-w4a16)"
+            )
+        )
+    if request.schemes is None:
+        request.schemes = list(schemes.DEFAULT_GGUF_TUNE_TYPES if gguf else schemes.DEFAULT_TUNE_SCHEMES)
     if not request.schemes:
         raise UserError("--schemes: give at least one scheme")
-    names = [schemes.get(n, "--schemes").name for n in request.schemes]
+    names = [schemes.tune_scheme(n, "--schemes", gguf=gguf).name for n in request.schemes]
     if len(set(names)) != len(names):
         raise UserError(f"--schemes: {', '.join(request.schemes)} names a scheme twice")
     request.schemes = names
-    if request.bits is not None and request.max_size_mb is not None:
-        raise UserError("give one budget: --bits or --max-size-mb")
+    budgets = [b for b, v in (("--bits", request.bits), ("--max-size-mb", request.max_size_mb),
+                              ("--latency-ms", request.latency_ms)) if v is not None]  # fmt: skip
+    if len(budgets) > 1:
+        raise UserError(f"give one budget: {' or '.join(budgets)}")
+    if request.latency_ms is not None:
+        request.objective = "latency"
+    if request.objective not in ("size", "latency"):
+        raise UserError(f"--objective: '{request.objective}'; size or latency")
+    if request.objective == "latency" and not gguf:
+        raise UserError(
+            f"--objective latency: decode costs are measured for llama.cpp's types only (--engine llamacpp); "
+            f"--from {template.name} makes a {spec.method} checkpoint for vLLM"
+        )
+    if request.objective == "latency" and (request.bits is not None or request.max_size_mb is not None):
+        raise UserError(f"--objective latency searches on decode time; {budgets[0]} is a size budget")
     if request.budget_runs < 1:
         raise UserError(f"--budget-runs: {request.budget_runs}; at least 1 candidate")
-    template, *alternatives = [_template(name) for name in [request.template, *request.alternatives]]
-    spec = template.recipe.quantize
+    ignore = getattr(spec, "ignore", [])
     for other in alternatives:
         if (
             other.recipe.model.source != template.recipe.model.source
             or other.recipe.model.dtype != template.recipe.model.dtype
-            or other.recipe.quantize.ignore != spec.ignore
+            or getattr(other.recipe.quantize, "ignore", []) != ignore
+            or (other.recipe.quantize.method == "gguf") != gguf
         ):
             raise UserError(
                 f"--from {other.name}: every template must name the same model, dtype and ignore list as "
-                f"{template.name} (the allocation is made for one model)"
+                f"{template.name}, and be a gguf recipe if it is one (the allocation is made for one model "
+                "and one engine's types)"
             )
     base = models.resolve(template.recipe.model.source, experiment=experiment)
     config = AutoConfig.from_pretrained(base.path)
     shapes = linear_layers(config)
-    taken = schemes.assign(list(shapes), "quantized", {}, spec.ignore)
+    taken = schemes.assign(list(shapes), "quantized", {}, ignore)
     unquantized = {n for n in shapes if taken[n] == "BF16"}  # the template's ignore list stays ignored
     stuck = {
-        n: s for n, s in shapes.items() if n not in unquantized and not any(schemes.get(x).fits(s[0]) for x in names)
+        n: s
+        for n, s in shapes.items()
+        if n not in unquantized and not any(schemes.any_scheme(x).fits(s[0]) for x in names)
     }
     if stuck:
         widths = sorted({s[0] for s in stuck.values()})
         groups = ", ".join(
-            f"{x} needs a multiple of {schemes.get(x).group_size}" for x in names if schemes.get(x).group_size
+            f"{x} needs a multiple of {schemes.any_scheme(x).group_size}"
+            for x in names
+            if schemes.any_scheme(x).group_size
         )
         raise UserError(
             f"--schemes: no scheme of {', '.join(names)} fits {len(stuck)} layer(s) of {base.source} "
@@ -173,7 +224,19 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     if problems:
         raise UserError(problems)
     dtype_bits = 32 if template.recipe.model.dtype == "float32" else 16
-    fixed_bytes = _fixed_bytes(base.path, shapes, dtype_bits)
+    gguf_names = None
+    if gguf:
+        from quantbench.engines import llamacpp
+        from quantbench.engines import llamacpp_build as build
+        from quantbench.tune import gguf as gguf_tune
+
+        gguf_names = gguf_tune.tensor_names(config, list(shapes))
+        # llama.cpp stores each tensor with its own type: measure layers alone, not fused units
+        request.sensitivity = replace(request.sensitivity, fuse=False)
+        base_file = llamacpp.base_gguf(base.path, build.ensure("a llama.cpp tune"))
+        fixed_bytes = gguf_tune.fixed_bytes(base_file, set(gguf_names.values()))
+    else:
+        fixed_bytes = _fixed_bytes(base.path, shapes, dtype_bits)
     _check_budget(request, names, shapes, unquantized, dtype_bits, fixed_bytes)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
     key = {
@@ -184,8 +247,9 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         "bits": request.bits,
         "max_size_mb": request.max_size_mb,
         "budget_runs": request.budget_runs,
+        **({"objective": request.objective, "latency_ms": request.latency_ms} if request.objective != "size" else {}),
         "base": base.fingerprint,
-        "sensitivity": asdict(request.sensitivity),
+        "sensitivity": {k: v for k, v in asdict(request.sensitivity).items() if k != "fuse" or not v},
     }
     tune_id = canonical_sha(key)[:12]
     return Plan(
@@ -201,6 +265,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         fixed_bytes,
         tune_id,
         outputs / "tune" / f"{policy.name}-{tune_id}",
+        gguf_names,
     )
 
 
@@ -210,7 +275,7 @@ def _template(name: str) -> LoadedRecipe:
     if spec.method not in MIXED_METHODS or getattr(spec, "format", "compressed-tensors") != "compressed-tensors":
         raise UserError(
             f"--from {name}: method {spec.method} cannot take per-layer schemes; a tune needs a "
-            f"recipe of method {', '.join(MIXED_METHODS)} (compressed-tensors)"
+            f"recipe of method {', '.join(MIXED_METHODS)} (compressed-tensors, or gguf for llama.cpp)"
         )
     return loaded
 
@@ -235,9 +300,9 @@ def _check_budget(
 ) -> None:
     cheapest = sum(
         min(
-            schemes.get(x).bits(i, o, dtype_bits, b) * i * o
+            schemes.any_scheme(x).bits(i, o, dtype_bits, b) * i * o
             for x in (["BF16"] if n in unquantized else names)
-            if schemes.get(x).fits(i)
+            if schemes.any_scheme(x).fits(i)
         )
         for n, (i, o, b) in shapes.items()
     )
@@ -253,7 +318,7 @@ def _check_budget(
             raise UserError(
                 f"--max-size-mb {request.max_size_mb:g}: below {smallest:.1f} MiB, the smallest checkpoint "
                 f"{', '.join(names)} allow ({fixed_bytes / 2**20:.1f} MiB of it embeddings and norms, "
-                "which a tune does not quantize)"
+                "which a tune does not choose)"
             )
 
 
@@ -278,11 +343,26 @@ def write_recipe(
     layers_of: dict[str, list[str]] = {}
     for unit_name, scheme_name in alloc.choice.items():
         layers_of.setdefault(scheme_name, []).extend(by_unit[unit_name].layers)
-    own = _own_scheme(q["method"], layers_of)
-    if own is not None:
-        q["scheme"], q["group_size"], q["symmetric"] = own
-    default = schemes.from_recipe(q["scheme"], q["group_size"], q["symmetric"]).name
-    q["layers"] = {s: targets(layers) for s, layers in sorted(layers_of.items()) if s != default}
+    if plan.gguf_names is not None:
+        from quantbench.tune import gguf as gguf_tune
+
+        # the most common quantized type is the recipe's own (llama-quantize ignores per-tensor types
+        # when the file type is F16); every other tensor named by its GGUF name, the embeddings
+        # pinned (so a candidate's size is its allocation's)
+        quantized = sorted(s for s in layers_of if s != "F16") or [gguf_tune.EMBEDDINGS]
+        q["type"] = default = max(quantized, key=lambda s: len(layers_of.get(s, [])))
+        q["layers"] = {
+            s: gguf_tune.patterns([plan.gguf_names[n] for n in layers])
+            for s, layers in sorted(layers_of.items())
+            if s != default
+        }
+        q["layers"].setdefault(gguf_tune.EMBEDDINGS, []).extend(gguf_tune.PINNED)
+    else:
+        own = _own_scheme(q["method"], layers_of)
+        if own is not None:
+            q["scheme"], q["group_size"], q["symmetric"] = own
+        default = schemes.from_recipe(q["scheme"], q["group_size"], q["symmetric"]).name
+        q["layers"] = {s: targets(layers) for s, layers in sorted(layers_of.items()) if s != default}
     needed = plan.policy.policy.stages
     if "evaluate" in needed and doc.get("evaluate") is None:
         doc["evaluate"] = {"suite": "default"}
@@ -303,6 +383,11 @@ def write_recipe(
         f"# from recipe {template.path}: predicted KLD {alloc.predicted_kld:.4g} (sum of the units' sensitivities "
         f"on calibration text),\n# predicted size {alloc.size_mb:.1f} MiB, {alloc.bits_per_weight:.3f} bits per "
         f"quantizable weight. Units: {counts}.\n"
+        + (
+            f"# Predicted decode time: {alloc.predicted_ms:.2f} ms/token (the latency cost table measured here).\n"
+            if alloc.predicted_ms is not None
+            else ""
+        )
     )
     text = header + yaml.safe_dump(doc, sort_keys=False, width=200)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -408,6 +493,19 @@ def run_quantize_jobs(
 # The search
 
 
+def problem(plan: Plan, sens: sensitivity.Sensitivity, costs: cost.CostTable | None = None) -> allocate.Problem:
+    """The allocation problem of a tune: over bits, or with `costs` (a latency tune) over predicted
+    decode ms/token."""
+    p = allocate.problem(sens, plan.request.schemes or [], plan.dtype_bits, plan.fixed_bytes, plan.unquantized)
+    if costs is not None:
+        p.base_ms = costs.ms[cost.REFERENCE]
+        p.unit_ms = [
+            {name: unit.params * costs.per_weight(name) for name, _, _ in opts}
+            for unit, opts in zip(sens.units, p.options)
+        ]
+    return p
+
+
 class Search:
     def __init__(
         self,
@@ -419,15 +517,34 @@ class Search:
         outputs: Path,
         state: dict,
         executor,
+        costs: cost.CostTable | None = None,
     ):
         self.plan, self.tracker, self.sens, self.parent, self.executor = plan, tracker, sens, parent, executor
         self.experiment, self.outputs, self.state = experiment, outputs, state
-        self.problem = allocate.problem(sens, plan.request.schemes, plan.dtype_bits, plan.fixed_bytes, plan.unquantized)
+        self.problem = problem(plan, sens, costs)
         self.candidates: list[Candidate] = []
         self.allocations: dict[str, allocate.Allocation] = {}  # recipe sha -> allocation
 
+    def _spent(self, alloc: allocate.Allocation) -> float:
+        """What an allocation spends of the searched budget: bits, or predicted decode ms."""
+        return alloc.predicted_ms if alloc.predicted_ms is not None else alloc.bits
+
+    def _close(self, lo: float, hi: float, share: float = 1.0) -> bool:
+        """Whether a budget interval is too narrow to cut again (`share` of the tolerance)."""
+        if self.problem.by_ms:
+            return hi - lo < share * TOLERANCE_MS * hi
+        return (hi - lo) / self.problem.total_params < share * TOLERANCE_BITS
+
+    def _describe(self, budget: float) -> str:
+        if self.problem.by_ms:
+            return f"{budget:.2f} ms/token"
+        return f"{budget / self.problem.total_params:.3f} bits/weight"
+
     def budgets(self) -> None:
         request = self.plan.request
+        if request.latency_ms is not None:
+            self.measure(allocate.solve(self.problem, request.latency_ms), request.latency_ms)
+            return
         if request.bits is not None:
             self.measure(allocate.for_bits(self.problem, request.bits), request.bits * self.problem.total_params)
             return
@@ -437,7 +554,7 @@ class Search:
             )
             return
         cheapest, best = self.problem.bounds()
-        lo, hi = cheapest, best  # bits: lo fails (assumed until measured), hi passes (assumed)
+        lo, hi = cheapest, best  # bits (or ms): lo fails (assumed until measured), hi passes (assumed)
         lo_measured = hi_measured = False
         limit = self.plan.policy.policy.max.get("quality/kld_mean")
         for _ in range(request.budget_runs):
@@ -445,24 +562,24 @@ class Search:
             alloc = allocate.solve(self.problem, target)
             if any(_same(alloc, c) for c in self.candidates):
                 log.info(
-                    "tune: the allocation at %.3f bits/weight was measured already; the search has converged",
-                    target / self.problem.total_params,
+                    "tune: the allocation at %s was measured already; the search has converged",
+                    self._describe(target),
                 )
                 break
             cand = self.measure(alloc, target)
             if cand.status == "failed":
                 break
             if cand.quality_passed:
-                hi, hi_measured = alloc.bits, True
+                hi, hi_measured = self._spent(alloc), True
             else:
-                lo, lo_measured = alloc.bits, True
-                if alloc.bits >= best - 1e-6:
+                lo, lo_measured = self._spent(alloc), True
+                if self._spent(alloc) >= best - 1e-6:
                     log.info(
                         "tune: even the allocation with the least predicted KLD fails the policy's quality checks; "
                         "more bits cannot help with these schemes"
                     )
                     break
-            if hi_measured and (hi - lo) / self.problem.total_params < TOLERANCE_BITS:
+            if hi_measured and self._close(lo, hi):
                 break
 
     def _target(self, limit, lo, hi, lo_measured, hi_measured) -> float:
@@ -498,7 +615,7 @@ class Search:
                 b = mid
             else:
                 a = mid
-            if (b - a) / self.problem.total_params < 0.005:
+            if self._close(a, b, share=0.1):
                 break
         return b
 
@@ -506,7 +623,7 @@ class Search:
         """The answer's allocation made with each other template (method), measured the same way."""
         if not self.plan.alternatives:
             return
-        chosen, _ = answer(self.candidates)
+        chosen, _ = answer(self.candidates, self.plan.request.objective)
         if chosen is None:
             return
         alloc = self.allocations[chosen.sha]
@@ -525,7 +642,15 @@ class Search:
         path, name, sha = write_recipe(self.plan, alloc, self.sens.units, self.parent.run_id, template)
         self.allocations[sha] = alloc
         cand = Candidate(
-            name, str(path), sha, budget_bits, alloc.predicted_kld, alloc.size_mb, alloc.bits_per_weight, alloc.counts()
+            name,
+            str(path),
+            sha,
+            budget_bits,
+            alloc.predicted_kld,
+            alloc.size_mb,
+            alloc.bits_per_weight,
+            alloc.counts(),
+            alloc.predicted_ms,
         )
         self.candidates.append(cand)
         step = len(self.candidates)
@@ -535,12 +660,13 @@ class Search:
             log.info("tune [%d] %s: measured before (run %s)", step, name, done[0])
         else:
             log.info(
-                "tune [%d] %s: predicted KLD %.4g, %.3f bits/weight, %.1f MiB -> quantize, evaluate, bench",
+                "tune [%d] %s: predicted KLD %.4g, %.3f bits/weight, %.1f MiB%s -> quantize, evaluate, bench",
                 step,
                 name,
                 alloc.predicted_kld,
                 alloc.bits_per_weight,
                 alloc.size_mb,
+                f", {alloc.predicted_ms:.2f} ms/token decode" if alloc.predicted_ms is not None else "",
             )
             job = QuantizeJob(
                 name,
@@ -571,8 +697,12 @@ class Search:
         cand.checks = [asdict(c) for c in checks]
         cand.passed = all(c.passed for c in checks)
         cand.quality_passed = all(c.passed for c in checks if not _beyond_bits(c.check))
-        run.log_metrics({"tune/predicted_kld": alloc.predicted_kld, "tune/predicted_size_mb": alloc.size_mb})
+        predicted = {"tune/predicted_kld": alloc.predicted_kld, "tune/predicted_size_mb": alloc.size_mb}
+        if alloc.predicted_ms is not None:
+            predicted["tune/predicted_decode_ms"] = alloc.predicted_ms
+        run.log_metrics(predicted)
         measured = cand.metrics.get("quality/kld_mean")
+        decode = cand.metrics.get("speed/decode_tok_s")
         self.parent.log_metrics(
             {
                 k: v
@@ -582,6 +712,8 @@ class Search:
                     "tune/bits_per_weight": cand.metrics.get("model/bits_per_weight"),
                     "tune/size_mb": cand.metrics.get("model/size_mb"),
                     "tune/passed": float(cand.passed),
+                    "tune/predicted_decode_ms": alloc.predicted_ms,
+                    "tune/decode_ms": 1000.0 / decode if decode else None,
                 }.items()
                 if v is not None
             },
@@ -757,16 +889,24 @@ def plot_frontier(points: list[dict], path: Path, title: str) -> Path:
     return path
 
 
-def answer(candidates: list[Candidate]) -> tuple[Candidate | None, list[dict]]:
-    """The chosen candidate (the smallest that passes the policy; else the smallest whose quality
-    passes; else the one with the fewest failed checks, then the lowest KLD; a tie in size goes to
-    the lower KLD) and, when none
-    passes, every check no candidate met with the closest value any candidate reached."""
+def answer(candidates: list[Candidate], objective: str = "size") -> tuple[Candidate | None, list[dict]]:
+    """The chosen candidate (the smallest that passes the policy, or with the latency objective the
+    fastest: measured decode time where benched, else predicted; else the smallest / fastest whose
+    quality passes; else the one with the fewest failed checks, then the lowest KLD; a tie goes to
+    the lower KLD) and, when none passes, every check no candidate met with the closest value any
+    candidate reached."""
     measured = [c for c in candidates if c.checks]
     if not measured:
         return None, []
-    # size first; at one size (the same allocation made by two methods) the lower KLD
-    size = lambda c: (round(c.metrics.get("model/size_mb", math.inf), 3), c.metrics.get("quality/kld_mean", math.inf))  # noqa: E731
+
+    def size(c: Candidate) -> tuple[float, float]:
+        # size (or decode time) first; at one size (the same allocation made by two methods) the lower KLD
+        kld = c.metrics.get("quality/kld_mean", math.inf)
+        if objective == "latency":
+            decode = c.metrics.get("speed/decode_tok_s")
+            return (1000.0 / decode if decode else c.predicted_ms or math.inf), kld
+        return round(c.metrics.get("model/size_mb", math.inf), 3), kld
+
     passing = [c for c in measured if c.passed]
     if passing:
         return min(passing, key=size), []
@@ -819,6 +959,16 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
     sens = sensitivity.get(
         tracker, plan.base, plan.tokenizer, request.schemes, plan.template.recipe.calibration, request.sensitivity
     )
+    costs = None
+    if request.objective == "latency":
+        costs = cost.get(plan.base, request.schemes or [], sorted(set((plan.gguf_names or {}).values())))
+        fastest, slowest = problem(plan, sens, costs).bounds()
+        if request.latency_ms is not None and request.latency_ms < fastest - 1e-9:
+            raise UserError(
+                f"--latency-ms {request.latency_ms:g}: below {fastest:.2f} ms/token, the fastest any mix of "
+                f"{', '.join(request.schemes or [])} is predicted to decode here ({costs.cpu}, {costs.threads} threads; "
+                f"the least-KLD mix: {slowest:.2f} ms/token)"
+            )
     parent_id = state.get("parent_run")
     resumed = bool(parent_id and tracker.existing(parent_id) is not None)
     tags = {
@@ -856,21 +1006,23 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
                         "schemes": ",".join(request.schemes),
                         "bits": request.bits,
                         "max_size_mb": request.max_size_mb,
+                        "objective": request.objective,
+                        "latency_ms": request.latency_ms,
                         "budget_runs": request.budget_runs,
                         "sensitivity": request.sensitivity.method,
                     }
                 }
             )
-        search = Search(plan, tracker, sens, run_, tracker.experiment, outputs, state, executor)
+        search = Search(plan, tracker, sens, run_, tracker.experiment, outputs, state, executor, costs)
         search.budgets()
         search.alternatives()
-        best, unmet = answer(search.candidates)
+        best, unmet = answer(search.candidates, request.objective)
         references = shipped_references(tracker, plan.base.fingerprint)
         points = frontier(search.candidates, references, plan.policy.name)
         verdict = None
         if best is not None:
             verdict = gate.run(best.run_id, str(plan.policy.path), experiment=tracker.experiment)
-        summary = _summary(plan, sens, search.candidates, best, unmet, points, verdict, run_.run_id, resumed)
+        summary = _summary(plan, sens, search.candidates, best, unmet, points, verdict, run_.run_id, resumed, costs)
         out = plan.directory
         plot_frontier(
             points,
@@ -923,11 +1075,17 @@ def _reap_children(tracker: Tracker, tune_id: str) -> None:
         )
 
 
-def _summary(plan, sens, candidates, best, unmet, points, verdict, parent, resumed) -> dict:
+def _summary(plan, sens, candidates, best, unmet, points, verdict, parent, resumed, costs=None) -> dict:
     return {
         "parent_run": parent,
         "tune": plan.tune_id,
         "policy": plan.policy.name,
+        "objective": plan.request.objective,
+        "cost_table": (
+            {"path": str(cost.path(costs.key)), "cpu": costs.cpu, "threads": costs.threads, "ms": costs.ms}
+            if costs is not None
+            else None
+        ),
         "resumed": resumed,
         "best_run": best.run_id if best else None,
         "recipe": best.recipe if best else None,
@@ -963,6 +1121,20 @@ def text(summary: dict) -> str:
             f"{i:2d} {c['name'][:38]:38s} {c['status']:8s} {cell('model/bits_per_weight', '7.3f'):>7s} "
             f"{cell('model/size_mb', '7.1f'):>7s} {c['predicted_kld']:9.4f} {cell('quality/kld_mean', '8.4f'):>8s} "
             f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {verdict}"
+        )
+    timed = [(i, c) for i, c in enumerate(summary["candidates"], 1) if c.get("predicted_ms") is not None]
+    if timed:
+        rows.append(
+            "decode time per token, predicted from the cost table (measured through the bench's engine): "
+            + "; ".join(
+                f"#{i} {c['predicted_ms']:.2f} ms"
+                + (
+                    f" ({1000 / c['metrics']['speed/decode_tok_s']:.2f})"
+                    if c["metrics"].get("speed/decode_tok_s")
+                    else ""
+                )
+                for i, c in timed
+            )
         )
     shipped = [p for p in summary["frontier"] if p["kind"] == "shipped"]
     if shipped:

@@ -63,6 +63,9 @@ class Settings:
     # float32: in bfloat16 any perturbation of a weight re-rounds everything after it, a KLD floor
     # of ~0.0017 per unit on SmolLM2 that drowns the small ones (measured; W8A16's true KLD is 1e-5)
     dtype: str = "float32"
+    # layers that read one input share a unit (vLLM fuses them and serves one scheme for them);
+    # llama.cpp stores every tensor with its own type, so a GGUF tune measures each layer alone
+    fuse: bool = True
 
 
 @dataclass
@@ -133,9 +136,10 @@ def key(
 ) -> str:
     doc = {
         "base": base_fingerprint,
-        "schemes": {n: asdict(schemes.get(n)) for n in sorted(scheme_names)},
+        "schemes": {n: asdict(schemes.any_scheme(n)) for n in sorted(scheme_names)},
         "text": text_sha,
-        "settings": asdict(settings),
+        # `fuse` only when off: results stored before it existed (fused) stay valid
+        "settings": {k: v for k, v in asdict(settings).items() if k != "fuse" or not v},
         "version": VERSION,
     }
     if bos is not None:  # windows that start with BOS; absent as before, so results stored without one stay valid
@@ -264,8 +268,8 @@ def measure(model_path: Path, windows: list[list[int]], scheme_names: list[str],
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, settings.dtype)).eval()
     ids = torch.tensor(windows, dtype=torch.long)
-    units = find_units(model, ids[:1, : min(32, ids.shape[1])])
-    scheme_list = [schemes.get(n, "--schemes") for n in scheme_names]
+    units = find_units(model, ids[:1, : min(32, ids.shape[1])], fuse=settings.fuse)
+    scheme_list = [schemes.any_scheme(n) for n in scheme_names]
     modules = dict(model.named_modules())
     if settings.method == "fisher":
         table = _fisher(model, modules, ids, units, scheme_list)
@@ -277,9 +281,10 @@ def measure(model_path: Path, windows: list[list[int]], scheme_names: list[str],
 
 
 @torch.inference_mode()
-def find_units(model, ids: torch.Tensor) -> list[Unit]:
+def find_units(model, ids: torch.Tensor, fuse: bool = True) -> list[Unit]:
     """The model's quantizable Linear layers (all but the output head) in forward order, grouped
-    into units: layers of one block that receive the very same input tensor."""
+    into units: layers of one block that receive the very same input tensor (with `fuse`; without,
+    every layer is a unit of its own)."""
     head = model.get_output_embeddings()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
     seen: dict[str, tuple] = {}
@@ -303,7 +308,7 @@ def find_units(model, ids: torch.Tensor) -> list[Unit]:
     for name in order:
         module = linears[name]
         parent = name.rsplit(".", 1)[0]
-        key_ = (parent, seen[name])
+        key_ = (parent, seen[name]) if fuse else (name,)
         block = _block_index(name)
         if key_ in by_input:
             unit = by_input[key_]
@@ -331,7 +336,10 @@ def _block_index(name: str) -> int | None:
 
 
 def fake_quantize_weight(weight: torch.Tensor, scheme: schemes.Scheme) -> torch.Tensor:
-    """Round-to-nearest with min-max scales, through compressed-tensors' qparams and QDQ."""
+    """Round-to-nearest with min-max scales, through compressed-tensors' qparams and QDQ; a llama.cpp
+    type rounds as llama.cpp does."""
+    if isinstance(scheme, schemes.GgufType):
+        return scheme.fake_quantize(weight)
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -580,7 +588,7 @@ def heatmap(result: Sensitivity, path: Path) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    shown = [i for i, name in enumerate(result.schemes) if schemes.get(name).quantized]
+    shown = [i for i, name in enumerate(result.schemes) if schemes.any_scheme(name).quantized]
     kinds = list(dict.fromkeys(u.kind for u in result.units))
     blocks = sorted({u.block for u in result.units if u.block is not None}) or [0]
     values = [v for row in result.kld for i, v in enumerate(row) if i in shown and v]

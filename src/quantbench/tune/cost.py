@@ -1,0 +1,188 @@
+"""What each llama.cpp tensor type costs in decode time on this machine: the table a latency tune
+(`quantbench tune --engine llamacpp --objective latency` or `--latency-ms X`) predicts with.
+
+Measured through the engine's own kernels: for every type a tune may choose, the base's F16 GGUF
+is quantized with every tuned tensor (the repeating blocks' 2-D weights) in that type and the
+embeddings pinned as candidates pin them, and `llama-bench` decodes `TOKENS` tokens with it (no
+prompt, this machine's threads). The files are measured in turn, `ROUNDS` times (the order reversed
+every other round, so a drift of the machine does not favour one type); a type's time is the
+median. With `ms[T]` the decode time per token of the all-`T` file and `W` the tuned weights,
+
+    predicted ms/token of a mix = ms[R] + sum over tensors i of  n_i * (ms[T_i] - ms[R]) / W
+
+(R the reference type): the time the tuned tensors take scales with how many weights each type
+holds, as it does when decoding one token at a time streams every weight once. What the table
+does not see (a type slower on one shape than another) shows as the gap between the predicted and
+the measured decode time of each candidate, which the tune logs (`tune/predicted_decode_ms`
+beside the candidate's own `speed/decode_tok_s`).
+
+Stored once per (llama.cpp build, CPU model, threads, base model, types) under the cache directory
+(`costs/<key>.json`) and reused; measuring it takes about a minute per type on the default model
+on 2 cores, with a line of progress per file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from quantbench.core.errors import UserError
+from quantbench.core.files import atomic_write, canonical_sha
+from quantbench.core.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+REFERENCE = "Q8_0"
+TOKENS = 48  # decoded per llama-bench repetition
+ROUNDS = 3
+NOISY = 0.25  # rounds further apart than this (a share of the median) are warned about
+
+
+@dataclass
+class CostTable:
+    key: str
+    engine: str  # the llama.cpp build that measured it
+    cpu: str  # CPU model and class
+    threads: int
+    types: list[str]
+    ms: dict[str, float]  # type -> decode ms/token of the file whose tuned tensors all have that type
+    spread: dict[str, float]  # (max - min) / median over the rounds
+    weights: int  # tuned weights (W)
+    wall_s: float
+
+    def predict(self, weights_by_type: dict[str, int]) -> float:
+        """Decode ms/token of a mix that stores `weights_by_type[T]` tuned weights in type T."""
+        ref = self.ms[REFERENCE]
+        return ref + sum(n * (self.ms[t] - ref) / self.weights for t, n in weights_by_type.items())
+
+    def per_weight(self, kind: str) -> float:
+        """ms/token one tuned weight adds in `kind` over the reference type."""
+        return (self.ms[kind] - self.ms[REFERENCE]) / self.weights
+
+
+def path(key: str) -> Path:
+    return cache_dir() / "costs" / f"{key}.json"
+
+
+def table_key(tools, cpu_name: str, threads: int, base_fingerprint: str, types: list[str]) -> str:
+    from quantbench.engines import llamacpp_build as build
+
+    return canonical_sha(
+        {
+            "build": build.key(),
+            "engine": tools.describe(),
+            "cpu": cpu_name,
+            "threads": threads,
+            "base": base_fingerprint,
+            "types": sorted(set(types) | {REFERENCE}),
+            "tokens": TOKENS,
+            "rounds": ROUNDS,
+            "version": VERSION,
+        }
+    )[:16]
+
+
+def get(base, types: list[str], tuned: list[str], log_path: Path | None = None) -> CostTable:
+    """The cost table of `types` on this machine for `base` (a resolved model), measured once and
+    cached; `tuned` are the GGUF tensor base names a tune chooses types for."""
+    from quantbench.core import environment, hardware
+    from quantbench.engines import llamacpp
+    from quantbench.engines import llamacpp_build as build
+
+    tools = build.ensure("the latency cost table")
+    cpu_name = f"{environment.describe().get('cpu', 'unknown CPU')} ({hardware.cpu().klass})"
+    threads = llamacpp.threads()
+    key = table_key(tools, cpu_name, threads, base.fingerprint, types)
+    stored = path(key)
+    if stored.is_file():
+        table = CostTable(**json.loads(stored.read_text()))
+        log.info("latency cost table: reusing %s (measured in %.0f s, %s)", stored, table.wall_s, table.cpu)
+        return table
+    base_file = llamacpp.base_gguf(base.path, tools)
+    kinds = sorted(set(types) | {REFERENCE}, key=lambda t: (t != REFERENCE, t))
+    log.info(
+        "latency cost table: %d files (%s) through llama-bench, %d rounds of %d tokens (%s, %d threads); "
+        "measured once for this build, CPU and model, then reused",
+        len(kinds),
+        ", ".join(kinds),
+        ROUNDS,
+        TOKENS,
+        cpu_name,
+        threads,
+    )
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="quantbench-costs-") as tmp:
+        folder = Path(tmp)
+        files = {
+            kind: _uniform(tools, base_file, kind, tuned, folder, log_path or folder / "quantize.log") for kind in kinds
+        }
+        weights = _tuned_weights(files[REFERENCE], tuned)
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for r in range(ROUNDS):
+            for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                times[kind].append(_decode_ms(tools, files[kind], threads))
+                log.info("latency cost table: round %d/%d, %s %.2f ms/token", r + 1, ROUNDS, kind, times[kind][-1])
+    ms = {kind: statistics.median(v) for kind, v in times.items()}
+    spread = {kind: (max(v) - min(v)) / ms[kind] for kind, v in times.items()}
+    table = CostTable(
+        key, tools.describe(), cpu_name, threads, kinds, ms, spread, weights, time.perf_counter() - started
+    )
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(stored, json.dumps(asdict(table), indent=1))
+    noisy = {k: v for k, v in spread.items() if v > NOISY}
+    if noisy:
+        log.warning(
+            "latency cost table: the rounds disagree by more than %d %% for %s (was the machine busy?); the "
+            "medians are kept. To measure again on a quiet machine, delete %s",
+            round(NOISY * 100),
+            ", ".join(f"{k} ({v:.0%})" for k, v in noisy.items()),
+            stored,
+        )
+    log.info(
+        "latency cost table: %s in %.0f s (%s)",
+        ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()),
+        table.wall_s,
+        stored,
+    )
+    return table
+
+
+def _uniform(tools, base_file: Path, kind: str, tuned: list[str], folder: Path, log_path: Path) -> Path:
+    """The base with every tuned tensor in `kind`, the embeddings pinned (as candidates have them)."""
+    from quantbench.engines import llamacpp
+    from quantbench.tune import gguf as gguf_tune
+
+    out = folder / f"{kind}.gguf"
+    cmd = [tools.tool("llama-quantize")]
+    for pattern in gguf_tune.patterns(tuned):
+        cmd += ["--tensor-type", f"{pattern}={kind.lower()}"]
+    for pattern in gguf_tune.PINNED:
+        cmd += ["--tensor-type", f"{pattern}={gguf_tune.EMBEDDINGS.lower()}"]
+    # a quantized file type, so the per-tensor types apply (llama-quantize ignores them for F16)
+    cmd += [str(base_file), str(out), gguf_tune.EMBEDDINGS, str(llamacpp.threads())]
+    llamacpp.run_tool(cmd, log_path, f"llama-quantize: every tuned tensor in {kind}")
+    return out
+
+
+def _tuned_weights(file: Path, tuned: list[str]) -> int:
+    from quantbench.sources.checkpoint import gguf_tensors
+
+    names = {f"{n}.weight" for n in tuned}
+    return sum(elements for name, _, elements, _ in gguf_tensors(file) if name in names)
+
+
+def _decode_ms(tools, file: Path, threads: int) -> float:
+    cmd = [tools.tool("llama-bench"), "-m", str(file), "-p", "0", "-n", str(TOKENS), "-t", str(threads), "-r", "2",
+           "-o", "json"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise UserError(f"llama-bench on {file.name} failed (exit {done.returncode}): {done.stderr.strip()[-400:]}")
+    rows = [row for row in json.loads(done.stdout) if row.get("n_gen")]
+    return 1000.0 / float(rows[0]["avg_ts"])
