@@ -50,7 +50,7 @@ help:
 	@echo "make doctor                     which engines and servers this machine has"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
-	@echo "make lint                       ruff (lint, and format --check over src/), mypy over src/, import contracts (the fast tier runs them too)"
+	@echo "make lint                       ruff (lint, and format --check over src/), mypy over src/ and bench/, import contracts (the fast tier runs them too)"
 	@echo "make test                       run the whole test suite (fast tier + real-model tier)"
 	@echo "make test-fast                  the fast tier only: no servers, browser, database or real model (< 3 min)"
 	@echo "make gc                         end runs left RUNNING by a killed process, remove their staging dirs"
@@ -131,9 +131,9 @@ recipes: $(STAMP)
 	$(BIN)/quantbench recipes $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src
-	$(BIN)/mypy src
+	$(BIN)/mypy
 	$(BIN)/lint-imports
 
 # The suite on WORKERS pytest-xdist workers (2: much of it waits on servers and child processes, and

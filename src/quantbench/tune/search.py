@@ -776,9 +776,10 @@ def _lock(directory: Path):
 # The answer, the frontier
 
 
-def shipped_references(tracker: Tracker, base_fingerprint: str) -> list:
+def shipped_references(tracker: Tracker, base_fingerprint: str, gguf: bool | None = None) -> list:
     """The newest FINISHED run of each shipped recipe (recipes/) on this base model that has a
-    KLD: the uniform reference points of the frontier."""
+    KLD: the uniform reference points of the frontier (with `gguf`, only llama.cpp's presets, or
+    only the others: a tune is drawn beside what its engine serves)."""
     from quantbench.recipe import available_recipes
 
     shipped = set(available_recipes(recipes_dir()))
@@ -790,6 +791,7 @@ def shipped_references(tracker: Tracker, base_fingerprint: str) -> list:
             and TAG + "tune" not in r.data.tags
             and "quality/kld_mean" in r.data.metrics
             and recipe not in newest
+            and (gguf is None or (r.data.tags.get(TAG + "format") == "gguf") == gguf)
         ):
             newest[recipe] = r
     return list(newest.values())
@@ -1017,7 +1019,7 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
         search.budgets()
         search.alternatives()
         best, unmet = answer(search.candidates, request.objective)
-        references = shipped_references(tracker, plan.base.fingerprint)
+        references = shipped_references(tracker, plan.base.fingerprint, gguf=plan.gguf)
         points = frontier(search.candidates, references, plan.policy.name)
         verdict = None
         if best is not None:
