@@ -347,14 +347,13 @@ def write_recipe(
         from quantbench.tune import gguf as gguf_tune
 
         # the most common quantized type is the recipe's own (llama-quantize ignores per-tensor types
-        # when the file type is F16); every other tensor named by its GGUF name, the embeddings
-        # pinned (so a candidate's size is its allocation's)
+        # when the file type is F16); every tensor is named with its type, that type's too (for its
+        # own file type llama-quantize may bump a tensor: with an importance matrix, measured, 3 of
+        # the default model's Q5_0 tensors became Q5_1), the embeddings pinned: the file is the allocation
         quantized = sorted(s for s in layers_of if s != "F16") or [gguf_tune.EMBEDDINGS]
-        q["type"] = default = max(quantized, key=lambda s: len(layers_of.get(s, [])))
+        q["type"] = max(quantized, key=lambda s: len(layers_of.get(s, [])))
         q["layers"] = {
-            s: gguf_tune.patterns([plan.gguf_names[n] for n in layers])
-            for s, layers in sorted(layers_of.items())
-            if s != default
+            s: gguf_tune.patterns([plan.gguf_names[n] for n in layers]) for s, layers in sorted(layers_of.items())
         }
         q["layers"].setdefault(gguf_tune.EMBEDDINGS, []).extend(gguf_tune.PINNED)
     else:
