@@ -8,6 +8,7 @@ import pytest
 
 from quantbench.core.errors import UserError
 from quantbench.recipe import schemes
+from quantbench.release.gate import Bound
 from quantbench.tune import allocate
 from quantbench.tune import search as tune
 from quantbench.tune.sensitivity import Sensitivity, Settings, Unit
@@ -127,8 +128,10 @@ def many_units(n=40) -> Sensitivity:
     return sensitivity(widths=(64,) * n, kld=kld)
 
 
-def test_the_budget_search_narrows_to_the_smallest_passing_candidate():
-    search = StandIn(many_units(), needed=6.0, scale=2.0, runs=8, limit=0.05)
+@pytest.mark.parametrize("limit", [0.05, Bound(value=0.05, on="ci_high")], ids=["number", "interval-bound"])
+def test_the_budget_search_narrows_to_the_smallest_passing_candidate(limit):
+    # a policy's KLD limit is a number or, as release writes it, a bound on one end of the interval
+    search = StandIn(many_units(), needed=6.0, scale=2.0, runs=8, limit=limit)
     search.budgets()
     bits = [c.bits_per_weight for c in search.candidates]
     passing = [c.bits_per_weight for c in search.candidates if c.passed]

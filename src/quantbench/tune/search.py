@@ -555,7 +555,9 @@ class Search:
         cheapest, best = self.problem.bounds()
         lo, hi = cheapest, best  # bits (or ms): lo fails (assumed until measured), hi passes (assumed)
         lo_measured = hi_measured = False
-        limit = self.plan.policy.policy.max.get("quality/kld_mean")
+        # the policy's KLD limit: a number, or a bound on one end of the interval (`{value, on}`)
+        bound = self.plan.policy.policy.max.get("quality/kld_mean")
+        limit = bound.value if isinstance(bound, gate.Bound) else bound
         for _ in range(request.budget_runs):
             target = self._target(limit, lo, hi, lo_measured, hi_measured)
             alloc = allocate.solve(self.problem, target)
