@@ -481,8 +481,6 @@ def cmd_evaluate(args) -> int:
         base=args.base,
         experiment=args.experiment,
         engine=args.engine,
-        objective=args.objective,
-        latency_ms=args.latency_ms,
     )
     if result is None:
         return 1
