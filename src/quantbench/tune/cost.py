@@ -57,11 +57,6 @@ class CostTable:
     weights: int  # tuned weights (W)
     wall_s: float
 
-    def predict(self, weights_by_type: dict[str, int]) -> float:
-        """Decode ms/token of a mix that stores `weights_by_type[T]` tuned weights in type T."""
-        ref = self.ms[REFERENCE]
-        return ref + sum(n * (self.ms[t] - ref) / self.weights for t, n in weights_by_type.items())
-
     def per_weight(self, kind: str) -> float:
         """ms/token one tuned weight adds in `kind` over the reference type."""
         return (self.ms[kind] - self.ms[REFERENCE]) / self.weights

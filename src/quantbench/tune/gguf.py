@@ -68,21 +68,12 @@ def fixed_bytes(base_gguf: Path, tuned: set[str]) -> float:
 def patterns(names: list[str]) -> list[str]:
     """Compact llama-quantize patterns for GGUF tensor base names: one per set of tensor kinds
     taken in the same blocks (`^blk\\.(0|3|7)\\.(attn_q|attn_k)\\.weight$`), exact names else."""
-    kinds: dict[str, set[int]] = {}
-    out = []
-    for name in names:
-        match = re.fullmatch(r"blk\.(\d+)\.(.*)", name)
-        if match is None:
-            out.append(f"^{re.escape(name)}\\.weight$")
-            continue
-        kinds.setdefault(match.group(2), set()).add(int(match.group(1)))
-    together: dict[tuple[int, ...], list[str]] = {}
-    for kind, blocks in kinds.items():
-        together.setdefault(tuple(sorted(blocks)), []).append(kind)
-    for blocks, suffixes in together.items():
+    from quantbench.tune.search import block_groups
+
+    groups, outside = block_groups(names)
+    out = [f"^{re.escape(name)}\\.weight$" for name in outside]
+    for prefix, blocks, suffixes in groups:
         which = "|".join(map(str, blocks))
-        kinds_ = (
-            re.escape(suffixes[0]) if len(suffixes) == 1 else "(" + "|".join(map(re.escape, sorted(suffixes))) + ")"
-        )
-        out.append(f"^blk\\.({which})\\.{kinds_}\\.weight$")
+        kinds = re.escape(suffixes[0]) if len(suffixes) == 1 else "(" + "|".join(map(re.escape, sorted(suffixes))) + ")"
+        out.append(f"^{re.escape(prefix)}\\.({which})\\.{kinds}\\.weight$")
     return out
