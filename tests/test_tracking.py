@@ -31,6 +31,24 @@ def test_ctrl_c_marks_killed(workdir):
     assert runs()[0].info.status == "KILLED"
 
 
+def test_an_interrupt_a_library_wrapped_still_marks_killed(workdir):
+    # e.g. an interrupt inside a library's `finally`/`except` that raised its own error on the way out
+    with pytest.raises(RuntimeError):
+        with Tracker().start_run("wrapped", {}):
+            try:
+                raise KeyboardInterrupt("signal 15")
+            finally:
+                raise RuntimeError("worker pool shut down while busy")
+    with pytest.raises(ValueError):
+        with Tracker().start_run("caught", {}):
+            try:
+                raise KeyError("x")
+            except KeyError as exc:
+                raise ValueError("bad") from exc
+    status = {r.info.run_name: r.info.status for r in runs()}
+    assert status == {"wrapped": "KILLED", "caught": "FAILED"}  # only an interrupt in the chain is a KILL
+
+
 @pytest.fixture
 def sigterm_interrupts():
     """SIGTERM handled as the commands that own runs handle it (processes.interrupt)."""

@@ -167,13 +167,13 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        from quantbench.core.processes import interrupts_held
+        from quantbench.core.processes import interrupted, interrupts_held
 
         with interrupts_held() as held:  # a second Ctrl-C must not leave the run RUNNING
             if exc_type is None:
                 self.client.set_terminated(self.run_id, "FINISHED")
             else:
-                status = "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
+                status = "KILLED" if interrupted(exc) else "FAILED"
                 try:
                     message = f"{exc_type.__name__}: {exc}"
                     self.client.set_tag(self.run_id, TAG + "error", message[:5000])

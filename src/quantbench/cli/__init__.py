@@ -423,7 +423,7 @@ def _run_stage(name: str, fn, *args, **kwargs) -> Any | None:
     """Run a stage that owns an MLflow run; None (exit 1) if it failed after starting."""
     import signal
 
-    from quantbench.core.processes import interrupt
+    from quantbench.core.processes import interrupt, interrupted
 
     # `kill` (a timeout, a scheduler) ends a stage like Ctrl-C: its MLflow run is marked KILLED
     # and any staging directory removed, never left RUNNING (not even when the signal comes while
@@ -434,7 +434,9 @@ def _run_stage(name: str, fn, *args, **kwargs) -> Any | None:
         return fn(*args, **kwargs)
     except UserError:
         raise
-    except Exception as exc:  # the run is already marked FAILED with the traceback
+    except Exception as exc:  # the run is already marked FAILED (or KILLED) with the traceback
+        if interrupted(exc):  # an interrupt a library wrapped in an exception of its own: exit 130
+            raise KeyboardInterrupt(str(exc)) from exc
         log.exception("%s failed: %s", name, exc)
         return None
 

@@ -25,6 +25,19 @@ def interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def interrupted(exc: BaseException | None) -> bool:
+    """Whether an exception ends a run because the command was interrupted: a KeyboardInterrupt, or
+    an exception a library raised while handling one (it is in the chain: `raise ... from`, or an
+    error raised in an `except` or `finally` block the interrupt went through)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 @contextmanager
 def interrupts_held():
     """A block that an interrupt must not cut in half (an MLflow run being created, or its status
