@@ -69,6 +69,12 @@ def configure_console(verbose: bool = False) -> None:
     ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if not any(isinstance(f, _Drop) for f in ops.filters):
         ops.addFilter(_Drop("Failed to load CPU gemm_4bit_forward from kernels-community"))
+    # torchao (imported by llm-compressor) tries its CUDA-only kernel libraries and Triton at import
+    # and warns on a machine without them, in every job's first lines
+    for name, text in (("torchao", "Failed to load "), ("torchao.kernel.intmm", "Warning: Detected no triton")):
+        quiet = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) for f in quiet.filters):
+            quiet.addFilter(_Drop(text))
 
 
 @contextmanager
