@@ -332,3 +332,34 @@ def test_tune_quantizes_its_candidates_on_the_cluster(cluster, workdir, tiny128_
     assert cand.data.tags["quantbench.ray_node"] in {n.node_id for n in cluster["nodes"].values()}
     assert cand.data.tags["mlflow.parentRunId"] == summary["parent_run"]
     assert summary["passed"] is True
+
+
+@pytest.mark.slow
+def test_tune_parallel_measures_a_round_of_candidates_at_once(cluster, workdir, tiny128_model_dir, capsys):
+    """`tune --ray --parallel 2`: a round of the budget search hands two candidates to the cluster
+    at once (both started before either ends), each a child run on a node; --budget-runs counts
+    candidates, and the answer is the smallest that passes."""
+    import yaml
+
+    from tests.conftest import TINY_SUITE
+
+    (workdir / "suites").mkdir()
+    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
+    write_recipe(workdir, "tiny-rtn", tiny_recipe(tiny128_model_dir, "method: rtn\ngroup_size: 64\n")
+                 + "evaluate:\n  suite: tiny\nresources:\n  num_cpus: 1\n  num_gpus: 0\n")
+    (workdir / "policies").mkdir()
+    (workdir / "policies" / "loose.yaml").write_text(yaml.safe_dump({
+        "stages": ["quantize", "evaluate"], "max": {"quality/kld_mean": 1.0}, "registry": {"model": "tiny-{recipe}"}}))
+    args = ["tune", "--policy", "loose", "--from", "tiny-rtn", "--sensitivity-windows", "2", "--budget-runs", "2",
+            "--parallel", "2", "--ray", cluster["address"], "--json"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    summary = last_json(out)
+    events = [line.split()[1] for line in err.splitlines() if line[8:15] in (" start ", " done  ")]
+    assert events == ["start", "start", "done", "done"]  # the round's two candidates ran together
+    mine = [r for r in candidates() if r.data.tags.get("quantbench.tune") == summary["tune"]]
+    assert len(mine) == 2 and {r.info.status for r in mine} == {"FINISHED"}
+    assert {r.data.tags["mlflow.parentRunId"] for r in mine} == {summary["parent_run"]}
+    assert all(r.data.tags["quantbench.ray_node"] in {n.node_id for n in cluster["nodes"].values()} for r in mine)
+    sizes = {r.info.run_id: r.data.metrics["model/size_mb"] for r in mine}
+    assert summary["passed"] is True and sizes[summary["best_run"]] == min(sizes.values())

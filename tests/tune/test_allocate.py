@@ -98,13 +98,18 @@ class StandIn(tune.Search):
     """The search's decisions with measuring replaced: a candidate passes when its bits per weight
     reach `needed`; its measured KLD is the prediction times `scale`."""
 
-    def __init__(self, sens, needed, scale, runs, limit, alternatives=()):
+    def __init__(self, sens, needed, scale, runs, limit, alternatives=(), parallel=1):
         self.sens, self.needed, self.scale = sens, needed, scale
         self.problem = allocate.problem(sens, sens.schemes, 16, 0.0)
-        self.candidates, self.allocations, self.templates = [], {}, []
+        self.candidates, self.allocations, self.templates, self.rounds = [], {}, [], []
         policy = type("P", (), {"max": {"quality/kld_mean": limit}})
-        self.plan = type("Plan", (), {"request": tune.Request("x", budget_runs=runs), "alternatives": list(alternatives),
+        request = tune.Request("x", budget_runs=runs, parallel=parallel)
+        self.plan = type("Plan", (), {"request": request, "alternatives": list(alternatives),
                                       "policy": type("L", (), {"policy": policy})})
+
+    def measure_many(self, wanted):
+        self.rounds.append(len(wanted))
+        return [self.measure(*w) for w in wanted]
 
     def measure(self, alloc, budget_bits, template=None):
         self.allocations[f"sha{len(self.candidates)}"] = alloc
@@ -139,6 +144,25 @@ def test_the_budget_search_narrows_to_the_smallest_passing_candidate(limit):
     assert passing and failing and len(bits) <= 8 and len(set(bits)) == len(bits)  # no allocation measured twice
     assert min(passing) - max(failing) < 0.6  # the interval shrank around the threshold
     assert min(passing) >= 6.0 > max(failing)
+
+
+def test_a_parallel_search_measures_rounds_of_n_and_narrows_as_far():
+    """--parallel 3: each round measures the model's pick and two more in the widest gaps; with the
+    same number of candidates it needs a third of the rounds and ends as close to the threshold."""
+    serial = StandIn(many_units(), needed=6.0, scale=2.0, runs=6, limit=0.05)
+    serial.budgets()
+    wide = StandIn(many_units(), needed=6.0, scale=2.0, runs=6, limit=0.05, parallel=3)
+    wide.budgets()
+    assert wide.rounds == [3, 3] and len(serial.rounds) == len(serial.candidates) > 2
+    for search in (serial, wide):
+        bits = [c.bits_per_weight for c in search.candidates]
+        assert len(set(bits)) == len(bits)  # no allocation measured twice, within a round or across
+        passing = min(c.bits_per_weight for c in search.candidates if c.passed)
+        failing = max(c.bits_per_weight for c in search.candidates if not c.passed)
+        assert passing >= 6.0 > failing and passing - failing < 0.6
+    first = sorted(c.budget_bits for c in wide.candidates[:3])
+    cheapest, best = wide.problem.bounds()
+    assert cheapest < first[0] < first[1] < first[2] < best  # three budgets spread inside the interval
 
 
 def test_the_search_stops_at_once_when_the_cheapest_candidate_passes():

@@ -5,6 +5,7 @@ tensor, the types the allocation chose, at the size and bits it predicted, each 
 the sensitivity rounded it."""
 
 import collections
+import json
 import re
 from pathlib import Path
 
@@ -132,4 +133,9 @@ def test_a_gguf_tune_writes_the_types_it_chose_at_the_size_it_predicted(setup, c
     err = capsys.readouterr().err
     assert "--latency-ms 0.0001: below" in err and "the fastest any mix of" in err
     assert stored.stat().st_mtime == measured_at
+    # --remeasure-costs: the table measured again and replaced (the same refusal after it)
+    assert main(["tune", "--policy", "loose", "--from", "tiny-g", "--latency-ms", "0.0001", "--remeasure-costs",
+                 "--sensitivity-windows", "2"]) == 2
+    assert "--latency-ms 0.0001: below" in capsys.readouterr().err
+    assert stored.stat().st_mtime > measured_at and json.loads(stored.read_text())["ms"].keys() == table["ms"].keys()
     assert len([r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]) == 2

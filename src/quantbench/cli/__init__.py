@@ -337,6 +337,22 @@ def build_parser() -> argparse.ArgumentParser:
         "the sensitivity stay here (docs/ray.md)",
     )
     t.add_argument(
+        "--remeasure-costs",
+        action="store_true",
+        help="with --objective latency: measure the latency cost table again and replace the cached one (it "
+        "is kept per build, CPU, threads, model and types; measure on a quiet machine)",
+    )
+    t.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --ray: N candidates at once. Each round of the budget search measures N budgets (the "
+        "model's pick and N - 1 more, each halving the widest gap left), and --from's alternatives run "
+        "together; --budget-runs still counts candidates (default 1: one after another, each chosen from "
+        "the last one's measurement)",
+    )
+    t.add_argument(
         "--sensitivity-windows",
         type=int,
         default=4,
@@ -625,8 +641,10 @@ def cmd_tune(args) -> int:
         engine=args.engine,
         objective=args.objective,
         latency_ms=args.latency_ms,
+        remeasure_costs=args.remeasure_costs,
         sensitivity=sensitivity.Settings(method=args.sensitivity, windows=args.sensitivity_windows),
         ray=args.ray,
+        parallel=args.parallel,
     )
     result = _run_stage("tune", tune.run, request, outputs=args.outputs, experiment=args.experiment)
     if result is None:

@@ -84,9 +84,10 @@ def table_key(tools, cpu_name: str, threads: int, base_fingerprint: str, types: 
     )[:16]
 
 
-def get(base, types: list[str], tuned: list[str], log_path: Path | None = None) -> CostTable:
+def get(base, types: list[str], tuned: list[str], log_path: Path | None = None, remeasure: bool = False) -> CostTable:
     """The cost table of `types` on this machine for `base` (a resolved model), measured once and
-    cached; `tuned` are the GGUF tensor base names a tune chooses types for."""
+    cached (`remeasure`: measured again, the cached one replaced); `tuned` are the GGUF tensor base
+    names a tune chooses types for."""
     from quantbench.core import environment, hardware
     from quantbench.engines import llamacpp
     from quantbench.engines import llamacpp_build as build
@@ -96,7 +97,9 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None) 
     threads = llamacpp.threads()
     key = table_key(tools, cpu_name, threads, base.fingerprint, types)
     stored = path(key)
-    if stored.is_file():
+    if stored.is_file() and remeasure:
+        log.info("latency cost table: measuring again (--remeasure-costs); %s is replaced at the end", stored)
+    elif stored.is_file():
         table = CostTable(**json.loads(stored.read_text()))
         log.info("latency cost table: reusing %s (measured in %.0f s, %s)", stored, table.wall_s, table.cpu)
         return table
@@ -135,7 +138,7 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None) 
     if noisy:
         log.warning(
             "latency cost table: the rounds disagree by more than %d %% for %s (was the machine busy?); the "
-            "medians are kept. To measure again on a quiet machine, delete %s",
+            "medians are kept. To measure again on a quiet machine: --remeasure-costs (or delete %s)",
             round(NOISY * 100),
             ", ".join(f"{k} ({v:.0%})" for k, v in noisy.items()),
             stored,

@@ -76,6 +76,7 @@ class Request:
     # (llama.cpp: cost.py's measured table); `latency_ms` makes one candidate under that budget
     objective: str = "size"
     latency_ms: float | None = None
+    remeasure_costs: bool = False  # the latency cost table measured again, the cached one replaced
     # more templates (other methods: autoround-w4a16, spinquant-w4a16, ...): the answer's allocation is
     # also made with each, and the best measured one wins
     alternatives: list[str] = field(default_factory=list)
@@ -83,6 +84,9 @@ class Request:
     # where candidates are quantized: None here; a Ray address ("" for the cluster running here,
     # else a local Ray) runs each on a Ray node with the resources its recipe asks for
     ray: str | None = None
+    # candidates at once (with `ray` only): each search round measures this many budgets inside the
+    # interval, and the alternatives run together
+    parallel: int = 1
 
 
 @dataclass
@@ -181,6 +185,14 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         raise UserError(f"--objective latency searches on decode time; {budgets[0]} is a size budget")
     if request.budget_runs < 1:
         raise UserError(f"--budget-runs: {request.budget_runs}; at least 1 candidate")
+    if request.parallel < 1:
+        raise UserError(f"--parallel: {request.parallel}; at least 1 candidate at a time")
+    if request.parallel > 1 and request.ray is None:
+        raise UserError(
+            f"--parallel {request.parallel} needs --ray: every candidate measures its speed, and "
+            f"{request.parallel} of them on this machine would measure each other; on a Ray cluster each runs "
+            "on a node with the resources its recipe asks for"
+        )
     ignore = getattr(spec, "ignore", [])
     for other in alternatives:
         if (
@@ -247,6 +259,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         "bits": request.bits,
         "max_size_mb": request.max_size_mb,
         "budget_runs": request.budget_runs,
+        **({"parallel": request.parallel} if request.parallel > 1 else {}),  # rounds of N choose other budgets
         **({"objective": request.objective, "latency_ms": request.latency_ms} if request.objective != "size" else {}),
         "base": base.fingerprint,
         "sensitivity": {k: v for k, v in asdict(request.sensitivity).items() if k != "fuse" or not v},
@@ -463,32 +476,36 @@ class JobOutcome:
 
 
 def run_quantize_jobs(
-    jobs: list[QuantizeJob], *, executor, tracker: Tracker, outputs: Path, parent: str | None
+    jobs: list[QuantizeJob], *, executor, tracker: Tracker, outputs: Path, parent: str | None, concurrency: int = 1
 ) -> list[JobOutcome]:
-    """Run `quantbench quantize RECIPE --json` for each job, one after the other, through the
-    sweep's attempt loop (`executor.Runner`): here as a child process, or on a Ray node
+    """Run `quantbench quantize RECIPE --json` for each job through the sweep's attempt loop
+    (`executor.Runner`), up to `concurrency` at once: here as a child process, or on a Ray node
     (`executor`), each child's run carrying `job.tags` and the parent run id, its output into
     `job.log`'s directory. One attempt each (a candidate that fails is a measured outcome, not
-    retried). Ctrl-C or SIGTERM stops the running attempt (its run ends KILLED) and propagates."""
+    retried). Ctrl-C or SIGTERM stops every attempt in flight (its run ends KILLED) and propagates."""
     from quantbench.jobs.executor import Job, Limits, Runner
 
-    outcomes = []
+    if not jobs:
+        return []
+    tasks = []
     for job in jobs:
         job.log.parent.mkdir(parents=True, exist_ok=True)
-        task = Job(
-            job.name, str(job.recipe), [], job.name, tags=job.tags, resources=load_recipe(job.recipe).resources()
+        tasks.append(
+            Job(job.name, str(job.recipe), [], job.name, tags=job.tags, resources=load_recipe(job.recipe).resources())
         )
-        runner = Runner(
-            executor,
-            Limits(timeout_s=CANDIDATE_TIMEOUT_S, retries=0, backoff_s=0, concurrency=1),
-            tracker=tracker,
-            experiment=tracker.experiment,
-            outputs=outputs,
-            logs=job.log.parent,
-            parent=parent,
-            label="tune",
-        )
-        runner.run([task])
+    runner = Runner(
+        executor,
+        Limits(timeout_s=CANDIDATE_TIMEOUT_S, retries=0, backoff_s=0, concurrency=concurrency),
+        tracker=tracker,
+        experiment=tracker.experiment,
+        outputs=outputs,
+        logs=jobs[0].log.parent,
+        parent=parent,
+        label="tune",
+    )
+    runner.run(tasks)
+    outcomes = []
+    for job, task in zip(jobs, tasks):
         attempt = task.attempts[-1]
         Path(attempt["log"]).replace(job.log)  # the candidate's log where the tune's state names it
         result = {"run_id": task.run_id, "metrics": task.metrics} if task.status == "finished" else None
@@ -566,30 +583,62 @@ class Search:
         # the policy's KLD limit: a number, or a bound on one end of the interval (`{value, on}`)
         bound = self.plan.policy.policy.max.get("quality/kld_mean")
         limit = bound.value if isinstance(bound, gate.Bound) else bound
-        for _ in range(request.budget_runs):
-            target = self._target(limit, lo, hi, lo_measured, hi_measured)
-            alloc = allocate.solve(self.problem, target)
-            if any(_same(alloc, c) for c in self.candidates):
+        used = 0
+        while used < request.budget_runs:
+            # a round: the model's pick, and with --parallel N, N - 1 more around it
+            targets = self._targets(
+                min(request.parallel, request.budget_runs - used), limit, lo, hi, lo_measured, hi_measured
+            )
+            wanted: list[tuple[allocate.Allocation, float]] = []
+            for target in targets:
+                alloc = allocate.solve(self.problem, target)
+                if any(_same(alloc, c) for c in self.candidates) or any(
+                    f"{alloc.bits_per_weight:.3f}" == f"{a.bits_per_weight:.3f}" for a, _ in wanted
+                ):
+                    continue  # measured already, or a batch-mate (and its recipe name) at the same bits
+                wanted.append((alloc, target))
+            if not wanted:
                 log.info(
-                    "tune: the allocation at %s was measured already; the search has converged",
-                    self._describe(target),
+                    "tune: the allocation%s at %s %s measured already; the search has converged",
+                    "s" if len(targets) > 1 else "",
+                    ", ".join(self._describe(t) for t in targets),
+                    "were" if len(targets) > 1 else "was",
                 )
                 break
-            cand = self.measure(alloc, target)
-            if cand.status == "failed":
+            measured = self.measure_many([(alloc, target, None) for alloc, target in wanted])
+            used += len(measured)
+            if any(c.status == "failed" for c in measured):
                 break
-            if cand.quality_passed:
-                hi, hi_measured = self._spent(alloc), True
-            else:
-                lo, lo_measured = self._spent(alloc), True
-                if self._spent(alloc) >= best - 1e-6:
-                    log.info(
-                        "tune: even the allocation with the least predicted KLD fails the policy's quality checks; "
-                        "more bits cannot help with these schemes"
-                    )
-                    break
+            spent = [(self._spent(alloc), cand) for (alloc, _), cand in zip(wanted, measured)]
+            passing = [x for x, c in spent if c.quality_passed]
+            if passing:
+                hi, hi_measured = min(passing), True
+            failing = [x for x, c in spent if not c.quality_passed and x < hi]
+            if failing and max(failing) > lo:
+                lo, lo_measured = max(failing), True
+            if not passing and max(x for x, _ in spent) >= best - 1e-6:
+                log.info(
+                    "tune: even the allocation with the least predicted KLD fails the policy's quality checks; "
+                    "more bits cannot help with these schemes"
+                )
+                break
             if hi_measured and self._close(lo, hi):
                 break
+
+    def _targets(self, k: int, limit, lo, hi, lo_measured, hi_measured) -> list[float]:
+        """The next round's budgets inside (lo, hi): the model's pick (`_target`) and, for k > 1,
+        k - 1 more around it, below and above in turn, (hi - lo) / 2k apart (the pick's error is
+        unknown until measured), kept inside the interval."""
+        pick = self._target(limit, lo, hi, lo_measured, hi_measured)
+        step = (hi - lo) / (2 * k)
+        points = [pick]
+        for j in range(1, 2 * k):
+            if len(points) == k:
+                break
+            offset = step * ((j + 1) // 2) * (-1 if j % 2 else 1)
+            if lo < pick + offset < hi:
+                points.append(pick + offset)
+        return sorted(points)
 
     def _target(self, limit, lo, hi, lo_measured, hi_measured) -> float:
         """The next budget (total bits) inside (lo, hi): where the predicted KLD, scaled by what the
@@ -643,31 +692,41 @@ class Search:
                 template.name,
                 template.recipe.quantize.method,
             )
-            self.measure(alloc, chosen.budget_bits, template)
+        self.measure_many([(alloc, chosen.budget_bits, template) for template in self.plan.alternatives])
 
     def measure(
         self, alloc: allocate.Allocation, budget_bits: float, template: LoadedRecipe | None = None
     ) -> Candidate:
-        path, name, sha = write_recipe(self.plan, alloc, self.sens.units, self.parent.run_id, template)
-        self.allocations[sha] = alloc
-        cand = Candidate(
-            name,
-            str(path),
-            sha,
-            budget_bits,
-            alloc.predicted_kld,
-            alloc.size_mb,
-            alloc.bits_per_weight,
-            alloc.counts(),
-            alloc.predicted_ms,
-        )
-        self.candidates.append(cand)
-        step = len(self.candidates)
-        done = self.tracker.find_runs({TAG + "recipe_sha": sha})
-        if done:
-            cand.run_id, cand.status = done[0], "reused"
-            log.info("tune [%d] %s: measured before (run %s)", step, name, done[0])
-        else:
+        return self.measure_many([(alloc, budget_bits, template)])[0]
+
+    def measure_many(self, wanted: list[tuple[allocate.Allocation, float, LoadedRecipe | None]]) -> list[Candidate]:
+        """Each allocation (with its budget and template) written as a recipe and measured: reused
+        where a run of the same recipe exists, the rest quantized, evaluated and benched as child
+        runs, up to --parallel at once; then held to the policy."""
+        batch: list[tuple[int, Candidate, allocate.Allocation]] = []
+        jobs: list[tuple[QuantizeJob, int, Candidate]] = []
+        for alloc, budget_bits, template in wanted:
+            path, name, sha = write_recipe(self.plan, alloc, self.sens.units, self.parent.run_id, template)
+            self.allocations[sha] = alloc
+            cand = Candidate(
+                name,
+                str(path),
+                sha,
+                budget_bits,
+                alloc.predicted_kld,
+                alloc.size_mb,
+                alloc.bits_per_weight,
+                alloc.counts(),
+                alloc.predicted_ms,
+            )
+            self.candidates.append(cand)
+            step = len(self.candidates)
+            batch.append((step, cand, alloc))
+            done = self.tracker.find_runs({TAG + "recipe_sha": sha})
+            if done:
+                cand.run_id, cand.status = done[0], "reused"
+                log.info("tune [%d] %s: measured before (run %s)", step, name, done[0])
+                continue
             log.info(
                 "tune [%d] %s: predicted KLD %.4g, %.3f bits/weight, %.1f MiB%s -> quantize, evaluate, bench",
                 step,
@@ -683,17 +742,33 @@ class Search:
                 self.plan.directory / "logs" / f"{name}.log",
                 {TAG + "tune": self.plan.tune_id, TAG + "tune_policy": self.plan.policy.name},
             )
-            self._save(status=f"running {name}")
-            outcome = run_quantize_jobs(
-                [job], executor=self.executor, tracker=self.tracker, outputs=self.outputs, parent=self.parent.run_id
-            )[0]
-            cand.wall_s = outcome.wall_s
-            if outcome.result is None:
-                cand.status, cand.reason = "failed", outcome.reason
-                log.warning("tune [%d] %s failed: %s (log %s)", step, name, outcome.reason, job.log)
-                self._save()
-                return cand
-            cand.run_id, cand.status = outcome.result["run_id"], "finished"
+            jobs.append((job, step, cand))
+        if jobs:
+            self._save(status="running " + ", ".join(job.name for job, _, _ in jobs))
+            outcomes = run_quantize_jobs(
+                [job for job, _, _ in jobs],
+                executor=self.executor,
+                tracker=self.tracker,
+                outputs=self.outputs,
+                parent=self.parent.run_id,
+                concurrency=self.plan.request.parallel,
+            )
+            for outcome, (job, step, cand) in zip(outcomes, jobs):
+                cand.wall_s = outcome.wall_s
+                if outcome.result is None:
+                    cand.status, cand.reason = "failed", outcome.reason
+                    log.warning("tune [%d] %s failed: %s (log %s)", step, cand.name, outcome.reason, job.log)
+                else:
+                    cand.run_id, cand.status = outcome.result["run_id"], "finished"
+        for step, cand, alloc in batch:
+            if cand.status != "failed":
+                self._held_to_policy(step, cand, alloc)
+        self._save()
+        return [cand for _, cand, _ in batch]
+
+    def _held_to_policy(self, step: int, cand: Candidate, alloc: allocate.Allocation) -> None:
+        """A measured candidate's checks against the policy; its predictions logged to its run, the
+        tune's step metrics to the parent run."""
         run = self.tracker.existing(cand.run_id)
         info, data = run.info, run.data
         cand.metrics = dict(data.metrics)
@@ -731,14 +806,12 @@ class Search:
         log.info(
             "tune [%d] %s: measured KLD %s (predicted %.4g), %s MiB: %s",
             step,
-            name,
+            cand.name,
             f"{measured:.4g}" if measured is not None else "—",
             alloc.predicted_kld,
             f"{cand.metrics.get('model/size_mb', float('nan')):.1f}",
             "PASS" if cand.passed else "fails " + ", ".join(c["check"] for c in cand.failed_checks()),
         )
-        self._save()
-        return cand
 
     def _save(self, status: str = "") -> None:
         self.state["candidates"] = [asdict(c) for c in self.candidates]
@@ -972,7 +1045,12 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
     )
     costs = None
     if request.objective == "latency":
-        costs = cost.get(plan.base, request.schemes or [], sorted(set((plan.gguf_names or {}).values())))
+        costs = cost.get(
+            plan.base,
+            request.schemes or [],
+            sorted(set((plan.gguf_names or {}).values())),
+            remeasure=request.remeasure_costs,
+        )
         fastest, slowest = problem(plan, sens, costs).bounds()
         if request.latency_ms is not None and request.latency_ms < fastest - 1e-9:
             raise UserError(
@@ -1020,6 +1098,7 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
                         "objective": request.objective,
                         "latency_ms": request.latency_ms,
                         "budget_runs": request.budget_runs,
+                        "parallel": request.parallel,
                         "sensitivity": request.sensitivity.method,
                     }
                 }
