@@ -4,6 +4,7 @@ SLOs, the SLO rate; bad profiles refused before anything runs. The slow test swe
 servers of known capacity (tests/engines/echo_server.py with parallel slots)."""
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from quantbench.cli import main
 from quantbench.engines import ServerSettings
 from quantbench.engines.server import Stream
 from quantbench.speed.measure import Profile, SweepRates, bench_pair, sweep_rates
-from quantbench.speed.serving import level_holds, meets_slo, oversaturated, slo_rate
+from quantbench.speed.serving import level_holds, meets_slo, oversaturated, refine_slo_rate, slo_bracket, slo_rate
 from tests.engines.test_registry import SCRIPT, EchoServer, echo_servers
 from tests.helpers import last_json, runs
 
@@ -75,6 +76,22 @@ def test_the_slo_rate_climbs_until_the_first_level_that_did_not_hold():
     assert slo_rate({**levels, "c1/requests_s": 10.0}, [8.0, 12.0, 16.0], 16) == 10.0
     assert slo_rate({**levels, "r12/slo_held": 1.0}, [8.0, 12.0, 16.0], 16) == 20.0  # all held: the throughput run's rate
     assert slo_rate({**levels, "c1/slo_held": 0.0}, [8.0, 12.0, 16.0], 16) == 0.0
+    assert slo_bracket(levels, [16.0, 8.0, 12.0], 16) == (8.0, 12.0)  # and the first rate above it that missed
+    assert slo_bracket({**levels, "r12/slo_held": 1.0}, [8.0, 12.0, 16.0], 16) == (20.0, None)
+
+
+def test_refining_bisects_the_bracket_toward_the_rate_where_the_slos_stop_holding():
+    tried = []
+
+    def holds(rate):  # a server that holds its SLOs up to 9.37 requests/s
+        tried.append(rate)
+        return rate <= 9.37
+
+    assert refine_slo_rate(8.0, 12.0, 3, holds) == (9.0, 9.5)  # 10 missed, 9 held, 9.5 missed: a bracket of 0.5
+    assert tried == [10.0, 9.0, 9.5]
+    # rates to 3 significant figures: a bracket too narrow for a new one ends the bisection early
+    tried.clear()
+    assert refine_slo_rate(9.37, 9.38, 4, holds) == (9.37, 9.38) and tried == []
 
 
 def test_the_warm_up_sets_the_rates_both_models_are_swept_at():
@@ -111,6 +128,9 @@ def test_the_warm_up_sets_the_rates_both_models_are_swept_at():
     ("slo: {ttft_ms_p100: 500}\n", "slo: Value error, unknown SLO 'ttft_ms_p100': an SLO is ttft_ms_p<P>"),
     ("slo: {tfft_ms_p95: 500}\n", "slo: Value error, unknown SLO 'tfft_ms_p95'"),
     ("slo: {ttft_ms_p95: -1}\n", "slo.ttft_ms_p95: Input should be greater than 0"),
+    ("sweep: {rates: 3, refine: 2}\n", "sweep.refine: 2 bisects toward the highest rate that holds the SLOs, and the "
+                                       "profile has none"),
+    ("sweep: {rates: 3, refine: 9}\nslo: {ttft_ms_p95: 500}\n", "sweep.refine: Input should be less than or equal to 6"),
 ])
 def test_bad_sweeps_and_slos_are_refused_before_anything_runs(text, message, workdir, tiny_model_dir, capsys):
     (workdir / "profiles").mkdir()
@@ -147,7 +167,7 @@ class SlotEcho(EchoServer):
 
 
 def the_faster_model_and_a_sweep(workdir: Path, tiny_model_dir: Path, *, repetitions: int, rates: int,
-                                 requests: int) -> Path:
+                                 requests: int, refine: int = 0) -> Path:
     """The tiny model copied as "fast" (SlotEcho serves it faster) and profiles/slo.yaml: a sweep
     with evenly spaced arrivals and a 100 ms TTFT SLO."""
     fast = workdir / "fast"
@@ -155,7 +175,8 @@ def the_faster_model_and_a_sweep(workdir: Path, tiny_model_dir: Path, *, repetit
     (workdir / "profiles").mkdir()
     (workdir / "profiles" / "slo.yaml").write_text(
         f"prompt_tokens: [16]\noutput_tokens: 4\nconcurrency: [2]\nrepetitions: {repetitions}\nwarmup: 1\n"
-        f"sweep: {{rates: {rates}, requests: {requests}, arrivals: constant}}\nslo: {{ttft_ms_p95: 100}}\n"
+        f"sweep: {{rates: {rates}, requests: {requests}, arrivals: constant, refine: {refine}}}\n"
+        "slo: {ttft_ms_p95: 100}\n"
     )
     return fast
 
@@ -171,10 +192,16 @@ def slot_echo():
 def test_a_sweep_finds_each_servers_slo_rate_and_stops_a_level_the_server_cannot_keep_up_with(
     slot_echo, workdir, tiny_model_dir, capsys
 ):
-    fast = the_faster_model_and_a_sweep(workdir, tiny_model_dir, repetitions=3, rates=3, requests=24)
+    fast = the_faster_model_and_a_sweep(workdir, tiny_model_dir, repetitions=3, rates=3, requests=24, refine=2)
     assert main(["bench", str(fast), "--base", str(tiny_model_dir), "--profile", "slo", "--backend", "slotecho",
                  "--json"]) == 0
-    m = last_json(capsys.readouterr().out)["metrics"]
+    out, err = capsys.readouterr()
+    m = last_json(out)["metrics"]
+    # refine: 2 more levels per repetition and model inside the bracket (the highest level that held,
+    # the next that missed); both models miss at their top levels, so every one is refined
+    steps = [tuple(float(x) for x in found) for found in
+             re.findall(r"SLO rate between (\S+) and (\S+) /s; step \d/2 at (\S+) /s", err)]
+    assert len(steps) == 2 * 3 * 2 and all(hold < rate < miss for hold, miss, rate in steps)
     [run] = runs()
     report = json.loads(Path(download_artifacts(run_id=run.info.run_id, artifact_path="bench.json")).read_text())
     rates = report["sweep_rates"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, ValidationInfo, field_validator
+from pydantic import Field, PositiveFloat, PositiveInt, ValidationInfo, field_validator, model_validator
 
 from quantbench.core.errors import UserError
 from quantbench.core.intervals import pct
@@ -62,6 +62,10 @@ class Sweep(Strict):
     # the share of a level's first and of its last requests left out of its latencies and SLO share
     # (warm-up and cool-down); its throughput is over every request
     trim: float = Field(0.1, ge=0, lt=0.5)
+    # with `slo:`: this many more levels per repetition and model, bisecting between the highest
+    # level that held the SLOs and the next that did not (each halves the bracket; slo_rate_rps is
+    # then the highest rate that held, not only a swept one)
+    refine: int = Field(0, ge=0, le=6)
 
 
 class PrefixWorkload(Strict):
@@ -129,6 +133,15 @@ class Profile(Strict):
                     f"percentile above 0 and below 100), e.g. ttft_ms_p95: 500.{hint}"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _refine_needs_slos(self) -> Profile:
+        if self.sweep is not None and self.sweep.refine and not self.slo:
+            raise ValueError(
+                f"sweep.refine: {self.sweep.refine} bisects toward the highest rate that holds the SLOs, and "
+                "the profile has none (add slo:, e.g. {ttft_ms_p95: 500})"
+            )
+        return self
 
     @field_validator("sweep")
     @classmethod

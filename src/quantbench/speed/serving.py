@@ -25,6 +25,7 @@ fidelity against `vllm bench serve` is measured by bench/serving_fidelity.py.
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 import threading
@@ -38,6 +39,8 @@ from quantbench.core.processes import PeakRSS
 from quantbench.engines import ServingEngine
 from quantbench.engines.server import Stream, http_client, stream_one
 from quantbench.speed.measure import RepetitionFailed, SweepRates
+
+log = logging.getLogger(__name__)
 
 
 def check_endpoint(url: str, field: str) -> None:
@@ -274,12 +277,13 @@ def openai_measurer(
             if spec and sweep is not None:  # synchronous, all at once, then the rates (after the warm-up)
                 levels += [(1, None, spec.requests), (spec.requests, None, spec.requests)]
                 levels += [(None, r, spec.requests) for r in sweep.rates]
-            for n, rate, count in levels:
+
+            def level_at(n: int | None, rate: float | None, count: int) -> dict[str, float]:
                 bodies = [
                     request_body(model, tokenizer.decode(rows[(rep + i) % len(rows)]), profile.output_tokens)
                     for i in range(count)
                 ]
-                level = load_level(
+                return load_level(
                     url,
                     bodies,
                     concurrency=n,
@@ -290,14 +294,25 @@ def openai_measurer(
                     trim=spec.trim if spec else 0.0,
                     slo=profile.slo,
                 )
-                out.update({f"{level_name(n, rate)}/{k}": v for k, v in level.items()})
+
+            for n, rate, count in levels:
+                out.update({f"{level_name(n, rate)}/{k}": v for k, v in level_at(n, rate, count).items()})
+            if spec and sweep is not None and profile.slo and sweep.rates:
+                hold, miss = slo_bracket(out, sweep.rates, spec.requests)
+                if spec.refine and hold > 0 and miss is not None:
+                    hold, miss = refine_slo_rate(
+                        hold,
+                        miss,
+                        spec.refine,
+                        lambda r: bool(level_at(None, r, spec.requests).get("slo_held")),
+                        f"{model.rsplit('/', 1)[-1]} repetition {rep + 1}",
+                    )
+                out["slo_rate_rps"] = hold
             if prefix_texts:
                 assert engine is not None  # prepare() refuses a prefix workload without an engine that offers it
                 out.update(prefix_cache(url, [request_body(model, t, 2) for t in prefix_texts], engine, client))
             if spec and sweep is not None:
                 out["max_rate_rps"] = out[f"c{spec.requests}/requests_s"]
-                if profile.slo and sweep.rates:
-                    out["slo_rate_rps"] = slo_rate(out, sweep.rates, spec.requests)
         if server_pid is not None:
             out["peak_mem_mb"] = mem.peak / 2**20
         return out
@@ -327,14 +342,43 @@ def slo_rate(levels: dict[str, float], rates: list[float], all_at_once: int) -> 
     synchronous and the throughput run at the requests/s they achieved, the swept rates at their
     own), climbing from the lowest and stopping at the first level that did not hold; 0 when the
     lowest did not."""
+    return slo_bracket(levels, rates, all_at_once)[0]
+
+
+def slo_bracket(levels: dict[str, float], rates: list[float], all_at_once: int) -> tuple[float, float | None]:
+    """`slo_rate` and the rate of the first level above it that did not hold (None: every level held)."""
     ladder = [(levels["c1/requests_s"], "c1"), (levels[f"c{all_at_once}/requests_s"], f"c{all_at_once}")]
     ladder += [(r, level_name(None, r)) for r in rates]
     best = 0.0
     for rate, name in sorted(ladder):
         if not levels.get(f"{name}/slo_held"):
-            break
+            return best, rate
         best = rate
-    return best
+    return best, None
+
+
+def refine_slo_rate(hold: float, miss: float, steps: int, holds, what: str = "") -> tuple[float, float]:
+    """Bisect between a rate that held the SLOs and the next that did not: `steps` more open-loop
+    levels (`holds(rate)` runs one), each halving the bracket; (the highest rate that held, the
+    lowest above it that did not). Rates to 3 significant figures; stops early when the bracket is
+    too narrow for a new one."""
+    for step in range(steps):
+        rate = float(f"{(hold + miss) / 2:.3g}")
+        if not hold < rate < miss:
+            break
+        held = holds(rate)
+        log.info(
+            "sweep%s: SLO rate between %.3g and %.3g /s; step %d/%d at %.3g /s: %s",
+            f" ({what})" if what else "",
+            hold,
+            miss,
+            step + 1,
+            steps,
+            rate,
+            "held" if held else "missed",
+        )
+        hold, miss = (rate, miss) if held else (hold, rate)
+    return hold, miss
 
 
 # ---------------------------------------------------------------------------------------------
