@@ -305,7 +305,7 @@ def openai_measurer(
                         miss,
                         spec.refine,
                         lambda r: bool(level_at(None, r, spec.requests).get("slo_held")),
-                        f"{model.rsplit('/', 1)[-1]} repetition {rep + 1}",
+                        f"{model.rsplit('/', 1)[-1]}, repetition {rep + 1 - profile.warmup}",
                     )
                 out["slo_rate_rps"] = hold
             if prefix_texts:
@@ -338,33 +338,37 @@ def prefix_cache(url: str, bodies: list[dict], engine: ServingEngine, client) ->
 
 
 def slo_rate(levels: dict[str, float], rates: list[float], all_at_once: int) -> float:
-    """The highest rate of a sweep that held every SLO: its levels in order of rate (the
-    synchronous and the throughput run at the requests/s they achieved, the swept rates at their
-    own), climbing from the lowest and stopping at the first level that did not hold; 0 when the
-    lowest did not."""
+    """The highest rate of a sweep that held every SLO: the synchronous run first (one request in
+    flight: the lightest load, whatever rate it achieved), then the other levels in order of rate
+    (the throughput run at the requests/s it achieved, the swept rates at their own), climbing until
+    the first level that did not hold; 0 when even the synchronous run did not."""
     return slo_bracket(levels, rates, all_at_once)[0]
 
 
 def slo_bracket(levels: dict[str, float], rates: list[float], all_at_once: int) -> tuple[float, float | None]:
-    """`slo_rate` and the rate of the first level above it that did not hold (None: every level held)."""
-    ladder = [(levels["c1/requests_s"], "c1"), (levels[f"c{all_at_once}/requests_s"], f"c{all_at_once}")]
-    ladder += [(r, level_name(None, r)) for r in rates]
+    """`slo_rate` and the rate of the first level that did not hold after it (None: every level
+    held). That rate can be below the SLO rate: Poisson arrivals below the synchronous run's rate
+    can miss where one request at a time held (then there is nothing to bisect)."""
+    ladder = [(levels[f"c{all_at_once}/requests_s"], f"c{all_at_once}")] + [(r, level_name(None, r)) for r in rates]
     best = 0.0
-    for rate, name in sorted(ladder):
+    for rate, name in [(levels["c1/requests_s"], "c1"), *sorted(ladder)]:
         if not levels.get(f"{name}/slo_held"):
             return best, rate
-        best = rate
+        best = max(best, rate)
     return best, None
+
+
+REFINE_FINEST = 0.02  # a bracket narrower than this share of its top is not cut: rates move more between runs
 
 
 def refine_slo_rate(hold: float, miss: float, steps: int, holds, what: str = "") -> tuple[float, float]:
     """Bisect between a rate that held the SLOs and the next that did not: `steps` more open-loop
     levels (`holds(rate)` runs one), each halving the bracket; (the highest rate that held, the
     lowest above it that did not). Rates to 3 significant figures; stops early when the bracket is
-    too narrow for a new one."""
+    narrower than 2 % of its top (or too narrow for a new rate)."""
     for step in range(steps):
         rate = float(f"{(hold + miss) / 2:.3g}")
-        if not hold < rate < miss:
+        if miss - hold < REFINE_FINEST * miss or not hold < rate < miss:
             break
         held = holds(rate)
         log.info(
