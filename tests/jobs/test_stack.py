@@ -3,7 +3,6 @@ nothing written; a stack on the tiny model measured end to end in-process (a rec
 through the quantize pipeline, its quality read from that run); and through llama.cpp's server
 (slow: the real build and llama-server processes)."""
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -238,7 +237,28 @@ def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, 
     # run again: the recipe's runs are reused, not quantized a second time
     assert main(["stack", "tiny", "--json"]) == 0
     assert len([r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]) == 2
-    json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    again = last_json(capsys.readouterr().out)
+    # compare the two stack runs: their ledgers side by side, step by step, in a summary run
+    assert main(["compare", "--runs", summary["run_id"], again["run_id"], "--json"]) == 0
+    out = capsys.readouterr().out
+    compared = last_json(out)
+    assert [st["run_id"] for st in compared["stacks"]] == [summary["run_id"], again["run_id"]]
+    for st, ledger_of in zip(compared["stacks"], (summary, again)):
+        assert [s["multiplier"] for s in st["steps"]] == pytest.approx([s["multiplier"] for s in ledger_of["steps"]])
+    table = out.split("\n{")[0]
+    row = next(line for line in table.splitlines() if line.startswith("| int4"))
+    for ledger_of in (summary, again):  # each stack's own multipliers in the int4 row
+        assert f"{ledger_of['steps'][2]['cumulative']:.2f}×" in row
+    assert f"tiny ({summary['run_id'][:8]}): last step over the first, measured directly {summary['direct']:.2f}×" in table
+    [summary_run] = [r for r in runs() if r.data.tags.get("quantbench.role") == "summary"]
+    assert summary_run.data.tags["quantbench.compared_runs"] == f"{summary['run_id']},{again['run_id']}"
+    assert (workdir / "outputs" / "compare" / summary_run.info.run_id / "stacks.md").read_text().count("| student ") == 1
+    # a stack beside a candidate, or with candidate axes: refused, nothing written
+    assert main(["compare", "--runs", summary["run_id"], candidate.info.run_id]) == 2
+    assert f"--runs: '{candidate.info.run_id}' is a candidate run; stacks are compared with stacks" in capsys.readouterr().err
+    assert main(["compare", "--runs", summary["run_id"], "--speed", "speed/decode_tok_s"]) == 2
+    assert "stacks are compared step by step" in capsys.readouterr().err
+    assert len([r for r in runs() if r.data.tags.get("quantbench.role") == "summary"]) == 1
 
 
 @pytest.mark.slow  # a quantize job, then three steps and the best subset measured in-process

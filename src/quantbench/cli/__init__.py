@@ -161,7 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         "recovery, KLD, flips, task scores, speedups, memory, gate verdicts; mark the Pareto frontier on --quality vs --speed. "
         "Writes outputs/compare/<summary run>/compare.{md,html,png,json} and logs them to a summary run.",
     )
-    c.add_argument("--runs", nargs="+", metavar="RUN_ID", help="compare exactly these candidate runs (each FINISHED)")
+    c.add_argument(
+        "--runs",
+        nargs="+",
+        metavar="RUN_ID",
+        help="compare exactly these candidate runs (each FINISHED); or these `quantbench stack` runs, their "
+        "ledgers side by side step by step (stacks.md, stacks.json)",
+    )
     c.add_argument("--quality", default=None, help="quality axis (default quality/kld_mean; e.g. recovery/quality/ppl)")
     c.add_argument(
         "--speed",
@@ -562,8 +568,7 @@ def cmd_compare(args) -> int:
     )
     if result is None:
         return 1
-    print(compare.terminal(result.comparison))
-    print(f"written: {result.outputs}/compare.{{md,html,png,json}}   summary run: {result.run_id}")
+    print(result.text() + f"   summary run: {result.run_id}")
     return _json(args, result.summary())
 
 
