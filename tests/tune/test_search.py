@@ -50,6 +50,7 @@ def tune_args(policy: str, *extra: str) -> list[str]:
     (["--policy", "loose", "--budget-runs", "0"], "--budget-runs: 0; at least 1 candidate"),
     (["--policy", "loose", "--parallel", "0"], "--parallel: 0; at least 1 candidate at a time"),
     (["--policy", "loose", "--parallel", "2"], "--parallel 2 needs --ray: every candidate measures its speed"),
+    (["--policy", "loose", "--remeasure-costs"], "--remeasure-costs: only a latency tune reads the cost table"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(args, message, setup, tiny_model_dir, capsys):
     write_recipe(setup, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n"))

@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="with --ray: N candidates at once. Each round of the budget search measures N budgets (the "
-        "model's pick and N - 1 more, each halving the widest gap left), and --from's alternatives run "
+        "model's pick and N - 1 more around it, below and above in turn), and --from's alternatives run "
         "together; --budget-runs still counts candidates (default 1: one after another, each chosen from "
         "the last one's measurement)",
     )

@@ -181,6 +181,10 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
             f"--objective latency: decode costs are measured for llama.cpp's types only (--engine llamacpp); "
             f"--from {template.name} makes a {spec.method} checkpoint for vLLM"
         )
+    if request.remeasure_costs and request.objective != "latency":
+        raise UserError(
+            "--remeasure-costs: only a latency tune reads the cost table (--objective latency or --latency-ms)"
+        )
     if request.objective == "latency" and (request.bits is not None or request.max_size_mb is not None):
         raise UserError(f"--objective latency searches on decode time; {budgets[0]} is a size budget")
     if request.budget_runs < 1:
