@@ -308,21 +308,26 @@ def test_resources_come_from_the_recipe_then_the_sweep_then_the_method(workdir, 
     assert moved.resources()["memory_gb"] == 32 and moved.sha == gptq.sha  # where it runs is not what it computes
 
 
-@pytest.mark.slow
-def test_tune_quantizes_its_candidates_on_the_cluster(cluster, workdir, tiny128_model_dir, capsys):
-    """`tune --ray`: the search stays here, each candidate runs through the sweep's attempt loop on a
-    Ray node, tagged with that node, as a child of the tune run."""
+def write_tiny_tune(workdir, model_dir, resources: str) -> None:
+    """The tiny suite, an RTN template `tiny-rtn` asking the cluster for `resources`, and a `loose` policy."""
     import yaml
 
     from tests.conftest import TINY_SUITE
 
     (workdir / "suites").mkdir()
     (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
-    write_recipe(workdir, "tiny-rtn", tiny_recipe(tiny128_model_dir, "method: rtn\ngroup_size: 64\n")
-                 + "evaluate:\n  suite: tiny\nresources:\n  num_gpus: 0\n")
+    write_recipe(workdir, "tiny-rtn", tiny_recipe(model_dir, "method: rtn\ngroup_size: 64\n")
+                 + "evaluate:\n  suite: tiny\n" + resources)
     (workdir / "policies").mkdir()
     (workdir / "policies" / "loose.yaml").write_text(yaml.safe_dump({
         "stages": ["quantize", "evaluate"], "max": {"quality/kld_mean": 1.0}, "registry": {"model": "tiny-{recipe}"}}))
+
+
+@pytest.mark.slow
+def test_tune_quantizes_its_candidates_on_the_cluster(cluster, workdir, tiny128_model_dir, capsys):
+    """`tune --ray`: the search stays here, each candidate runs through the sweep's attempt loop on a
+    Ray node, tagged with that node, as a child of the tune run."""
+    write_tiny_tune(workdir, tiny128_model_dir, "resources:\n  num_gpus: 0\n")
     args = ["tune", "--policy", "loose", "--from", "tiny-rtn", "--sensitivity-windows", "2", "--bits", "6",
             "--budget-runs", "1", "--ray", cluster["address"], "--json"]
     assert main(args) == 0
@@ -339,17 +344,7 @@ def test_tune_parallel_measures_a_round_of_candidates_at_once(cluster, workdir, 
     """`tune --ray --parallel 2`: a round of the budget search hands two candidates to the cluster
     at once (both started before either ends), each a child run on a node; --budget-runs counts
     candidates, and the answer is the smallest that passes."""
-    import yaml
-
-    from tests.conftest import TINY_SUITE
-
-    (workdir / "suites").mkdir()
-    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
-    write_recipe(workdir, "tiny-rtn", tiny_recipe(tiny128_model_dir, "method: rtn\ngroup_size: 64\n")
-                 + "evaluate:\n  suite: tiny\nresources:\n  num_cpus: 1\n  num_gpus: 0\n")
-    (workdir / "policies").mkdir()
-    (workdir / "policies" / "loose.yaml").write_text(yaml.safe_dump({
-        "stages": ["quantize", "evaluate"], "max": {"quality/kld_mean": 1.0}, "registry": {"model": "tiny-{recipe}"}}))
+    write_tiny_tune(workdir, tiny128_model_dir, "resources:\n  num_cpus: 1\n  num_gpus: 0\n")
     args = ["tune", "--policy", "loose", "--from", "tiny-rtn", "--sensitivity-windows", "2", "--budget-runs", "2",
             "--parallel", "2", "--ray", cluster["address"], "--json"]
     assert main(args) == 0

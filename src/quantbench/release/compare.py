@@ -105,12 +105,7 @@ class Comparison:
 def collect(tracker: Tracker, run_ids: list[str] | None = None) -> list[Candidate]:
     """The candidates: the given runs, or every FINISHED candidate run of the experiment. A given
     run that is not a FINISHED candidate is refused (its numbers are partial, or not a candidate's)."""
-    runs, problems = [], []
-    for run_id in run_ids or []:
-        try:
-            runs.append(tracker.get(run_id, "--runs"))
-        except UserError as exc:
-            problems += exc.problems
+    runs, problems = _given_runs(tracker, run_ids)
     if not run_ids:
         runs = tracker.runs({TAG + "role": "candidate"})
     out = []
@@ -130,6 +125,17 @@ def collect(tracker: Tracker, run_ids: list[str] | None = None) -> list[Candidat
     if problems:
         raise UserError(problems)
     return out
+
+
+def _given_runs(tracker: Tracker, run_ids: list[str] | None) -> tuple[list, list[str]]:
+    """The runs --runs names, and a problem for each the store does not have."""
+    runs, problems = [], []
+    for run_id in run_ids or []:
+        try:
+            runs.append(tracker.get(run_id, "--runs"))
+        except UserError as exc:
+            problems += exc.problems
+    return runs, problems
 
 
 def collect_noise(tracker: Tracker, candidates: list[Candidate]) -> list[Candidate]:
@@ -463,12 +469,7 @@ def collect_stacks(tracker: Tracker, run_ids: list[str] | None) -> list[Stack] |
     did not finish is refused."""
     if not run_ids:
         return None
-    problems, found = [], []
-    for run_id in run_ids:
-        try:
-            found.append(tracker.get(run_id, "--runs"))
-        except UserError as exc:
-            problems += exc.problems
+    found, problems = _given_runs(tracker, run_ids)
     if not any(r.data.tags.get(TAG + "role") == "stack" for r in found):
         return None  # candidates: collect() reports the rest
     stacks = []
