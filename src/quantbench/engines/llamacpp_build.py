@@ -88,9 +88,10 @@ def variant(cpu: hardware.CPU | None = None) -> Variant:
             if "avx512_bf16" in f:
                 on.append("AVX512_BF16")
                 name = "avx512-bf16"
-            if {"amx_tile", "amx_int8"} <= f:
-                on += ["AMX_TILE", "AMX_INT8"] + (["AMX_BF16"] if "amx_bf16" in f else [])
-                name = "amx"
+            # not AMX: the vendored ggml's AMX kernels die with SIGILL on their first tile instruction
+            # (seen on an x86-64 with AMX, 2026-12-03: `tilezero` in tinygemm_kernel_amx, on an OpenMP
+            # worker thread; Linux grants the tile state per thread, ggml asks for it on the main
+            # thread only: llama.cpp pull request 26954). The AVX-512 kernels run there.
     elif "avx" in f:
         on, name = ["AVX"], "avx"
     else:
