@@ -149,6 +149,13 @@ CONCURRENT: dict[str, Direction | None] = {
     "goodput_rps": "higher",  # ... requests/s meeting every SLO
     "slo_held": None,  # ... 1 when every SLO held at its percentile over the level
 }
+# quality_engine/ctx<L>/<name>: a profile's longest context_tokens prompt scored through a server
+# that gives prompt log-probabilities (vLLM), the candidate as served against the base as served;
+# also per bucket of positions (<name>:pos<a>-<b>)
+ENGINE_CONTEXT: dict[str, Direction] = {
+    "ppl_ratio": "lower",
+    "top1_agreement": "higher",
+}
 LEVEL = re.compile(r"(?:c\d+|r[0-9.]+)/(.+)")
 # task/<task>/<metric>: lm-eval's metric names; these are lower-is-better, the rest higher.
 TASK_LOWER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
@@ -300,6 +307,8 @@ def documented_metrics() -> set[str]:
         | {f"speed/c<N>/{k}" for k in CONCURRENT}
         | {f"speed/r<R>/{k}" for k in CONCURRENT}
         | {f"speed/ctx<L>/{k}" for k in CONTEXT}
+        | {f"quality_engine/ctx<L>/{k}" for k in ENGINE_CONTEXT}
+        | {f"quality_engine/ctx<L>/{k}:pos<a>-<b>" for k in ENGINE_CONTEXT}
         | set(PATTERNS)
     )
 
@@ -324,6 +333,9 @@ def direction(name: str) -> Direction | None:
     bucket = re.fullmatch(r"(quality(?:_ood)?/(?:kld_mean|top1_agreement)):pos\d+-\d+", name)
     if bucket:  # a bucket of window positions: its metric's direction
         name = bucket.group(1)
+    engine_context = re.fullmatch(r"quality_engine/ctx\d+/(\w+)(?::pos\d+-\d+)?", name)
+    if engine_context:
+        return ENGINE_CONTEXT.get(engine_context.group(1))
     if name.startswith("noise_seed/"):
         return None
     if name in FIXED:

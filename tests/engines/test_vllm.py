@@ -75,6 +75,12 @@ def test_auto_benches_through_vllm_what_vllm_serves_on_this_cpu(workdir, tiny_mo
     assert main(["quantize", "w4kv", "--json"]) == 0
     made = last_json(capsys.readouterr().out)
     int4_here = hardware.cpu().avx512
+    # prompts sharing a prefix of three of vLLM-CPU's 128-token blocks, its cache off (a cache_salt of
+    # their own) then on; with AVX-512 the profile asks for the FP8 KV cache too (the checkpoint's
+    # own scales ask for it already: the profile's wins, the same type)
+    profile = workdir / "profiles" / "load.yaml"
+    profile.write_text(profile.read_text() + "prefix: {tokens: 384, prompts: 3, suffix_tokens: 8}\ncontext_tokens: [300]\n"
+                       + ("kv_cache: fp8\n" if int4_here else ""))
     if int4_here:
         target = [made["run_id"]]
     else:
@@ -100,6 +106,18 @@ def test_auto_benches_through_vllm_what_vllm_serves_on_this_cpu(workdir, tiny_mo
             assert m[f"{prefix}{level}/throughput_tok_s"] == pytest.approx(8 * m[f"{prefix}{level}/requests_s"], rel=1e-9)
         assert m[prefix + "peak_mem_mb"] > 1000  # the whole server: API process, engine core and worker
     assert m["speedup/c2/throughput_tok_s"] == pytest.approx(m["speed/c2/throughput_tok_s"] / m["base_speed/c2/throughput_tok_s"])
+    for prefix in ("speed/", "base_speed/"):  # vLLM's own counts: only the last partial block and the suffix computed
+        assert 0 < m[prefix + "prefix/computed_share"] < 0.5, m[prefix + "prefix/computed_share"]
+        assert m[prefix + "prefix/ttft_ms_p50"] > 0 and m[prefix + "prefix/nocache_ttft_ms_p50"] > 0
+    # the KV cache one whole context takes in each server's pool, as the server says: FP8 halves it
+    kv_ratio = m["speed/kv_cache_mb"] / m["base_speed/kv_cache_mb"]
+    assert (0.45 < kv_ratio < 0.55) if int4_here else kv_ratio == 1, kv_ratio
+    # the 300-token prompt scored by both servers (prompt log-probabilities): the INT4 model with its
+    # FP8 KV cache scores otherwise than its base (the random model's top token stays the same);
+    # the same model on the same cache scores as itself
+    ppl, top1 = m["quality_engine/ctx300/ppl_ratio"], m["quality_engine/ctx300/top1_agreement"]
+    assert m["speed/ctx300/ttft_ms_p50"] > 0 and 0.9 <= top1 <= 1
+    assert abs(ppl - 1) > 1e-4 if int4_here else (ppl == pytest.approx(1, abs=1e-3) and top1 == 1), (ppl, top1)
     assert m["speedup/c2/ttft_ms_p99"] == pytest.approx(m["base_speed/c2/ttft_ms_p99"] / m["speed/c2/ttft_ms_p99"])
 
     [run] = [r for r in runs() if "quantbench.bench_server" in r.data.tags]
@@ -111,6 +129,7 @@ def test_auto_benches_through_vllm_what_vllm_serves_on_this_cpu(workdir, tiny_mo
     if int4_here:
         assert "--kv-cache-dtype fp8" in log.splitlines()[0] and "kv_cache_dtype=fp8" in log  # asked for, and done
         assert "CPUWNA16" in log  # the INT4 kernel
+        assert tags["quantbench.bench_kv_cache"] == "fp8"
     else:
         assert "--kv-cache-dtype" not in log.splitlines()[0] and "kv_cache_dtype=auto" in log
     assert "kv_cache_dtype=auto" in artifact(run.info.run_id, "servers/base.log", workdir).read_text()

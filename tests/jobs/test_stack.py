@@ -121,12 +121,20 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
                 "  - {name: kv-odd, kv_cache: q9_0}\n")  # fmt: skip
     with pytest.raises(stack.UserError) as refused:
         stack.load("kv")
+    why = "; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...: its quality is scored with llama.cpp's tools)"
     assert refused.value.problems == [
         "stacks/kv.yaml: steps.1 (kv-here): kv_cache q8_0: in-process transformers generate takes no KV-cache type "
-        "through quantbench; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...)",
+        "through quantbench" + why,
         "stacks/kv.yaml: steps.3 (kv-odd): kv_cache q9_0: llama.cpp takes f16, bf16, q8_0, q5_1, q5_0, iq4_nl, q4_1, "
-        "q4_0; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...)",
+        "q4_0" + why,
     ]
+    # vLLM takes an FP8 KV cache in bench profiles; a stack could not score its quality
+    write_stack(workdir, "kvv", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
+                "  - {name: start, engine: hf}\n"
+                "  - {name: vllm, engine: vllm, kv_cache: fp8}\n")  # fmt: skip
+    with pytest.raises(stack.UserError) as refused:
+        stack.load("kvv")
+    assert refused.value.problems == ["stacks/kvv.yaml: steps.1 (vllm): kv_cache fp8: vLLM takes fp8, fp8_e4m3, fp8_e5m2" + why]
 
 
 def test_every_shipped_stack_loads(monkeypatch):

@@ -90,6 +90,10 @@ def test_summary_percentiles_and_shipped_profiles(monkeypatch):
     monkeypatch.chdir(REPO)
     for name in ("cpu-smoke", "cpu-default", "gpu-default"):
         assert load_profile(name).repetitions >= 2
+    # every shipped profile loads (its schema), and each names its own command in its header
+    for path in sorted((REPO / "profiles").glob("*.yaml")):
+        assert load_profile(path.stem).repetitions >= 1, path
+        assert f"--profile {path.stem}" in path.read_text(), path
 
 
 def test_a_measure_of_zero_gives_no_speedup_rather_than_a_crash():

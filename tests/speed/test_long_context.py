@@ -3,6 +3,7 @@ anything runs. tests/engines/test_llamacpp.py measures both through a real llama
 cache's size as the server says it, a request per long length)."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -24,7 +25,7 @@ def bench(tiny_model_dir, *extra: str) -> list[str]:
     ("context_tokens: [600]\n", "echo", "--profile: prompts of 600 tokens plus 4 output tokens exceed"),
     ("kv_cache: q8_0\n", "echo",
      "--profile: kv_cache: echo server does not start with a KV cache of type 'q8_0' here; it takes no KV-cache "
-     "type through quantbench (llama.cpp's server takes q8_0, q4_0, ...)"),
+     "type through quantbench (vLLM takes fp8 where its CPU build has AVX-512; llama.cpp's server q8_0, q4_0, ...)"),
     ("kv_cache: q9_0\n", "llamacpp",
      "--profile: kv_cache: llama.cpp does not start with a KV cache of type 'q9_0' here; it takes f16, bf16, q8_0"),
     ("kv_cache: q4_0\n", "llamacpp",
@@ -52,3 +53,24 @@ def test_the_long_context_metrics_are_catalogued_with_their_direction():
     assert direction("speed/ctx8192/ttft_ms_p50") == "lower" and direction("speed/ctx512/decode_tok_s") == "higher"
     assert direction("base_speed/ctx2048/peak_mem_mb") == "lower" and direction("speed/kv_cache_mb") == "lower"
     assert direction("speedup/kv_cache_mb") == "higher"
+    assert direction("quality_engine/ctx8064/ppl_ratio") == "lower"
+    assert direction("quality_engine/ctx8064/top1_agreement:pos2048-8062") == "higher"
+
+
+def test_quality_at_long_context_compares_per_position_scores_overall_and_per_bucket():
+    from quantbench.speed.serving import scores_against
+
+    n = 600  # positions 0-511 and 512-599
+    base = [-2.0] * n
+    cand = [-2.0] * 512 + [-3.0] * 88  # one nat worse per token after position 511
+    top = ["token_id:1"] * n
+    cand_top = top[:500] + ["token_id:2"] * 100
+    m = scores_against("quality_engine/ctx601", cand, cand_top, base, top)
+    assert m["quality_engine/ctx601/ppl_ratio:pos0-511"] == pytest.approx(1.0)
+    assert m["quality_engine/ctx601/ppl_ratio:pos512-599"] == pytest.approx(math.e)
+    assert m["quality_engine/ctx601/ppl_ratio"] == pytest.approx(math.exp(88 / 600))
+    assert m["quality_engine/ctx601/top1_agreement:pos0-511"] == pytest.approx(500 / 512)
+    assert m["quality_engine/ctx601/top1_agreement:pos512-599"] == 0
+    assert m["quality_engine/ctx601/top1_agreement"] == pytest.approx(500 / 600)
+    short = scores_against("quality_engine/ctx301", cand[:300], cand_top[:300], base[:300], top[:300])
+    assert short == {"quality_engine/ctx301/ppl_ratio": 1.0, "quality_engine/ctx301/top1_agreement": 1.0}  # one bucket

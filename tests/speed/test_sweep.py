@@ -268,8 +268,8 @@ def test_a_prefix_workload_needs_an_engine_that_turns_its_cache_off_per_request(
     (workdir / "profiles" / "prefix.yaml").write_text("prompt_tokens: [16]\noutput_tokens: 4\nprefix: {tokens: 64}\n")
     bench = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--profile", "prefix"]
     assert main([*bench, "--backend", "echo"]) == 2
-    assert ("--profile: prefix: echo server does not turn its prefix cache on and off per request; llama.cpp's server "
-            "turns its cache off per request") in capsys.readouterr().err
+    assert ("--profile: prefix: echo server does not turn its prefix cache on and off per request; vLLM and "
+            "llama.cpp's server turn their prefix caches off per request") in capsys.readouterr().err
     assert main([*bench, "--backend", "hf"]) == 2
     assert "a prefix workload needs a server with a prefix cache" in capsys.readouterr().err
     (workdir / "profiles" / "prefix.yaml").write_text("prompt_tokens: [16]\nprefix: {tokens: 64, prompts: 1}\n")

@@ -153,6 +153,12 @@ class ServingEngine:
         return int(value) if value else None
 
 
+def head_size(config: dict) -> int:
+    """The size of one attention head, from a model's config.json (as a dict)."""
+    text = config.get("text_config") or config
+    return int(text.get("head_dim") or text.get("hidden_size", 0) // (text.get("num_attention_heads") or 1))
+
+
 def explain_log(log_path: Path, prefix: re.Pattern | None = None, generic: tuple[str, ...] = ()) -> str:
     """A server's account of a failure from its log: its last two exception lines (less `prefix`,
     a log line's own header, and lines holding one of `generic`), else its last three lines."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from quantbench.core.errors import UserError
 from quantbench.core.paths import cache_dir
-from quantbench.engines import ServerSettings, ServingEngine, explain_log
+from quantbench.engines import ServerSettings, ServingEngine, explain_log, head_size
 from quantbench.engines import llamacpp_build as build
 from quantbench.sources.checkpoint import gguf_file
 
@@ -159,8 +159,7 @@ class LlamaServer(ServingEngine):
         if kv_cache in ("f16", "bf16"):
             return None
         config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
-        text = config.get("text_config") or config
-        head = text.get("head_dim") or text.get("hidden_size", 0) // (text.get("num_attention_heads") or 1)
+        head = head_size(config)
         if head % 32:
             return f"{kv_cache} stores blocks of 32 values along each attention head; this model's heads have {head}"
         return None

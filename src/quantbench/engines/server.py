@@ -103,7 +103,11 @@ def stream_one(url: str, body: dict, client=None) -> Stream:
                 if "prompt_n" in timings:
                     computed = int(timings["prompt_n"])
                 if not data.get("choices"):  # the usage chunk
-                    total = (data.get("usage") or {}).get("completion_tokens", total)
+                    usage = data.get("usage") or {}
+                    total = usage.get("completion_tokens", total)
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    if cached is not None and "prompt_tokens" in usage:  # vLLM's prefix cache
+                        computed = int(usage["prompt_tokens"]) - int(cached)
                     continue
                 choice = data["choices"][0]
                 if usage_asked or choice.get("text"):

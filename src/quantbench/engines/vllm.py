@@ -4,7 +4,9 @@ engine interface over them."""
 
 from __future__ import annotations
 
+import json
 import re
+import secrets
 from pathlib import Path
 
 from quantbench.core import hardware
@@ -23,9 +25,11 @@ class VLLM(ServingEngine):
     name = "vllm"
     label = "vLLM"
     kind = "server"
-    prefix_cache = (
-        "turns prefix caching on or off per server (--enable-prefix-caching), not per request: not measured here yet"
-    )
+    # its prefix cache is on by default (any platform but RISC-V); a request with a cache_salt of its
+    # own shares no cached block with any other, which turns the cache off for that request
+    prefix_cache = None
+    # --kv-cache-dtype: 8-bit floating point K and V (vLLM's CPU attention too, on AVX-512: kv_cache_unfit)
+    kv_cache_types = ("fp8", "fp8_e4m3", "fp8_e5m2")
     quality = "prompt_logprobs"  # lm-eval's local-completions scores tasks through it (evaluate --engine vllm)
     health_timeout_s = 600.0  # vLLM-CPU compiles its graphs at start-up: 1-2 min on 2 cores
 
@@ -59,7 +63,13 @@ class VLLM(ServingEngine):
         self.ensure("serving a checkpoint")
         assert self.env is not None
         cmd = vllm_engine.server_command(
-            self.env, checkpoint, port, settings.max_len, compiled=settings.compiled, dtype=settings.dtype
+            self.env,
+            checkpoint,
+            port,
+            settings.max_len,
+            compiled=settings.compiled,
+            dtype=settings.dtype,
+            kv_cache=settings.kv_cache,
         )
         return cmd, {**vllm_engine.server_env(tmp), **settings.extra_env}
 
@@ -72,8 +82,29 @@ class VLLM(ServingEngine):
             "stream_options": {"include_usage": True},
         }
 
+    def with_prefix_cache(self, body: dict, on: bool) -> dict:
+        return body if on else {**body, "cache_salt": secrets.token_hex(16)}
+
     def explain(self, log_path: Path) -> str:
         return explain_log(log_path, LOG_PREFIX, GENERIC)
+
+    def kv_cache_unfit(self, checkpoint: Path | dict, kv_cache: str) -> str | None:
+        if hardware.device() == "cuda":
+            return None
+        config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
+        return vllm_engine.fp8_kv_cache_unfit(hardware.cpu(), config)
+
+    def kv_cache_mb(self, log_path: Path) -> float | None:
+        """The KV cache a request of the server's whole context takes (MiB): vLLM allocates a pool of
+        a fixed size (VLLM_CPU_KVCACHE_SPACE on CPU) and says how many such requests it holds."""
+        # "Explicitly set (1.0/23.4) GiB for KV cache on node 0." (CPU) or "Available KV cache
+        # memory: 12.3 GiB" (GPU); then "CPU KV cache size: 43,648 tokens, Maximum concurrency for
+        # 2,112 tokens per request: 20.67x"
+        text = log_path.read_text(errors="replace")
+        pool = re.findall(r"(?:Explicitly set|Auto set) \(([0-9.]+)/[0-9.]+\) GiB for KV cache", text)
+        pool = pool or re.findall(r"Available KV cache memory: ([0-9.]+) GiB", text)
+        times = re.findall(r"Maximum concurrency for [0-9,]+ tokens per request: ([0-9.]+)x", text)
+        return float(pool[-1]) * 1024 / float(times[-1]) if pool and times and float(times[-1]) else None
 
     def served_dtype(self, log_path: Path) -> str | None:
         """The dtype vLLM says it runs the model in (its engine configuration line)."""

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from filelock import FileLock
 
 from quantbench.core import hardware
 from quantbench.core.errors import UserError
+from quantbench.engines import head_size
 
 log = logging.getLogger(__name__)
 
@@ -328,8 +330,7 @@ def unserved(checkpoint: Path | dict, on: str | None = None, cpu: hardware.CPU |
     cpu = cpu or hardware.cpu()
     config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
     text = config.get("text_config") or config
-    heads = text.get("num_attention_heads") or 1
-    head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // heads)
+    head_dim = head_size(config)
     quant = config.get("quantization_config") or {}
     method = str(quant.get("quant_method") or "").lower()
     if on == "cpu" and head_dim not in CPU_HEAD_SIZES:
@@ -363,13 +364,19 @@ def unserved(checkpoint: Path | dict, on: str | None = None, cpu: hardware.CPU |
                         "8-bit weight-only needs a GPU kernel such as Marlin"
                     )
                 weight_only_4bit = True
-        if quant.get("kv_cache_scheme"):
-            if not cpu.avx512:
-                return f"an FP8 KV cache on vLLM-CPU needs AVX-512 or AMX, which this CPU ({cpu.klass}) lacks"
-            if head_dim % 32:
-                return f"an FP8 KV cache on vLLM-CPU needs a head size divisible by 32; this model's is {head_dim}"
+        if quant.get("kv_cache_scheme") and (unfit := fp8_kv_cache_unfit(cpu, config)):
+            return unfit
         return (_wna16_cpu(cpu) or _wna16_widths(text, head_dim)) if weight_only_4bit else None
     return f"quantization_config.quant_method '{method}' on CPU: not a format vLLM-CPU serves"
+
+
+def fp8_kv_cache_unfit(cpu: hardware.CPU, config: dict) -> str | None:
+    """Why vLLM-CPU cannot keep this model's KV cache in FP8 here (its config.json as a dict), or None."""
+    if not cpu.avx512:
+        return f"an FP8 KV cache on vLLM-CPU needs AVX-512 or AMX, which this CPU ({cpu.klass}) lacks"
+    if head_size(config) % 32:
+        return f"an FP8 KV cache on vLLM-CPU needs a head size divisible by 32; this model's is {head_size(config)}"
+    return None
 
 
 def _wna16_cpu(cpu: hardware.CPU) -> str | None:
@@ -444,6 +451,7 @@ def server_command(
     compiled: bool,
     dtype: str = "auto",
     name: str | None = None,
+    kv_cache: str | None = None,
 ) -> list[str]:
     cmd = [
         engine.python,
@@ -467,18 +475,39 @@ def server_command(
         # penalty, say) that differ between checkpoints; every request here says what it wants
         "--generation-config",
         "vllm",
+        # each streamed response's usage then counts the prompt tokens served from the prefix cache
+        "--enable-prompt-tokens-details",
     ]
     if not compiled:
         cmd.append("--enforce-eager")  # no graph compilation at start-up: see docs/speed.md
     if hardware.device() == "cuda":
         cmd += ["--gpu-memory-utilization", "0.4"]  # candidate and base share the GPU (vLLM takes 0.9 by default)
     config = json.loads((checkpoint / "config.json").read_text())
-    if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
+    if kv_cache:
+        cmd += ["--kv-cache-dtype", kv_cache]  # asked for (a profile's kv_cache)
+    elif (config.get("quantization_config") or {}).get("kv_cache_scheme"):
         cmd += ["--kv-cache-dtype", "fp8"]  # a checkpoint with calibrated FP8 KV-cache scales
     return cmd
 
 
-def server_env(tmp: Path) -> dict[str, str]:
+# vLLM-CPU's bf16 attention runs AMX tile instructions (its "amx" kernels) on OpenMP threads, and
+# Linux lets a process use the tile state only once it has asked for it (arch_prctl): torch's
+# oneDNN asks when its own matmuls first pick AMX, which a small model's never do, and the worker
+# then dies at its first tile instruction (seen on an x86-64 with AMX, 2026-12-03: a 2-layer test
+# model, hidden 96 or 128, died on a 2-token prompt; the 135M default model did not). Every vLLM
+# process asks at start-up, from a sitecustomize of its own (the only module on its PYTHONPATH).
+AMX_SITECUSTOMIZE = """\
+# written by quantbench for vLLM's processes on a CPU with AMX: ask Linux for the AMX tile state
+# (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), x86-64 syscall 158) before any thread uses it
+import ctypes
+
+ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18)
+"""
+
+
+def server_env(tmp: Path, cpu: hardware.CPU | None = None) -> dict[str, str]:
+    """The environment of a vLLM server whose files go to `tmp` (removed after it stops); `cpu`:
+    this machine's unless given."""
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -490,6 +519,11 @@ def server_env(tmp: Path) -> dict[str, str]:
     }
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; set, it also skips the CPU warm-up pass in eager mode
     env.pop("PYTHONPATH", None)  # this environment's packages must not shadow vLLM's own
+    if "amx_tile" in (cpu or hardware.cpu()).flags and sys.platform == "linux" and platform.machine() == "x86_64":
+        site = tmp / "amx-site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(AMX_SITECUSTOMIZE)
+        env["PYTHONPATH"] = str(site)
     return env
 
 

@@ -234,7 +234,7 @@ def configs(stack: StackFile, where: str) -> list[Config]:
         return engines.get(config.engine).drafts if config.draft is not None else None
 
     def no_kv_cache_here(config: Config) -> bool:
-        return config.kv_cache is not None and config.kv_cache not in engines.get(config.engine).kv_cache_types
+        return config.kv_cache is not None and not kv_cache_scored(config)
 
     for i, config in enumerate(out):
         # said once, where the draft meets an engine that takes none (not again for each later step)
@@ -249,7 +249,8 @@ def configs(stack: StackFile, where: str) -> list[Config]:
                 f"{where}: steps.{i} ({stack.steps[i].name}): kv_cache {config.kv_cache}: "
                 f"{engines.get(config.engine).label} "
                 + (f"takes {', '.join(offered)}" if offered else "takes no KV-cache type through quantbench")
-                + "; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...)"
+                + "; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...: its quality is scored with "
+                "llama.cpp's tools)"
             )
         if config.engine == "llamacpp" and config.dtype not in ("auto", "float16"):
             problems.append(
@@ -421,6 +422,13 @@ def against_base(models_: dict[str | None, Resolved], workdir: Path) -> None:
             continue
         resolved.base = None
         resolved.label += " (quality against the base measured by the stack)"
+
+
+def kv_cache_scored(config: Config) -> bool:
+    """Whether a step's KV-cache type can be served and its quality scored: through llama.cpp, the
+    engine whose own tool (llama-perplexity) scores a model with that cache (vLLM's FP8 KV cache is
+    measured by bench profiles, not by stacks)."""
+    return config.engine == "llamacpp" and config.kv_cache in engines.get(config.engine).kv_cache_types
 
 
 def kv_cache_quality(
@@ -847,7 +855,7 @@ def best_subset(
                 continue
             if config.draft is not None and engines.get(config.engine).drafts:
                 continue
-            if config.kv_cache is not None and config.kv_cache not in engines.get(config.engine).kv_cache_types:
+            if config.kv_cache is not None and not kv_cache_scored(config):
                 continue
             key = (config.engine, config.model_key)
             if key not in serves:

@@ -136,11 +136,15 @@ def prepare(
         raise UserError(f"{field}: {what} a server (the server's memory and KV cache); the hf backend has neither")
     if profile.kv_cache and profile.kv_cache not in chosen.engine.kv_cache_types:
         offered = chosen.engine.kv_cache_types
+        others = "vLLM takes fp8 where its CPU build has AVX-512; llama.cpp's server q8_0, q4_0, ..."
         raise UserError(
             f"{field}: kv_cache: {chosen.engine.label} does not start with a KV cache of type "
             f"'{profile.kv_cache}' here"
-            + (f"; it takes {', '.join(offered)}" if offered else "; it takes no KV-cache type through quantbench")
-            + ("" if chosen.engine.name == "llamacpp" else " (llama.cpp's server takes q8_0, q4_0, ...)")
+            + (
+                f"; it takes {', '.join(offered)}"
+                if offered
+                else f"; it takes no KV-cache type through quantbench ({others})"
+            )
         )
     unfit = chosen.engine.kv_cache_unfit(checkpoint, profile.kv_cache) if profile.kv_cache and checkpoint else None
     if unfit:
@@ -149,8 +153,8 @@ def prepare(
         raise UserError(f"{field}: a prefix workload needs a server with a prefix cache; the hf backend has none")
     if profile.prefix and chosen.engine.prefix_cache is not None:
         raise UserError(
-            f"{field}: prefix: {chosen.engine.label} {chosen.engine.prefix_cache}; llama.cpp's server "
-            "turns its cache off per request (--backend llamacpp, for a GGUF checkpoint)"
+            f"{field}: prefix: {chosen.engine.label} {chosen.engine.prefix_cache}; vLLM and llama.cpp's server "
+            "turn their prefix caches off per request (--backend vllm or llamacpp)"
         )
     plan = Plan(profile_name, profile, ids, chosen.engine, None, backend, chosen.why)
     if chosen.engine.kind == "server":
@@ -196,10 +200,12 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
         TAG + "bench_base_dtype": base_dtype,
     }
     logs: list[Path] = []
+    served: dict[str, tuple[str, str]] = {}
     sweep = SweepRates() if plan.profile.sweep else None
     try:
-        with _measurers(plan, checkpoint, base, logs, sweep) as measurers:
+        with _measurers(plan, checkpoint, base, logs, sweep, served) as measurers:
             result = bench_pair(measurers, plan.token_ids, plan.profile, sweep)
+            scored = _long_context_quality(plan, served)
     except PartialBench as exc:
         tags |= _served_dtypes(plan, logs)
         partial = BenchResult(
@@ -218,7 +224,12 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
     tags |= _served_dtypes(plan, logs)
     if plan.profile.kv_cache:
         tags[TAG + "bench_kv_cache"] = plan.profile.kv_cache
-    metrics = {**result.metrics, **_kv_cache_sizes(plan, logs), "model/size_mb": weights_size_mb(checkpoint)}
+    metrics = {
+        **result.metrics,
+        **_kv_cache_sizes(plan, logs),
+        **scored,
+        "model/size_mb": weights_size_mb(checkpoint),
+    }
     plots = []
     if logs:  # a server backend: its load levels have latencies to plot
         title = f"{checkpoint.name} vs {base.name} · {engine}"
@@ -267,6 +278,25 @@ def _served_dtypes(plan: Plan, logs: list[Path]) -> dict[str, str]:
     return out
 
 
+def _long_context_quality(plan: Plan, served: dict[str, tuple[str, str]]) -> dict[str, float]:
+    """With context_tokens, through a server engine that gives prompt log-probabilities (vLLM):
+    the candidate as served (its KV-cache type included) against the base as served, on a prompt of
+    the longest length (`quality_engine/ctx<L>/...`). Not measured is said, and the speed kept."""
+    profile = plan.profile
+    if not (profile.context_tokens and served and plan.engine.quality == "prompt_logprobs"):
+        return {}
+    from quantbench.engines.server import EndpointError
+    from quantbench.speed.serving import long_context_quality
+
+    [ids] = prompts(plan.token_ids, max(profile.context_tokens), 1, profile.seed)
+    log.info("bench: scoring candidate and base as served on a %d-token prompt (prompt log-probabilities)", len(ids))
+    try:
+        return long_context_quality(served, ids)
+    except EndpointError as exc:
+        log.warning("bench: no quality at long context through %s: %s", plan.engine.label, exc)
+        return {}
+
+
 def _kv_cache_sizes(plan: Plan, logs: list[Path]) -> dict[str, float]:
     """The KV cache each server allocated (MiB), as its log says, and the candidate's against the
     base's (speedup: base / candidate, as for memory)."""
@@ -289,11 +319,17 @@ def spread(samples: dict[str, dict[str, list[float]]]) -> dict:
 
 @contextmanager
 def _measurers(
-    plan: Plan, checkpoint: Path, base: models.ResolvedModel, logs: list[Path], sweep: SweepRates | None = None
+    plan: Plan,
+    checkpoint: Path,
+    base: models.ResolvedModel,
+    logs: list[Path],
+    sweep: SweepRates | None = None,
+    served: dict[str, tuple[str, str]] | None = None,
 ):
     """{"candidate": measure(prompt_sets, rep), "base": ...} for the engine; servers started one
-    after the other (never two starting at once), stopped on exit, their logs appended to `logs`.
-    `sweep`: the sweep's rates, shared by both measurers (set by bench_pair after the warm-up)."""
+    after the other (never two starting at once), stopped on exit, their logs appended to `logs`
+    and, while they run, their (URL, model name) in `served`. `sweep`: the sweep's rates, shared by
+    both measurers (set by bench_pair after the warm-up)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -337,6 +373,8 @@ def _measurers(
             ) as cand,
             model_server(base.path, directory / "base.log", engine, settings) as ref,
         ):
+            if served is not None:
+                served |= {"candidate": (cand[0], cand[1]), "base": (ref[0], ref[1])}
             yield {
                 "candidate": openai_measurer(cand[0], cand[1], tokenizer, profile, cand[2], engine, sweep, texts),
                 "base": openai_measurer(ref[0], ref[1], tokenizer, profile, ref[2], engine, sweep, texts),

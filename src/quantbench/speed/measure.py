@@ -108,11 +108,11 @@ class Profile(Strict):
     # requests meeting every one (slo_pct), the goodput (goodput_rps) and whether each held at its
     # percentile over the level (slo_held); with a sweep, the highest rate that held (slo_rate_rps)
     slo: dict[str, PositiveFloat] = Field(default_factory=dict)
-    # prefix caching (servers whose cache is turned off per request: llama.cpp): speed/prefix/...
+    # prefix caching (servers whose cache is turned off per request: llama.cpp, vLLM): speed/prefix/...
     prefix: PrefixWorkload | None = None
     # long context (servers only): one streamed request per length, speed/ctx<L>/...
     context_tokens: list[PositiveInt] = Field(default_factory=list)
-    # the candidate's server's KV-cache type, in the engine's own names (llama.cpp: q8_0, q4_0, ...);
+    # the candidate's server's KV-cache type, in the engine's own names (llama.cpp: q8_0, q4_0, ...; vLLM: fp8);
     # the base's server keeps the engine's 16-bit cache. The sizes the servers allocated are logged
     # (speed/kv_cache_mb): bench a checkpoint against itself to see the KV cache alone
     kv_cache: str | None = None

@@ -37,7 +37,7 @@ from quantbench.core.errors import UserError
 from quantbench.core.intervals import pct
 from quantbench.core.processes import PeakRSS
 from quantbench.engines import ServingEngine
-from quantbench.engines.server import Stream, http_client, stream_one
+from quantbench.engines.server import EndpointError, Stream, http_client, stream_one
 from quantbench.speed.measure import RepetitionFailed, SweepRates
 
 log = logging.getLogger(__name__)
@@ -334,6 +334,67 @@ def prefix_cache(url: str, bodies: list[dict], engine: ServingEngine, client) ->
     computed = {on: [s.prompt_computed for s in streams] for on, streams in series.items()}
     if all(n is not None for n in computed[True] + computed[False]) and sum(computed[False]):  # type: ignore[arg-type]
         out["prefix/computed_share"] = sum(computed[True]) / sum(computed[False])  # type: ignore[arg-type]
+    return out
+
+
+def prompt_scores(url: str, model: str, token_ids: list[int], client) -> tuple[list[float], list[str]]:
+    """For each prompt token after the first: the log-probability the server gives it after the
+    ones before it, and the server's most likely token there (its id), from one completion that
+    echoes the prompt (`echo` with `logprobs: 1`, as lm-eval scores through an API)."""
+    import httpx
+
+    body = {
+        "model": model,
+        "prompt": token_ids,
+        "max_tokens": 1,
+        "echo": True,
+        "logprobs": 1,
+        "temperature": 0,
+        "return_tokens_as_token_ids": True,  # "token_id:123": no two tokens read the same
+    }
+    try:
+        response = client.post(url.rstrip("/") + "/completions", json=body)
+    except httpx.HTTPError as exc:
+        raise EndpointError(f"{url}: {type(exc).__name__}: {exc}") from exc
+    if response.status_code != 200:
+        raise EndpointError(f"{url} answered HTTP {response.status_code}: {response.text[:300]!r}")
+    scores = response.json()["choices"][0]["logprobs"]
+    n = len(token_ids)
+    tops = [max(top, key=top.get) if top else "" for top in scores["top_logprobs"][1:n]]
+    return [float(x) for x in scores["token_logprobs"][1:n]], tops
+
+
+POSITION_EDGES = (0, 512, 2048, 4096, 8192, 16384, 32768)
+
+
+def long_context_quality(served: dict[str, tuple[str, str]], token_ids: list[int]) -> dict[str, float]:
+    """The candidate as served against the base as served, on one long prompt (a KV cache in a
+    smaller type, a model whose error grows with context): the perplexity ratio and the share of
+    positions with the same most likely token, over the whole prompt and per bucket of positions.
+    `served`: {"candidate"|"base": (URL, model name)}."""
+    with http_client() as client:
+        (cand, cand_top), (base, base_top) = (
+            prompt_scores(*served[m], token_ids, client) for m in ("candidate", "base")
+        )
+    return scores_against(f"quality_engine/ctx{len(token_ids)}", cand, cand_top, base, base_top)
+
+
+def scores_against(
+    name: str, cand: list[float], cand_top: list[str], base: list[float], base_top: list[str]
+) -> dict[str, float]:
+    """`name`/ppl_ratio and `name`/top1_agreement from per-position log-probabilities and most likely
+    tokens, over every position and (where they span more than one) per bucket of positions."""
+    import math
+
+    # position i scores token i + 1: its context holds i + 1 tokens
+    edges = [e for e in POSITION_EDGES if e < len(cand)] + [len(cand)]
+    buckets = list(zip(edges, edges[1:])) if len(edges) > 2 else []
+    out: dict[str, float] = {}
+    for a, b in [(0, len(cand)), *buckets]:
+        suffix = f":pos{a}-{b - 1}" if buckets and (a, b) != (0, len(cand)) else ""
+        out[f"{name}/ppl_ratio{suffix}"] = math.exp(statistics.fmean(base[a:b]) - statistics.fmean(cand[a:b]))
+        agree = sum(x == y for x, y in zip(cand_top[a:b], base_top[a:b]))
+        out[f"{name}/top1_agreement{suffix}"] = agree / (b - a)
     return out
 
 
