@@ -88,10 +88,10 @@ def variant(cpu: hardware.CPU | None = None) -> Variant:
             if "avx512_bf16" in f:
                 on.append("AVX512_BF16")
                 name = "avx512-bf16"
-            # not AMX: the vendored ggml's AMX kernels die with SIGILL on their first tile instruction
-            # (seen on an x86-64 with AMX, 2026-12-03: `tilezero` in tinygemm_kernel_amx, on an OpenMP
-            # worker thread; Linux grants the tile state per thread, ggml asks for it on the main
-            # thread only: llama.cpp pull request 26954). The AVX-512 kernels run there.
+            # not AMX: the vendored ggml's AMX kernels die with SIGILL at a tile instruction (seen on
+            # an x86-64 with AMX, 2026-12-03: `tilezero` in tinygemm_kernel_amx, in every tool; how
+            # ggml asks Linux for the tile state and where it keeps its tile configuration is what
+            # llama.cpp pull request 26954 changes). The AVX-512 kernels run there.
     elif "avx" in f:
         on, name = ["AVX"], "avx"
     else:

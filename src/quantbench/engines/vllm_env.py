@@ -490,12 +490,13 @@ def server_command(
     return cmd
 
 
-# vLLM-CPU's bf16 attention runs AMX tile instructions (its "amx" kernels) on OpenMP threads, and
-# Linux lets a process use the tile state only once it has asked for it (arch_prctl): torch's
-# oneDNN asks when its own matmuls first pick AMX, which a small model's never do, and the worker
-# then dies at its first tile instruction (seen on an x86-64 with AMX, 2026-12-03: a 2-layer test
-# model, hidden 96 or 128, died on a 2-token prompt; the 135M default model did not). Every vLLM
-# process asks at start-up, from a sitecustomize of its own (the only module on its PYTHONPATH).
+# vLLM-CPU's bf16 attention runs AMX tile instructions (its "amx" kernels), and Linux lets a
+# process use the tile state only once it has asked for it (arch_prctl). vLLM does not ask; torch's
+# oneDNN asks when its own matmuls pick AMX, presumably never for a small model's: on an x86-64 with
+# AMX (2026-12-03) a 2-layer test model (hidden 96 or 128) served in bf16 killed its worker on a
+# 2-token prompt, the 135M default model did not, and with the state asked for at start-up neither
+# did. Every vLLM process asks at start-up, from a sitecustomize of its own (the only module on its
+# PYTHONPATH).
 AMX_SITECUSTOMIZE = """\
 # written by quantbench for vLLM's processes on a CPU with AMX: ask Linux for the AMX tile state
 # (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), x86-64 syscall 158) before any thread uses it
