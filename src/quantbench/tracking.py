@@ -365,6 +365,25 @@ class Tracker:
         self.client.set_tag(run_id, TAG + "error", reason)
         self.client.set_terminated(run_id, status)
 
+    def fail_orphans(self, tags: dict[str, str], what: str) -> list[str]:
+        """Runs with these tags left RUNNING by a `what` (sweep, tune) that died, when the caller
+        holds the lock that says no `what` owns them any more: a job process still alive is killed
+        first, then the run is FAILED with the reason. Their ids."""
+        import signal
+
+        failed = []
+        for run in self.runs_with_status(tags, "RUNNING"):
+            owner = run.data.tags.get(OWNER, "")
+            if owner_alive(owner):
+                try:
+                    os.killpg(int(owner.split()[1]), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError, ValueError):
+                    pass
+            reason = f"left RUNNING by a {what} that died (job process {owner or '?'}); marked FAILED on resume"
+            self.fail_run(run.info.run_id, reason)
+            failed.append(run.info.run_id)
+        return failed
+
     def start_run(self, run_name: str, tags: dict[str, Any]) -> Run:
         from quantbench.core.processes import interrupts_held
 

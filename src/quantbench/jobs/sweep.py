@@ -22,8 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
-import signal
 import sys
 import threading
 import time
@@ -42,7 +40,7 @@ from quantbench.recipe import (
     resolve_recipe_path,
     validate_file,
 )
-from quantbench.tracking import OWNER, TAG, Tracker, owner_alive
+from quantbench.tracking import TAG, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -261,17 +259,8 @@ def _reap_stale_runs(tracker: Tracker, name: str) -> None:
     """RUNNING runs of this sweep left by a sweep that died: FAILED. Opening the store already
     marked those whose process is gone; a job process still alive is a leftover of the dead sweep
     (the lock says no sweep owns it): it is killed first."""
-    for run in tracker.runs_with_status({TAG + "sweep": name, TAG + "role": "candidate"}, "RUNNING"):
-        owner = run.data.tags.get(OWNER, "")
-        if owner_alive(owner):
-            try:
-                os.killpg(int(owner.split()[1]), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        tracker.fail_run(
-            run.info.run_id, f"left RUNNING by a sweep that died (job process {owner or '?'}); marked FAILED on resume"
-        )
-        log.warning("sweep %s: run %s was left RUNNING by a dead sweep; marked FAILED", name, run.info.run_id)
+    for run_id in tracker.fail_orphans({TAG + "sweep": name, TAG + "role": "candidate"}, "sweep"):
+        log.warning("sweep %s: run %s was left RUNNING by a dead sweep; marked FAILED", name, run_id)
 
 
 def _parent_run(tracker: Tracker, state: State, name: str, sweep: Sweep) -> str:

@@ -26,9 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
-import signal
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -1043,7 +1041,8 @@ def run(request: Request, *, outputs: Path = Path("outputs"), experiment: str | 
 def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
     request = plan.request
     state = _read_state(plan.directory)
-    _reap_children(tracker, plan.tune_id)
+    # candidates left RUNNING by a tune that died (this tune holds its lock now)
+    tracker.fail_orphans({TAG + "tune": plan.tune_id, TAG + "role": "candidate"}, "tune")
     sens = sensitivity.get(
         tracker, plan.base, plan.tokenizer, request.schemes, plan.template.recipe.calibration, request.sensitivity
     )
@@ -1150,23 +1149,6 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
         state["status"] = "done"
         _write_state(plan.directory, state)
     return summary
-
-
-def _reap_children(tracker: Tracker, tune_id: str) -> None:
-    """Candidate runs of this tune left RUNNING by a tune that died: their job process is killed
-    if still alive (the lock says no tune owns it) and the run marked FAILED."""
-    from quantbench.tracking import OWNER, owner_alive
-
-    for r in tracker.runs_with_status({TAG + "tune": tune_id, TAG + "role": "candidate"}, "RUNNING"):
-        owner = r.data.tags.get(OWNER, "")
-        if owner_alive(owner):
-            try:
-                os.killpg(int(owner.split()[1]), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError, ValueError):
-                pass
-        tracker.fail_run(
-            r.info.run_id, f"left RUNNING by a tune that died (job process {owner or '?'}); marked FAILED on resume"
-        )
 
 
 def _summary(plan, sens, candidates, best, unmet, points, verdict, parent, resumed, costs=None) -> dict:
