@@ -196,6 +196,12 @@ def test_vllm_turns_its_prefix_cache_off_per_request_and_says_how_big_its_kv_cac
     assert vllm.kv_cache_mb(log) == pytest.approx(1024 / 94.07)  # one whole context's share of the pool
     log.write_text("no such lines\n")
     assert vllm.kv_cache_mb(log) is None
+    # a worker a signal killed (seen: AMX tile state not asked for) says so, not only "cancelled"
+    log.write_text("(EngineCore pid=7) ERROR 12-03 14:04:15 [multiproc_executor.py:315] Worker proc VllmWorker-0 died "
+                   "unexpectedly (exit code: None), shutting down executor.\n(EngineCore pid=7) ERROR 12-03 14:04:15 "
+                   "[core.py:1512] RuntimeError: cancelled\n")
+    assert vllm.explain(log) == ("vLLM's worker process (VllmWorker-0) died without a Python error, so a signal ended "
+                                 "it (out of memory, an illegal instruction, a crash in a kernel) | RuntimeError: cancelled")
 
 
 def test_doctor(capsys, monkeypatch, tmp_path):

@@ -86,7 +86,15 @@ class VLLM(ServingEngine):
         return body if on else {**body, "cache_salt": secrets.token_hex(16)}
 
     def explain(self, log_path: Path) -> str:
-        return explain_log(log_path, LOG_PREFIX, GENERIC)
+        account = explain_log(log_path, LOG_PREFIX, GENERIC)
+        # a worker killed by a signal leaves no Python error: the engine core's "cancelled" is all there is
+        died = re.search(r"Worker proc (\S+) died unexpectedly", log_path.read_text(errors="replace"))
+        if died and account == "RuntimeError: cancelled":
+            return (
+                f"vLLM's worker process ({died.group(1)}) died without a Python error, so a signal ended it "
+                f"(out of memory, an illegal instruction, a crash in a kernel) | {account}"
+            )
+        return account
 
     def kv_cache_unfit(self, checkpoint: Path | dict, kv_cache: str) -> str | None:
         if hardware.device() == "cuda":
