@@ -153,6 +153,11 @@ class ServingEngine:
         return int(value) if value else None
 
 
+def model_config(checkpoint: Path | dict) -> dict:
+    """A checkpoint's config.json as a dict (given its directory, or the dict itself)."""
+    return checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
+
+
 def head_size(config: dict) -> int:
     """The size of one attention head, from a model's config.json (as a dict)."""
     text = config.get("text_config") or config

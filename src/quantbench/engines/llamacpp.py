@@ -28,7 +28,7 @@ from pathlib import Path
 
 from quantbench.core.errors import UserError
 from quantbench.core.paths import cache_dir
-from quantbench.engines import ServerSettings, ServingEngine, explain_log, head_size
+from quantbench.engines import ServerSettings, ServingEngine, explain_log, head_size, model_config
 from quantbench.engines import llamacpp_build as build
 from quantbench.sources.checkpoint import gguf_file
 
@@ -158,7 +158,7 @@ class LlamaServer(ServingEngine):
         # create its context for a head that is not a whole number of blocks
         if kv_cache in ("f16", "bf16"):
             return None
-        config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
+        config = model_config(checkpoint)
         head = head_size(config)
         if head % 32:
             return f"{kv_cache} stores blocks of 32 values along each attention head; this model's heads have {head}"

@@ -4,13 +4,12 @@ every format quantbench writes, without the kernels that make quantized formats 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 from importlib import metadata
 from pathlib import Path
 
-from quantbench.engines import ServerSettings, ServingEngine
+from quantbench.engines import ServerSettings, ServingEngine, model_config
 
 
 def _cli() -> Path:
@@ -28,7 +27,7 @@ class TransformersServe(ServingEngine):
         return "transformers serve is not installed (transformers[serving]: fastapi, uvicorn, openai)"
 
     def unserved(self, checkpoint: Path | dict) -> str | None:
-        config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
+        config = model_config(checkpoint)
         quant = config.get("quantization_config") or {}
         if quant.get("quant_method") == "gguf":
             return "it loads safetensors checkpoints, not a GGUF file (in-process hf de-quantizes one)"

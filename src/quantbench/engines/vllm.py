@@ -4,13 +4,12 @@ engine interface over them."""
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 from pathlib import Path
 
 from quantbench.core import hardware
-from quantbench.engines import ServerSettings, ServingEngine, explain_log
+from quantbench.engines import ServerSettings, ServingEngine, explain_log, model_config
 from quantbench.engines import vllm_env as vllm_engine
 
 # vLLM ends a failed start with generic lines ('Engine core initialization failed. See root cause
@@ -99,7 +98,7 @@ class VLLM(ServingEngine):
     def kv_cache_unfit(self, checkpoint: Path | dict, kv_cache: str) -> str | None:
         if hardware.device() == "cuda":
             return None
-        config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
+        config = model_config(checkpoint)
         return vllm_engine.fp8_kv_cache_unfit(hardware.cpu(), config)
 
     def kv_cache_mb(self, log_path: Path) -> float | None:

@@ -37,7 +37,7 @@ from filelock import FileLock
 
 from quantbench.core import hardware
 from quantbench.core.errors import UserError
-from quantbench.engines import head_size
+from quantbench.engines import head_size, model_config
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ def unserved(checkpoint: Path | dict, on: str | None = None, cpu: hardware.CPU |
     device ("cpu" or "cuda"; on "cpu", this CPU unless `cpu` names another), or None if it does."""
     on = on or hardware.device()
     cpu = cpu or hardware.cpu()
-    config = checkpoint if isinstance(checkpoint, dict) else json.loads((checkpoint / "config.json").read_text())
+    config = model_config(checkpoint)
     text = config.get("text_config") or config
     head_dim = head_size(config)
     quant = config.get("quantization_config") or {}
