@@ -3,7 +3,7 @@
 import hashlib
 import json
 
-from quantbench.core.files import atomic_write, canonical_sha
+from quantbench.core.files import atomic_write, canonical_sha, write_if_changed
 
 
 def test_equal_settings_hash_equal_and_stores_keep_their_hashes():
@@ -21,6 +21,39 @@ def test_an_atomic_write_replaces_the_file_and_leaves_no_temporary(tmp_path):
     path.write_text("old")
     atomic_write(path, "new")
     assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_writers_in_two_processes_each_replace_the_whole_file(tmp_path):
+    """Two processes rewriting one shared file at once: every read sees one writer's whole text."""
+    import multiprocessing
+
+    path = tmp_path / "shared.jsonl"
+    texts = ["a" * 200_000, "b" * 300_000]
+    path.write_text(texts[0])
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_rewrite, args=(path, t, 400)) for t in texts]
+    for w in writers:
+        w.start()
+    seen = set()
+    while any(w.is_alive() for w in writers):
+        seen.add(path.read_text())
+    assert [w.exitcode for w in writers] == [0, 0]
+    assert seen <= set(texts) and [p.name for p in tmp_path.iterdir()] == ["shared.jsonl"]
+
+
+def _rewrite(path, text, times):
+    for _ in range(times):
+        atomic_write(path, text)
+
+
+def test_an_unchanged_file_is_not_rewritten(tmp_path):
+    path = tmp_path / "task.yaml"
+    write_if_changed(path, "same")
+    stamp = (path.stat().st_ino, path.stat().st_mtime_ns)
+    write_if_changed(path, "same")
+    assert (path.stat().st_ino, path.stat().st_mtime_ns) == stamp
+    write_if_changed(path, "other")
+    assert path.read_text() == "other" and path.stat().st_ino != stamp[0]
 
 
 def test_a_file_hash_is_sha256_of_its_bytes(tmp_path):

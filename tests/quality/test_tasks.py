@@ -24,6 +24,11 @@ def test_offline_items_are_deterministic_and_well_formed(tmp_path):
     counts = write_offline_suite(text, tmp_path)
     assert counts == {"qb_pydoc_lastword": len(last), "qb_pydoc_continuation": len(cont)}
     assert (tmp_path / "qb_pydoc_lastword.yaml").read_text().startswith("task: qb_pydoc_lastword\ndataset_path: json\n")
+    # the suite lives in a cache other evaluations read at the same time: writing it again leaves
+    # every file as it was (same inode, same mtime), so no reader sees a file emptied under it
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in tmp_path.iterdir()}
+    write_offline_suite(text, tmp_path)
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in tmp_path.iterdir()} == before
 
 
 def test_flips_on_hand_made_results():

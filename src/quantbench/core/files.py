@@ -26,7 +26,19 @@ def file_sha(path: Path) -> str:
 
 def atomic_write(path: Path, text: str) -> None:
     """Write `text` to `path` so that a reader (or a crash) sees the old file or the new one,
-    never half of it: a sibling temporary file, then a rename over the old one."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    never half of it: a sibling temporary file of this process's own, then a rename over the old
+    one (two processes writing the same file at once each rename a whole file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_if_changed(path: Path, text: str) -> None:
+    """`atomic_write`, skipped when `path` already holds `text`: a file that other processes may be
+    reading at that moment (shared caches) is never rewritten under them, nor its mtime moved."""
+    try:
+        if path.read_text() == text:
+            return
+    except (FileNotFoundError, UnicodeDecodeError):
+        pass
+    atomic_write(path, text)

@@ -27,6 +27,7 @@ from functools import cache
 from pathlib import Path
 
 from quantbench.core.errors import UserError, did_you_mean
+from quantbench.core.files import write_if_changed
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def write_offline_suite(text: str, directory: Path) -> dict[str, int]:
     items = {"qb_pydoc_lastword": lastword_items(text), "qb_pydoc_continuation": continuation_items(text)}
     for name, rows in items.items():
         data = directory / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_if_changed(data, "".join(json.dumps(r) + "\n" for r in rows))
         config = {
             "task": name,
             "dataset_path": "json",
@@ -118,7 +119,7 @@ def write_offline_suite(text: str, directory: Path) -> dict[str, int]:
             **TASK_YAML[name],
             "metadata": {"version": float(SUITE_VERSION)},
         }
-        (directory / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        write_if_changed(directory / f"{name}.yaml", yaml.safe_dump(config, sort_keys=False))
     return {name: len(rows) for name, rows in items.items()}
 
 
