@@ -149,15 +149,15 @@ def calibration_card(inputs: Inputs) -> str:
 
 def recipe_layers(config, ignore: list[str]) -> list[tuple[str, int, int]]:
     """(name, in_features, out_features) of every Linear layer a recipe would quantize, read from
-    a model built on the meta device (no weights), matched as llm-compressor matches targets
+    the model's `checkpoint.skeleton` (no weights), matched as llm-compressor matches targets
     (`checkpoint.linear_layers` has every Linear layer but the head, with no recipe)."""
-    import torch
     from compressed_tensors.utils import match_named_modules
-    from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    return [(name, m.in_features, m.out_features) for name, m in match_named_modules(skeleton, ["Linear"], ignore)]
+    from quantbench.sources.checkpoint import skeleton
+
+    return [
+        (name, m.in_features, m.out_features) for name, m in match_named_modules(skeleton(config), ["Linear"], ignore)
+    ]
 
 
 def group_size_problem(loaded, config, group_size: int, field: str = "group_size") -> list[str]:

@@ -274,24 +274,32 @@ def weights_size_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)) / 2**20
 
 
-def linear_layers(config) -> dict[str, tuple[int, int, bool]]:
-    """name -> (in_features, out_features, has bias) of every Linear layer of a model with this
-    config except its output head: the layers a quantization recipe may quantize. Read from a
-    model built on the meta device (no weights, nothing loaded)."""
+def skeleton(config):
+    """The model a config describes, built on the meta device: every module and shape, no weights,
+    nothing loaded or allocated. A quantized checkpoint's config gives its unquantized shapes."""
     import copy
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = copy.deepcopy(config)
     if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the skeleton's shapes are the unquantized ones
+        config = copy.deepcopy(config)
+        del config.quantization_config
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    head = skeleton.get_output_embeddings()
+        return AutoModelForCausalLM.from_config(config)
+
+
+def linear_layers(config) -> dict[str, tuple[int, int, bool]]:
+    """name -> (in_features, out_features, has bias) of every Linear layer of a model with this
+    config except its output head: the layers a quantization recipe may quantize (read from its
+    `skeleton`)."""
+    import torch
+
+    model = skeleton(config)
+    head = model.get_output_embeddings()
     return {
         name: (m.in_features, m.out_features, m.bias is not None)
-        for name, m in skeleton.named_modules()
+        for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and m is not head
     }
 

@@ -158,24 +158,38 @@ def solve(p: Problem, budget_bits: float, resolution: int = RESOLUTION) -> Alloc
     )
 
 
+def check_bits(bits_per_weight: float, cheapest_bits: float, params: int, names: list[str]) -> None:
+    """`--bits B` against the fewest stored bits schemes `names` allow on these `params` weights
+    (checked before a tune measures anything, and again on its allocation problem)."""
+    if bits_per_weight * params < cheapest_bits - 1e-6:
+        raise UserError(
+            f"--bits {bits_per_weight:g}: below {cheapest_bits / params:.3f}, what the cheapest of "
+            f"{', '.join(names)} takes on every layer (scales included); raise it or add a cheaper scheme"
+        )
+
+
+def check_size(size_mb: float, cheapest_bits: float, fixed_bytes: float, names: list[str]) -> None:
+    """`--max-size-mb M` against the smallest checkpoint schemes `names` allow (the rest included)."""
+    smallest = (fixed_bytes + cheapest_bits / 8) / 2**20
+    if size_mb < smallest - 1e-9:
+        raise UserError(
+            f"--max-size-mb {size_mb:g}: below {smallest:.1f} MiB, the smallest checkpoint "
+            f"{', '.join(names)} allow ({fixed_bytes / 2**20:.1f} MiB of it embeddings and norms, "
+            "which a tune does not choose)"
+        )
+
+
+def _names(p: Problem) -> list[str]:
+    return list(dict.fromkeys(name for opts in p.options for name, _, _ in opts))
+
+
 def for_bits(p: Problem, bits_per_weight: float) -> Allocation:
     """`--bits B`: at most B stored bits per quantizable weight on average."""
-    cheapest, _ = p.bounds()
-    if bits_per_weight * p.total_params < cheapest - 1e-6:
-        raise UserError(
-            f"--bits {bits_per_weight:g}: below {cheapest / p.total_params:.3f}, what the cheapest scheme "
-            "that fits each layer needs (scales included); give a larger budget or a cheaper scheme"
-        )
+    check_bits(bits_per_weight, p.bounds()[0], p.total_params, _names(p))
     return solve(p, bits_per_weight * p.total_params)
 
 
 def for_size(p: Problem, size_mb: float) -> Allocation:
     """`--max-size-mb M`: a checkpoint of at most M MiB (the unquantized rest included)."""
-    cheapest, _ = p.bounds()
-    smallest = (p.fixed_bytes + cheapest / 8) / 2**20
-    if size_mb < smallest - 1e-9:
-        raise UserError(
-            f"--max-size-mb {size_mb:g}: below {smallest:.1f} MiB, the smallest checkpoint the schemes "
-            f"allow ({p.fixed_bytes / 2**20:.1f} MiB of it are embeddings and norms, never quantized here)"
-        )
+    check_size(size_mb, p.bounds()[0], p.fixed_bytes, _names(p))
     return solve(p, p.bits_for_size(size_mb))

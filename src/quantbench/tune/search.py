@@ -44,6 +44,7 @@ from quantbench.recipe import (
 )
 from quantbench.release import gate
 from quantbench.sources import models
+from quantbench.sources.checkpoint import linear_layers, skeleton
 from quantbench.tracking import TAG, Tracker
 from quantbench.tune import allocate, cost, sensitivity
 
@@ -138,8 +139,6 @@ class Plan:
 
 def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     from transformers import AutoConfig, AutoTokenizer
-
-    from quantbench.sources.checkpoint import linear_layers
 
     policy = gate.load_policy(request.policy)
     if request.engine not in (None, "vllm", "llamacpp"):
@@ -298,14 +297,9 @@ def _template(name: str) -> LoadedRecipe:
 def _fixed_bytes(path: Path, shapes: dict, dtype_bits: int) -> float:
     """Bytes of everything a tune does not quantize (embeddings, norms, an untied head), stored
     in the recipe's dtype: the base model's parameters minus the quantizable layers'."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    seen = {}
-    for name, p in skeleton.named_parameters(remove_duplicate=True):
-        seen[name] = p.numel()
+    seen = {name: p.numel() for name, p in skeleton(AutoConfig.from_pretrained(path)).named_parameters()}
     quantizable = sum(i * o + (o if b else 0) for i, o, b in shapes.values())
     return (sum(seen.values()) - quantizable) * dtype_bits / 8
 
@@ -321,20 +315,10 @@ def _check_budget(
         )
         for n, (i, o, b) in shapes.items()
     )
-    params = sum(i * o for i, o, _ in shapes.values())
-    if request.bits is not None and request.bits * params < cheapest - 1e-6:
-        raise UserError(
-            f"--bits {request.bits:g}: below {cheapest / params:.3f}, what the cheapest of "
-            f"{', '.join(names)} takes on every layer (scales included); raise it or add a cheaper scheme"
-        )
+    if request.bits is not None:
+        allocate.check_bits(request.bits, cheapest, sum(i * o for i, o, _ in shapes.values()), names)
     if request.max_size_mb is not None:
-        smallest = (fixed_bytes + cheapest / 8) / 2**20
-        if request.max_size_mb < smallest - 1e-9:
-            raise UserError(
-                f"--max-size-mb {request.max_size_mb:g}: below {smallest:.1f} MiB, the smallest checkpoint "
-                f"{', '.join(names)} allow ({fixed_bytes / 2**20:.1f} MiB of it embeddings and norms, "
-                "which a tune does not choose)"
-            )
+        allocate.check_size(request.max_size_mb, cheapest, fixed_bytes, names)
 
 
 # ---------------------------------------------------------------------------------------------
