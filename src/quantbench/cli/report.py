@@ -6,6 +6,7 @@ pattern)."""
 from __future__ import annotations
 
 from quantbench.core.intervals import interval_of
+from quantbench.core.tables import table
 from quantbench.metrics import direction
 
 
@@ -22,32 +23,46 @@ def evaluation_table(metrics: dict[str, float], baseline: dict[str, float], note
     """metric, baseline, candidate, recovery, which way is better, and the 95 % intervals of the
     candidate's value and of its recovery (paired with the base); then what has no interval."""
     rows = [
-        f"{'metric':42s} {'baseline':>10s} {'candidate':>10s} {'recovery':>9s}  better  "
-        f"{'candidate 95% interval':>22s}  recovery 95% interval"
+        [
+            key,
+            _fmt(baseline.get(key)),
+            _fmt(metrics[key]),
+            _fmt(metrics.get(f"recovery/{key}")),
+            direction(key) or "",
+            _interval(metrics, key),
+            _interval(metrics, f"recovery/{key}"),
+        ]
+        for key in sorted(k for k in metrics if not k.startswith("recovery/") and ".ci_" not in k)
     ]
-    for key in sorted(k for k in metrics if not k.startswith("recovery/") and ".ci_" not in k):
-        rows.append(
-            f"{key:42s} {_fmt(baseline.get(key)):>10s} {_fmt(metrics[key]):>10s} "
-            f"{_fmt(metrics.get(f'recovery/{key}')):>9s}  {direction(key) or '':6s}  "
-            f"{_interval(metrics, key):>22s}  {_interval(metrics, f'recovery/{key}')}".rstrip()
-        )
-    rows += [f"no interval: {note}" for note in notes or []]
-    return "\n".join(rows)
+    headers = [
+        "metric",
+        "baseline",
+        "candidate",
+        "recovery",
+        "better",
+        "candidate 95% interval",
+        "recovery 95% interval",
+    ]
+    return "\n".join([table(headers, rows, "lrrrlrl"), *(f"no interval: {note}" for note in notes or [])])
 
 
 def bench_table(metrics: dict[str, float]) -> str:
     """Every speed metric measured for both models: base, candidate, speedup (above 1 is faster),
     and the speedup's 95 % interval over the paired repetitions."""
-    rows = [f"{'metric':28s} {'base':>10s} {'candidate':>10s} {'speedup':>8s}  speedup 95% interval"]
+    rows = []
     for key in sorted(k for k in metrics if k.startswith("speed/") and "base_" + k in metrics):
         short = key.removeprefix("speed/")
         speedup = metrics.get("speedup/" + short)
         rows.append(
-            f"{short:28s} {metrics['base_' + key]:10.4g} {metrics[key]:10.4g} "
-            f"{'' if speedup is None else format(speedup, '8.3f'):>8s}  "
-            f"{_interval(metrics, 'speedup/' + short, '.3f')}".rstrip()
+            [
+                short,
+                f"{metrics['base_' + key]:.4g}",
+                f"{metrics[key]:.4g}",
+                "" if speedup is None else f"{speedup:.3f}",
+                _interval(metrics, "speedup/" + short, ".3f"),
+            ]
         )
-    return "\n".join(rows)
+    return table(["metric", "base", "candidate", "speedup", "speedup 95% interval"], rows, "lrrrl")
 
 
 def metric_lines(metrics: dict[str, float], width: int = 44) -> str:
@@ -66,10 +81,9 @@ def bench_engine(result) -> str:
 
 def engine_table(engine: dict[str, float], transformers: dict[str, float]) -> str:
     """`evaluate --engine`: each task metric through transformers and through the engine."""
-    rows = [f"{'metric':42s} {'transformers':>12s} {'engine':>10s}"]
-    for key in sorted(k for k in engine if k.startswith("task_engine/")):
-        same = "task/" + key.removeprefix("task_engine/")
-        rows.append(f"{key:42s} {_fmt(transformers.get(same)):>12s} {_fmt(engine[key]):>10s}")
-    for key in sorted(k for k in engine if k.startswith("quality/engine_")):
-        rows.append(f"{key:42s} {'':>12s} {_fmt(engine[key]):>10s}")
-    return "\n".join(rows)
+    rows = [
+        [key, _fmt(transformers.get("task/" + key.removeprefix("task_engine/"))), _fmt(engine[key])]
+        for key in sorted(k for k in engine if k.startswith("task_engine/"))
+    ]
+    rows += [[key, "", _fmt(engine[key])] for key in sorted(k for k in engine if k.startswith("quality/engine_"))]
+    return table(["metric", "transformers", "engine"], rows, "lrr")

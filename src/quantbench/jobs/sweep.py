@@ -30,6 +30,7 @@ from pathlib import Path
 
 from pydantic import Field, PositiveInt
 
+from quantbench.core import tables
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.files import atomic_write
 from quantbench.jobs.executor import HISTORY, Executor, Job, Limits, Runner
@@ -279,19 +280,25 @@ def _parent_run(tracker: Tracker, state: State, name: str, sweep: Sweep) -> str:
 def _finish(
     tracker: Tracker, state: State, jobs: list[Job], parent: str, directory: Path, name: str, where: dict
 ) -> dict:
-    rows = [
-        f"{'job':44s} {'status':9s} {'tries':>5s} {'wall s':>7s} {'size MB':>8s} {'ppl ×':>7s} {'KLD':>7s} "
-        f"{'decode ×':>8s}  run / reason"
-    ]
+    rows = []
     for j in jobs:
         m = j.metrics
         cell = lambda k, f: format(m[k], f) if k in m else "—"  # noqa: E731
         rows.append(
-            f"{j.id[:44]:44s} {j.status:9s} {len(j.attempts):5d} {j.wall_s:7.0f} {cell('model/size_mb', '8.1f'):>8s} "
-            f"{cell('check/ppl_ratio', '7.3f'):>7s} {cell('quality/kld_mean', '7.4f'):>7s} "
-            f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {j.run_id or j.reason}"
+            [
+                j.id,
+                j.status,
+                str(len(j.attempts)),
+                f"{j.wall_s:.0f}",
+                cell("model/size_mb", ".1f"),
+                cell("check/ppl_ratio", ".3f"),
+                cell("quality/kld_mean", ".4f"),
+                cell("speedup/decode_tok_s", ".2f"),
+                j.run_id or j.reason,
+            ]
         )
-    table = "\n".join(rows)
+    headers = ["job", "status", "tries", "wall s", "size MB", "ppl ×", "KLD", "decode ×", "run / reason"]
+    table = tables.table(headers, rows, "llrrrrrrl")
     counts = {s: sum(j.status == s for j in jobs) for s in ("finished", "skipped", "failed")}
     summary = {
         "sweep": name,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench import metrics as catalogue
+from quantbench.core import tables
 from quantbench.core.errors import UserError, check_creatable_dir
 from quantbench.core.intervals import interval_of, pareto
 from quantbench.release import names
@@ -230,11 +231,9 @@ def rows(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
 
 def terminal(cmp: Comparison) -> str:
     header, body = rows(cmp)
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *body]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
     return (
-        "\n".join(lines) + f"\n★ Pareto frontier on {cmp.quality} ({catalogue.direction(cmp.quality)} is better) "
+        tables.table(header, body, "l" * len(header))
+        + f"\n★ Pareto frontier on {cmp.quality} ({catalogue.direction(cmp.quality)} is better) "
         f"vs {cmp.speed} ({catalogue.direction(cmp.speed)} is better); 'speed via': the engine "
         f"speed was measured through ({NOT_SERVING}: in-process transformers generate)"
         + "".join("\n" + line for line in notes(cmp))

@@ -29,7 +29,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from quantbench import metrics as catalogue
-from quantbench.core import intervals
+from quantbench.core import intervals, tables
 from quantbench.core.errors import UserError
 from quantbench.core.files import canonical_sha
 from quantbench.recipe import Strict, load_named
@@ -281,15 +281,12 @@ def _interval_text(c: Check) -> str:
 
 
 def table(checks: list[Check]) -> str:
-    rows = [f"{'check':40s} {'value':>14s} {'95% interval':>22s} {'threshold':>22s}  result", "-" * 112]
+    rows = []
     for c in checks:
         value = f"{c.value:.4g}" if isinstance(c.value, float) else str(c.value if c.value is not None else "—")
-        note = f"  ({c.note})" if c.note else ""
-        rows.append(
-            f"{c.check:40s} {value:>14s} {_interval_text(c):>22s} {str(c.threshold):>22s}  "
-            f"{'pass' if c.passed else 'FAIL'}{note}"
-        )
-    return "\n".join(rows)
+        result = ("pass" if c.passed else "FAIL") + (f"  ({c.note})" if c.note else "")
+        rows.append([c.check, value, _interval_text(c), str(c.threshold), result])
+    return tables.table(["check", "value", "95% interval", "threshold", "result"], rows, "lrrrl")
 
 
 def text(report: dict) -> str:

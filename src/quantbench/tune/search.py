@@ -32,6 +32,7 @@ from pathlib import Path
 
 import yaml
 
+from quantbench.core import tables
 from quantbench.core.errors import UserError
 from quantbench.core.files import atomic_write, canonical_sha
 from quantbench.core.intervals import pareto
@@ -1167,21 +1168,28 @@ def _summary(plan, sens, candidates, best, unmet, points, verdict, parent, resum
 
 def text(summary: dict) -> str:
     """What `quantbench tune` prints: the candidates, the frontier, the answer."""
-    rows = [
-        f"{'#':>2s} {'candidate':38s} {'status':8s} {'bits/w':>7s} {'MiB':>7s} {'KLD pred':>9s} {'KLD':>8s} "
-        f"{'decode x':>8s}  verdict"
-    ]
+    body = []
     for i, c in enumerate(summary["candidates"], 1):
         m = c["metrics"]
         cell = lambda k, f: format(m[k], f) if k in m else "—"  # noqa: E731
         verdict = (
             "pass" if c["passed"] else ("fails " + ", ".join(c["failed_checks"]) if c["failed_checks"] else c["reason"])
         )
-        rows.append(
-            f"{i:2d} {c['name'][:38]:38s} {c['status']:8s} {cell('model/bits_per_weight', '7.3f'):>7s} "
-            f"{cell('model/size_mb', '7.1f'):>7s} {c['predicted_kld']:9.4f} {cell('quality/kld_mean', '8.4f'):>8s} "
-            f"{cell('speedup/decode_tok_s', '8.2f'):>8s}  {verdict}"
+        body.append(
+            [
+                str(i),
+                c["name"],
+                c["status"],
+                cell("model/bits_per_weight", ".3f"),
+                cell("model/size_mb", ".1f"),
+                f"{c['predicted_kld']:.4f}",
+                cell("quality/kld_mean", ".4f"),
+                cell("speedup/decode_tok_s", ".2f"),
+                verdict,
+            ]
         )
+    headers = ["#", "candidate", "status", "bits/w", "MiB", "KLD pred", "KLD", "decode x", "verdict"]
+    rows = [tables.table(headers, body, "rllrrrrrl")]
     timed = [(i, c) for i, c in enumerate(summary["candidates"], 1) if c.get("predicted_ms") is not None]
     if timed:
         rows.append(
