@@ -196,3 +196,23 @@ def test_a_corrupt_gguf_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"cut.gguf is not a readable GGUF file"):
         models.resolve(str(cut))
     assert models.resolve(str(gguf)).path.is_dir()
+
+
+def test_a_gguf_converted_from_a_file_since_gone_is_read_from_where_it_is_now(tmp_path, monkeypatch):
+    """The cache keeps one conversion per GGUF content; the file it was made from may be gone (a
+    temporary directory, a moved download). The same content from another path is the source now:
+    llama.cpp reads that file again rather than converting the safetensors copy back."""
+    import shutil
+
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    first = gg.write_tiny_gguf(tmp_path / "a" / "tiny.gguf", gg.gpt2_bpe_vocab(300, add_bos=False))
+    converted = models.resolve(str(first)).path
+    assert models.source_gguf(converted) == first
+    moved = tmp_path / "b" / "tiny.gguf"
+    moved.parent.mkdir()
+    shutil.move(first, moved)
+    assert models.source_gguf(converted) is None  # the recorded file is gone
+    again = models.resolve(str(moved))
+    assert again.path == converted and models.source_gguf(converted) == moved
+    assert json.loads((converted / models.SOURCE_INFO).read_text())["source"] == str(moved)

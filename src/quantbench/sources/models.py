@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from quantbench.core.errors import UserError, did_you_mean
-from quantbench.core.files import file_sha
+from quantbench.core.files import atomic_write, file_sha
 from quantbench.core.paths import cache_dir, hub_reachable
 from quantbench.sources.checkpoint import WEIGHT_SUFFIXES, check_gguf, check_weights, load_config
 
@@ -219,6 +219,11 @@ def _from_gguf(source: str, gguf: Path, field: str = "model.source") -> Resolved
         check_gguf(gguf, field)
         _convert_gguf(source, gguf, dest, field)
     info = json.loads(info_file.read_text())
+    if info.get("gguf") != str(gguf) and source_gguf(dest) is None and file_sha(gguf) == info.get("gguf_sha256"):
+        # converted from a copy of this file that is gone (a moved download, a temporary
+        # directory): this one is the source now, so llama.cpp reads the GGUF itself again
+        # rather than converting the safetensors copy back (source_gguf)
+        atomic_write(info_file, json.dumps(info | {"source": source, "gguf": str(gguf)}, indent=2))
     return ResolvedModel(
         source=source, path=dest, name=info["name"], license=info["license"], fingerprint=info["fingerprint"]
     )
