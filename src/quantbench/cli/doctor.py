@@ -12,6 +12,7 @@ import platform
 import sys
 from importlib import metadata
 
+from quantbench.cli.common import common, print_json
 from quantbench.core import hardware
 
 
@@ -110,3 +111,36 @@ def text(lines: list[dict]) -> str:
         mark = "yes" if f["available"] else "no"
         rows.append(f"{f['name']:19s} {mark:4s} {f['version'] or '':14s} {f['detail']}")
     return "\n".join(rows)
+
+
+def add_parser(sub) -> None:
+    d = sub.add_parser(
+        "doctor",
+        parents=[common("json")],
+        help="which engines and servers this machine has",
+        description="One line per engine and server: transformers (and transformers serve), vLLM (its "
+        "version and environment), llm-compressor, bitsandbytes, GPTQModel, lm-eval, torch and CUDA, the "
+        "CPU's vector extensions, and which checkpoint formats vLLM serves here. Starts nothing.",
+    )
+    d.add_argument(
+        "--vllm", action="store_true", help="create vLLM's environment first if it does not exist (`make vllm`)"
+    )
+    d.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="build llama.cpp's tools for this CPU first if they are not built (`make llamacpp`; ~12 min on 2 cores)",
+    )
+
+
+def run(args) -> int:
+    if args.vllm:
+        from quantbench.engines import vllm_env as vllm_engine
+
+        vllm_engine.ensure("make vllm")
+    if args.llamacpp:
+        from quantbench.engines import llamacpp_build
+
+        llamacpp_build.ensure("make llamacpp")
+    found = facts()
+    print(text(found))
+    return print_json(args, {"engines": found})

@@ -1,0 +1,59 @@
+"""What every command module shares: options defined once, a stage run so that a failure is an
+exit code (its MLflow run already ended), and the --json summary line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from quantbench.core.errors import UserError
+
+log = logging.getLogger("quantbench")
+
+
+def common(*names: str) -> argparse.ArgumentParser:
+    """Options several commands share, defined once."""
+    parent = argparse.ArgumentParser(add_help=False)
+    if "experiment" in names:
+        parent.add_argument("--experiment", help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME or 'quantbench')")
+    if "outputs" in names:
+        parent.add_argument("--outputs", type=Path, default=Path("outputs"), help="output root (default: outputs)")
+    if "base" in names:
+        parent.add_argument(
+            "--base", default=None, help="the base model source, for a checkpoint quantbench did not write"
+        )
+    if "json" in names:
+        parent.add_argument("--json", action="store_true", help="print a JSON summary as the last line of output")
+    return parent
+
+
+def run_stage(name: str, fn, *args, **kwargs) -> Any | None:
+    """Run a stage that owns an MLflow run; None (exit 1) if it failed after starting."""
+    import signal
+
+    from quantbench.core.processes import interrupt, interrupted
+
+    # `kill` (a timeout, a scheduler) ends a stage like Ctrl-C: its MLflow run is marked KILLED
+    # and any staging directory removed, never left RUNNING (not even when the signal comes while
+    # the run is being created or ended: tracking holds it back for that moment).
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        return fn(*args, **kwargs)
+    except UserError:
+        raise
+    except Exception as exc:  # the run is already marked FAILED (or KILLED) with the traceback
+        if interrupted(exc):  # an interrupt a library wrapped in an exception of its own: exit 130
+            raise KeyboardInterrupt(str(exc)) from exc
+        log.exception("%s failed: %s", name, exc)
+        return None
+
+
+def print_json(args, summary: dict) -> int:
+    """With --json: the summary as one JSON line, the last of the output."""
+    if getattr(args, "json", False):
+        print(json.dumps(summary, default=str))
+    return 0

@@ -1,0 +1,53 @@
+"""`quantbench evaluate`: score a checkpoint against its base model (ppl, KLD, agreement, tasks, flips)."""
+
+from __future__ import annotations
+
+from quantbench import engines
+from quantbench.cli.common import common, run_stage, print_json
+
+
+def add_parser(sub) -> None:
+    e = sub.add_parser(
+        "evaluate",
+        parents=[common("experiment", "base", "json")],
+        help="score a checkpoint against its base model (ppl, KLD, agreement, tasks, flips)",
+        description="Score a checkpoint against its base model with a suite (suites/NAME.yaml): perplexity, "
+        "KL divergence and top-1 agreement on held-out text, lm-eval tasks, answer flips, recovery. The base "
+        "model is scored once per (model, suite) in a baseline run and reused. A run id logs into that run. "
+        'With --json the last line is {"run_id", "checkpoint", "baseline_run", "baseline_reused", "metrics"}.',
+    )
+    e.add_argument("target", help="an MLflow run id (from quantize) or a checkpoint directory")
+    e.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
+    e.add_argument(
+        "--engine",
+        choices=engines.scoring(),
+        default=None,
+        help="also score the suite's lm-eval tasks on the checkpoint served by this engine (lm-eval "
+        "local-completions against its server): task_engine/<task>/<metric> and quality/engine_flips_pct "
+        "(items whose correctness differs between the engine and transformers)",
+    )
+
+
+def run(args) -> int:
+    from quantbench.cli import report
+    from quantbench.jobs import pipeline
+
+    result = run_stage(
+        "evaluate",
+        pipeline.evaluate,
+        args.target,
+        suite=args.suite,
+        base=args.base,
+        experiment=args.experiment,
+        engine=args.engine,
+    )
+    if result is None:
+        return 1
+    print(
+        report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes)
+    )
+    if result.engine_tasks is not None:
+        print(report.engine_table(result.engine_tasks.metrics, result.evaluation.metrics))
+    reused = " (reused)" if result.evaluation.baseline_reused else " (scored now)"
+    print(f"mlflow run: {result.run_id}   baseline run: {result.evaluation.baseline_run}{reused}")
+    return print_json(args, result.summary())

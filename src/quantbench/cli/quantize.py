@@ -1,0 +1,62 @@
+"""`quantbench quantize`: run a recipe: quantize, save, reload-check, evaluate, bench, track."""
+
+from __future__ import annotations
+
+from quantbench.cli.common import common, run_stage, print_json
+
+
+def add_parser(sub) -> None:
+    q = sub.add_parser(
+        "quantize",
+        parents=[common("experiment", "outputs", "json")],
+        help="run a recipe: quantize, save, reload-check, evaluate, bench, track",
+        description="Quantize the recipe's model, save a checkpoint under OUTPUTS/<recipe>/<run id>/, "
+        "reload it from disk to check it, run the recipe's evaluate: and bench: sections, and record everything "
+        "in one MLflow run. The checkpoint is moved into place only when every stage finished. "
+        'With --json the last line is {"run_id", "checkpoint", "log", "metrics"}.',
+    )
+    q.add_argument("recipe", help="a recipe name (recipes/NAME.yaml) or a path to a .yaml file")
+    q.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe field, e.g. --set calibration.samples=8 (repeatable; VALUE is YAML)",
+    )
+    q.add_argument(
+        "--strict-budget",
+        action="store_true",
+        help="refuse (exit 2, nothing written) when the produce step's estimate on this machine is over the "
+        "recipe's budget_minutes; without it the job says so and goes on",
+    )
+
+
+def run(args) -> int:
+    from quantbench.cli import report
+    from quantbench.jobs import pipeline
+
+    result = run_stage(
+        "quantize",
+        pipeline.quantize,
+        args.recipe,
+        overrides=tuple(args.overrides),
+        outputs=args.outputs,
+        experiment=args.experiment,
+        strict_budget=args.strict_budget,
+    )
+    if result is None:
+        return 1
+    if result.evaluation is not None:
+        print(
+            report.evaluation_table(
+                result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes
+            )
+        )
+    if result.bench is not None:
+        print(report.bench_table(result.bench.metrics))
+        print(report.bench_engine(result.bench))
+    print(f"checkpoint: {result.checkpoint}")
+    print(f"mlflow run: {result.run_id}   log: {result.log}")
+    print(report.metric_lines(result.metrics))
+    return print_json(args, result.summary())
