@@ -6,10 +6,14 @@
 #   speedups and KLD against the base model.
 #
 #     bash bench/gpu_check.sh            (from the repository root or anywhere; needs PyPI)
+#     bash bench/gpu_check.sh --stack    then also the speedup ledger of stacks/gpu.yaml (its recipes
+#                                        run first, the distillation among them: longer)
 #
 # Every step fails loudly: the step's name and the elapsed time, and a non-zero exit (2: no GPU).
 # Written without a GPU at hand (this project's machine has none): checked by reading.
 set -euo pipefail
+STACK=0
+[ "${1:-}" = --stack ] && STACK=1
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
 STEP="start"
@@ -68,4 +72,8 @@ for r in rows:
 if missing:
     sys.exit("gpu_check: missing from the runs: " + ", ".join(missing))
 PY
+if [ "$STACK" = 1 ]; then
+  step "quantbench stack gpu (stacks/gpu.yaml: vLLM, AWQ INT4, batching, the student, a draft)"
+  .venv/bin/quantbench stack gpu --json | tee gpu_stack.txt | tail -1 > gpu_stack.json
+fi
 echo "gpu_check: done in $(( $(date +%s) - T0 )) s (MLflow: $MLFLOW_TRACKING_URI, experiment $MLFLOW_EXPERIMENT_NAME)"

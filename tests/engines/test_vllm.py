@@ -200,3 +200,23 @@ def test_evaluate_engine_vllm_scores_the_tasks_on_the_served_checkpoint(workdir,
     report = json.loads(artifact(run.info.run_id, "evaluation_engine.json", workdir).read_text())
     assert report["task_items_scored"] == {"qb_pydoc_lastword": 8, "qb_pydoc_continuation": 8}
     assert "--dtype float32" in artifact(run.info.run_id, "servers/engine.log", workdir).read_text().splitlines()[0]
+
+
+def test_a_stack_step_drafts_through_vllm_and_logs_the_acceptance(workdir, tiny_model_dir, tiny128_model_dir, settings,
+                                                                   capsys):
+    """Speculative decoding through vLLM (--speculative-config with a draft model), the acceptance
+    from vLLM's own counters: the model drafting for itself, greedy, proposes the very tokens it
+    then chooses (accepted nearly always); another model (random weights, the same tokenizer)
+    proposes tokens the target rarely chooses."""
+    (workdir / "stacks").mkdir()
+    (workdir / "stacks" / "spec.yaml").write_text(
+        f"base: {tiny_model_dir}\nworkload:\n  prompt_tokens: 16\n  output_tokens: 16\n  requests: 2\n"
+        "  repetitions: 3\n  warmup: 0\n  compile: false\nsteps:\n  - {name: served, engine: vllm, dtype: float32}\n"
+        f"  - {{name: itself, draft: served}}\n  - {{name: other, draft: {tiny128_model_dir}}}\n")  # fmt: skip
+    assert main(["stack", "spec", "--json"]) == 0, capsys.readouterr().err[-3000:]
+    served, itself, other = last_json(capsys.readouterr().out)["steps"]
+    assert "spec_acceptance" not in served and itself["draft"] == "base"  # the base model drafting
+    assert 0.9 <= itself["spec_acceptance"] <= 1.0
+    assert other["spec_acceptance"] < itself["spec_acceptance"]
+    for step in (itself, other):
+        assert step["status"] == "measured" and step["throughput_tok_s"] > 0

@@ -161,6 +161,10 @@ def test_the_vllm_command_line(tmp_path, tiny_model_dir):
     # a profile's kv_cache is asked for by name; usage then counts the prompt tokens the prefix cache served
     cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=True, kv_cache="fp8_e5m2")
     assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e5m2" and "--enable-prompt-tokens-details" in cmd
+    # a draft model: speculative decoding, 3 tokens drafted a step
+    cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=False, draft=tmp_path / "draft")
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec == {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
     env = vllm_engine.server_env(tmp_path, AVX512)
     assert env["TMPDIR"] == str(tmp_path) and env["VLLM_CACHE_ROOT"] and "PYTHONPATH" not in env
     # with AMX every vLLM process asks Linux for the tile state first: its own sitecustomize, alone on its path
@@ -170,6 +174,22 @@ def test_the_vllm_command_line(tmp_path, tiny_model_dir):
         assert [p.name for p in site.iterdir()] == ["sitecustomize.py"] and site.parent == tmp_path
         compile((site / "sitecustomize.py").read_text(), "sitecustomize.py", "exec")
         assert "syscall(158, 0x1023, 18)" in (site / "sitecustomize.py").read_text()
+
+
+def test_draft_tokens_are_counted_from_vllm_s_prometheus_counters():
+    """(drafted, accepted) summed over engines; the per-position counters and the creation
+    timestamps are other series; a server without a draft counts none."""
+    text = (
+        "# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.\n"
+        "# TYPE vllm:spec_decode_num_draft_tokens_total counter\n"
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="/m"} 96.0\n'
+        'vllm:spec_decode_num_draft_tokens_created{engine="0",model_name="/m"} 1.7648e+09\n'
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="/m"} 90.0\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/m",position="0"} 32.0\n'
+        'vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="/m"} 4.0\n'
+    )
+    assert vllm_engine.spec_decode_counts(text) == (100, 90)
+    assert vllm_engine.spec_decode_counts('vllm:num_requests_running{engine="0"} 0.0\n') is None
 
 
 @pytest.mark.parametrize("cpu", [AVX2, AVX512, AMX], ids=lambda c: c.klass)

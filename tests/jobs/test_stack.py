@@ -109,9 +109,9 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
         "stacks/drafts.yaml: steps.3 (same): draft: /a/dir is what the steps before it already use; a step must add "
         "something",
         "stacks/drafts.yaml: steps.1 (in-process): draft: speculative decoding through in-process transformers "
-        "generate: not offered through quantbench for this engine; a draft step needs engine llamacpp",
+        "generate: not offered through quantbench for this engine; a draft step needs engine vllm or llamacpp",
         "stacks/drafts.yaml: steps.4 (back): draft: speculative decoding through in-process transformers "
-        "generate: not offered through quantbench for this engine; a draft step needs engine llamacpp",
+        "generate: not offered through quantbench for this engine; a draft step needs engine vllm or llamacpp",
     ]  # said where the draft meets such an engine, not again for the step after
     # a KV cache in a smaller type: only on an engine that takes that type
     write_stack(workdir, "kv", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"

@@ -129,6 +129,12 @@ class ServingEngine:
         """A request body that asks the server to reuse (or not) the cached prefix of earlier prompts."""
         raise NotImplementedError(f"{self.label} {self.prefix_cache}")
 
+    def draft_counts(self, url: str, client) -> tuple[int, int] | None:
+        """Speculative decoding: (draft tokens proposed, accepted) the server has counted so far, over
+        all requests, for an engine whose responses do not carry them (read before and after a
+        measurement); None: the responses carry them (Stream.drafted), or no draft is counted."""
+        return None
+
     def explain(self, log_path: Path) -> str:
         """The server's own account of a failure, from its log: its exception lines, else its last lines."""
         return explain_log(log_path)

@@ -29,6 +29,9 @@ class VLLM(ServingEngine):
     prefix_cache = None
     # --kv-cache-dtype: 8-bit floating point K and V (vLLM's CPU attention too, on AVX-512: kv_cache_unfit)
     kv_cache_types = ("fp8", "fp8_e4m3", "fp8_e5m2")
+    # --speculative-config with a draft model (vLLM-CPU too, since its C++ spec-decode kernels); the
+    # acceptance from its Prometheus counters (draft_counts)
+    drafts = None
     quality = "prompt_logprobs"  # lm-eval's local-completions scores tasks through it (evaluate --engine vllm)
     health_timeout_s = 600.0  # vLLM-CPU compiles its graphs at start-up: 1-2 min on 2 cores
 
@@ -69,6 +72,7 @@ class VLLM(ServingEngine):
             compiled=settings.compiled,
             dtype=settings.dtype,
             kv_cache=settings.kv_cache,
+            draft=settings.draft,
         )
         return cmd, {**vllm_engine.server_env(tmp), **settings.extra_env}
 
@@ -83,6 +87,11 @@ class VLLM(ServingEngine):
 
     def with_prefix_cache(self, body: dict, on: bool) -> dict:
         return body if on else {**body, "cache_salt": secrets.token_hex(16)}
+
+    def draft_counts(self, url: str, client) -> tuple[int, int] | None:
+        """vLLM's responses do not count draft tokens; its Prometheus counters do (all requests)."""
+        root = url.removesuffix("/").removesuffix("/v1")
+        return vllm_engine.spec_decode_counts(client.get(root + "/metrics").text)
 
     def explain(self, log_path: Path) -> str:
         account = explain_log(log_path, LOG_PREFIX, GENERIC)

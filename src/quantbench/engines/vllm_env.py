@@ -452,6 +452,7 @@ def server_command(
     dtype: str = "auto",
     name: str | None = None,
     kv_cache: str | None = None,
+    draft: Path | None = None,
 ) -> list[str]:
     cmd = [
         engine.python,
@@ -487,7 +488,31 @@ def server_command(
         cmd += ["--kv-cache-dtype", kv_cache]  # asked for (a profile's kv_cache)
     elif (config.get("quantization_config") or {}).get("kv_cache_scheme"):
         cmd += ["--kv-cache-dtype", "fp8"]  # a checkpoint with calibrated FP8 KV-cache scales
+    if draft is not None:  # speculative decoding: the draft model proposes DRAFT_TOKENS a step
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": DRAFT_TOKENS}
+        cmd += ["--speculative-config", json.dumps(spec)]
     return cmd
+
+
+# tokens a draft model proposes per step (llama-server's default draft takes up to 3 too)
+DRAFT_TOKENS = 3
+
+
+def spec_decode_counts(metrics_text: str) -> tuple[int, int] | None:
+    """(draft tokens proposed, accepted) so far, summed over engines, from a vLLM server's
+    Prometheus /metrics text; None when it counts none (no draft model)."""
+    totals = {"vllm:spec_decode_num_draft_tokens_total": 0.0, "vllm:spec_decode_num_accepted_tokens_total": 0.0}
+    seen = False
+    for line in metrics_text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+            seen = True
+    if not seen:
+        return None
+    return int(totals["vllm:spec_decode_num_draft_tokens_total"]), int(
+        totals["vllm:spec_decode_num_accepted_tokens_total"]
+    )
 
 
 # vLLM-CPU's bf16 attention runs AMX tile instructions (its "amx" kernels), and Linux lets a

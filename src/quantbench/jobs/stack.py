@@ -241,7 +241,8 @@ def configs(stack: StackFile, where: str) -> list[Config]:
         if (why := no_draft_here(config)) and not (i and no_draft_here(out[i - 1])):
             problems.append(
                 f"{where}: steps.{i} ({stack.steps[i].name}): draft: speculative decoding through "
-                f"{engines.get(config.engine).label}: {why}; a draft step needs engine llamacpp"
+                f"{engines.get(config.engine).label}: {why}; a draft step needs engine "
+                + " or ".join(n for n in ENGINE_NAMES if engines.get(n).drafts is None)
             )
         if no_kv_cache_here(config) and not (i and no_kv_cache_here(out[i - 1])):
             offered = engines.get(config.engine).kv_cache_types

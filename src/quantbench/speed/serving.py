@@ -245,12 +245,25 @@ def openai_measurer(
         except Exception as exc:  # the server fell over mid-repetition: keep what this one measured
             raise RepetitionFailed(exc, out) from exc
 
+    def draft_counts(client) -> tuple[int, int] | None:
+        return engine.draft_counts(url, client) if engine is not None else None
+
+    def acceptance(before: tuple[int, int] | None, client) -> float | None:
+        """The share of draft tokens accepted since `before` (the engine's own counters)."""
+        after = draft_counts(client) if before is not None else None
+        if before is None or after is None or after[0] == before[0]:
+            return None
+        return (after[1] - before[1]) / (after[0] - before[0])
+
     def measure_into(prompt_sets: dict[int, list[list[int]]], rep: int, out: dict[str, float]) -> dict[str, float]:
         with PeakRSS(server_pid, tree=True) as mem, http_client() as client:
             for length in profile.prompt_tokens:
                 rows = prompt_sets[length]
                 body = request_body(model, tokenizer.decode(rows[rep % len(rows)]), profile.output_tokens)
+                before = draft_counts(client)
                 s = stream_one(url, body, client)
+                if s.drafted is None and (share := acceptance(before, client)) is not None:
+                    out[f"p{length}/spec_acceptance"] = share
                 out[f"p{length}/ttft_ms"] = s.ttft * 1000
                 out[f"p{length}/e2e_ms"] = s.e2e * 1000
                 out[f"p{length}/prefill_tok_s"] = length / s.ttft
@@ -283,7 +296,8 @@ def openai_measurer(
                     request_body(model, tokenizer.decode(rows[(rep + i) % len(rows)]), profile.output_tokens)
                     for i in range(count)
                 ]
-                return load_level(
+                before = draft_counts(client)
+                level = load_level(
                     url,
                     bodies,
                     concurrency=n,
@@ -294,6 +308,9 @@ def openai_measurer(
                     trim=spec.trim if spec else 0.0,
                     slo=profile.slo,
                 )
+                if "spec_acceptance" not in level and (share := acceptance(before, client)) is not None:
+                    level["spec_acceptance"] = share
+                return level
 
             for n, rate, count in levels:
                 out.update({f"{level_name(n, rate)}/{k}": v for k, v in level_at(n, rate, count).items()})
