@@ -6,11 +6,14 @@ The default model's F16 GGUF (made as `bench` makes it) is quantized to each `--
 llama-quantize; one llama-server per file (`--parallel 4`, every core) runs for the whole
 measurement, and each round measures every file in turn (the order alternates between rounds):
 decode tok/s at concurrency 1 (median over `--requests` streamed completions of
-`--output-tokens`), and output throughput at concurrency 4. Then `llama-bench -p 64 -n
-OUTPUT_TOKENS -r 5` on every file. Prints per type: the server's decode ratio candidate / F16
-with its 95 % interval over rounds, llama-bench's ratio, and the server's ratio / llama-bench's
-(goal: >= 0.90, the server must not eat the gain); throughput at concurrency 4 too. Its last line
-is a JSON object. Says the CPU class: the ratios depend on it.
+`--output-tokens`), output throughput at concurrency 4, and `llama-bench -p 0 -n OUTPUT_TOKENS -d
+PROMPT_TOKENS -r 2` (decode at the depth the server decodes at, the servers idle). Prints per type:
+the server's decode ratio candidate / F16 and llama-bench's, each with its 95 % interval over
+rounds, and the fidelity, the server's ratio / llama-bench's in the same round (goal: >= 0.90, the
+server must not eat the gain), with its interval; throughput at concurrency 4 too. llama-bench
+is measured in every round, not once: on these shared cores one llama-bench run of a file moves
+by up to a quarter between runs, which alone made a fidelity of 0.78 out of a faithful server.
+Its last line is a JSON object. Says the CPU class: the ratios depend on it.
 
     python bench/llamacpp_speed.py [--types Q8_0,Q4_K_M,Q4_0] [--rounds 5] [--requests 5]
         [--output-tokens 64] [--prompt-tokens 64]
@@ -78,6 +81,14 @@ def main() -> None:
     settings = ServerSettings(args.prompt_tokens + args.output_tokens + 64, slots=4)
     decode: dict[str, list[float]] = {k: [] for k in files}
     throughput: dict[str, list[float]] = {k: [] for k in files}
+    bench_tg: dict[str, list[float]] = {k: [] for k in files}
+
+    def llama_bench(path: Path) -> float:
+        out = subprocess.run([tools.tool("llama-bench"), "-m", str(path), "-p", "0", "-n", str(args.output_tokens),
+                              "-d", str(args.prompt_tokens), "-t", str(llamacpp.threads()), "-r", "2", "-o", "json"],
+                             capture_output=True, text=True, check=True)
+        return next(row["avg_ts"] for row in json.loads(out.stdout) if row.get("n_gen"))
+
     with ExitStack() as stack:
         urls = {}
         for kind, path in files.items():
@@ -91,35 +102,37 @@ def main() -> None:
                 decode[kind].append(statistics.median(x for x in rates if x))
                 level = load_level(urls[kind], [body(t) for t in texts[: 4 * 2]], concurrency=4, client=client)
                 throughput[kind].append(level["throughput_tok_s"])
-            print(f"round {r + 1}: decode tok/s " + ", ".join(f"{k} {decode[k][-1]:.1f}" for k in files), flush=True)
+                bench_tg[kind].append(llama_bench(files[kind]))
+            print(f"round {r + 1}: decode tok/s " + ", ".join(f"{k} {decode[k][-1]:.1f}" for k in files)
+                  + "; llama-bench " + ", ".join(f"{k} {bench_tg[k][-1]:.1f}" for k in files), flush=True)
 
-    bench_tg = {}
-    for kind, path in files.items():
-        out = subprocess.run([tools.tool("llama-bench"), "-m", str(path), "-p", str(args.prompt_tokens), "-n",
-                              str(args.output_tokens), "-t", str(llamacpp.threads()), "-r", "5", "-o", "json"],
-                             capture_output=True, text=True, check=True)
-        rows = json.loads(out.stdout)
-        bench_tg[kind] = next(row["avg_ts"] for row in rows if row.get("n_gen"))
+    def shown(interval) -> str:
+        return f"[{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "[too few rounds for an interval]"
+
     result: dict = {"cpu_class": cpu.klass, "threads": llamacpp.threads(), "build": tools.describe(),
-                    "f16_decode_tok_s": statistics.median(decode["F16"]), "f16_llama_bench_tok_s": bench_tg["F16"]}
+                    "f16_decode_tok_s": statistics.median(decode["F16"]),
+                    "f16_llama_bench_tok_s": statistics.median(bench_tg["F16"])}
     for kind in files:
         if kind == "F16":
             continue
         ratios = [c / b for c, b in zip(decode[kind], decode["F16"])]
+        references = [c / b for c, b in zip(bench_tg[kind], bench_tg["F16"])]
+        fidelities = [s / b for s, b in zip(ratios, references)]  # round by round
         t_ratios = [c / b for c, b in zip(throughput[kind], throughput["F16"])]
-        server = statistics.geometric_mean(ratios)
-        interval = ratio_interval(ratios)  # None with fewer rounds than an interval needs
-        shown = f"[{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "[too few rounds for an interval]"
-        reference = bench_tg[kind] / bench_tg["F16"]
-        print(f"{kind}: server decode x{server:.2f} {shown} "
-              f"({statistics.median(decode[kind]):.1f} tok/s), llama-bench x{reference:.2f} ({bench_tg[kind]:.1f} tok/s), "
-              f"server / llama-bench {server / reference:.2f} (goal >= 0.90); throughput at concurrency 4 "
-              f"x{statistics.geometric_mean(t_ratios):.2f}")
-        result[kind] = {"server_decode_ratio": server, "server_decode_ratio_ci": list(interval) if interval else None,
-                        "llama_bench_ratio": reference, "fidelity": server / reference,
+        server, reference, fidelity = (statistics.geometric_mean(x) for x in (ratios, references, fidelities))
+        # None with fewer rounds than an interval needs
+        intervals = [ratio_interval(x) for x in (ratios, references, fidelities)]
+        print(f"{kind}: server decode x{server:.2f} {shown(intervals[0])} ({statistics.median(decode[kind]):.1f} tok/s), "
+              f"llama-bench x{reference:.2f} {shown(intervals[1])} ({statistics.median(bench_tg[kind]):.1f} tok/s), "
+              f"server / llama-bench {fidelity:.2f} {shown(intervals[2])} (goal >= 0.90); throughput at "
+              f"concurrency 4 x{statistics.geometric_mean(t_ratios):.2f}")
+        result[kind] = {"server_decode_ratio": server, "server_decode_ratio_ci": intervals[0],
+                        "llama_bench_ratio": reference, "llama_bench_ratio_ci": intervals[1],
+                        "fidelity": fidelity, "fidelity_ci": intervals[2],
                         "c4_throughput_ratio": statistics.geometric_mean(t_ratios),
-                        "decode_tok_s": statistics.median(decode[kind]), "llama_bench_tok_s": bench_tg[kind]}
-    print(json.dumps(result))
+                        "decode_tok_s": statistics.median(decode[kind]),
+                        "llama_bench_tok_s": statistics.median(bench_tg[kind])}
+    print(json.dumps(result, default=list))
 
 
 if __name__ == "__main__":
