@@ -184,7 +184,7 @@ def test_task_needing_the_hub_offline_names_the_offline_suite(workdir, tiny_mode
 def test_not_a_model_dir_and_unknown_run(workdir, tmp_path, suite, capsys):
     assert "is not a model directory (no config.json)" in evaluate_error([str(tmp_path), "--suite", suite], capsys)
     assert "does not exist" in evaluate_error(["0123456789abcdef0123456789abcdef", "--suite", suite], capsys)
-    assert "neither a checkpoint directory nor an MLflow run id" in evaluate_error(["nonsense", "--suite", suite], capsys)
+    assert "neither a checkpoint directory, a .gguf file nor an MLflow run id" in evaluate_error(["nonsense", "--suite", suite], capsys)
     assert "unknown suite 'tiyn' (no suites/tiyn.yaml). Did you mean 'tiny'?" in evaluate_error([str(tmp_path), "--suite", "tiyn"], capsys)
 
 

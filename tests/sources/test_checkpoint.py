@@ -1,6 +1,10 @@
 """What quantbench knows about a checkpoint directory: its info file, read back by later stages."""
 
+import json
 import shutil
+from pathlib import Path
+
+import pytest
 
 from quantbench.cli import main
 from tests.conftest import TINY_SUITE
@@ -38,3 +42,40 @@ def test_a_gguf_checkpoint_is_a_target_and_a_truncated_one_is_refused(tmp_path):
     (bad / "model.gguf").write_bytes((good / "model.gguf").read_bytes()[:5000])
     with pytest.raises(UserError, match=r"run: .*bad/model\.gguf is not a readable GGUF file"):
         check_weights(bad, "run")
+
+
+@pytest.mark.slow  # the real llama.cpp: llama-quantize, and llama-perplexity in the evaluate stage
+@pytest.mark.llamacpp
+def test_a_gguf_file_on_its_own_is_evaluated_against_the_base_it_names(workdir, capsys):
+    """A GGUF file as downloaded (no directory, no quantbench info) is a target like a checkpoint
+    directory: with --base it is scored against that base (a Q8_0 file of an F32 one: close),
+    both ways (transformers de-quantizing it, and llama.cpp itself). Without --base, or truncated,
+    it is bad input, named, and no run is made."""
+    from quantbench.engines import llamacpp
+    from quantbench.engines import llamacpp_build as build
+    from tests import gguf_files as gg
+    from tests.helpers import last_json
+
+    base = gg.write_tiny_gguf(workdir / "tiny.gguf", gg.gpt2_bpe_vocab(400, add_bos=False))
+    gguf = workdir / "tiny-Q8_0.gguf"
+    tools = build.ensure("the test")
+    llamacpp.run_tool([tools.tool("llama-quantize"), str(base), str(gguf), "Q8_0"], workdir / "q.log", "quantize")
+    (workdir / "suites").mkdir()
+    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE.replace("tokens: 640", "tokens: 1024"))
+    assert main(["evaluate", str(gguf), "--suite", "tiny"]) == 2
+    assert f"'{gguf}': a GGUF file on its own names no base model: give it with --base SOURCE" in capsys.readouterr().err
+    assert main(["evaluate", str(gguf), "--base", str(base), "--suite", "tiny", "--json"]) == 0, capsys.readouterr().err
+    result = last_json(capsys.readouterr().out)
+    m = result["metrics"]
+    assert 0 < m["quality/kld_mean"] < 0.01 and 0 < m["quality_engine/kld_mean"] < 0.01
+    [candidate] = [r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]
+    assert candidate.info.status == "FINISHED" and candidate.data.tags["quantbench.format"] == "gguf"
+    view = Path(result["checkpoint"])
+    assert (view / gguf.name).resolve() == gguf.resolve()  # linked, not copied
+    quant = json.loads((view / "config.json").read_text())["quantization_config"]
+    assert quant == {"quant_method": "gguf", "type": "Q8_0", "file": gguf.name}
+    cut = workdir / "cut.gguf"
+    cut.write_bytes(gguf.read_bytes()[:5000])
+    assert main(["evaluate", str(cut), "--base", str(base), "--suite", "tiny"]) == 2
+    assert f"{cut} is not a readable GGUF file" in capsys.readouterr().err
+    assert len([r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]) == 1

@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     b.add_argument(
         "target",
         nargs="?",
-        help="an MLflow run id (from quantize) or a checkpoint directory; with --draft: "
+        help="an MLflow run id (from quantize), a checkpoint directory or a .gguf file (with --base); with --draft: "
         "the model to speed up (a run id, checkpoint dir or model source; default the draft's base model)",
     )
     b.add_argument("--draft", metavar="RUN_ID|DIR", help="measure speculative decoding with this draft model")

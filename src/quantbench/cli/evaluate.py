@@ -16,7 +16,10 @@ def add_parser(sub) -> None:
         "model is scored once per (model, suite) in a baseline run and reused. A run id logs into that run. "
         'With --json the last line is {"run_id", "checkpoint", "baseline_run", "baseline_reused", "metrics"}.',
     )
-    e.add_argument("target", help="an MLflow run id (from quantize) or a checkpoint directory")
+    e.add_argument(
+        "target",
+        help="an MLflow run id (from quantize), a checkpoint directory, or a .gguf file on its own (with --base)",
+    )
     e.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
     e.add_argument(
         "--engine",

@@ -45,6 +45,7 @@ from quantbench.sources.checkpoint import (
     gguf_file,
     load_model,
     param_bytes,
+    quant_method,
     resolve_target,
     weights_sha,
     weights_size_mb,
@@ -691,6 +692,7 @@ def target_run(tracker: Tracker, tgt: Target, base: models.ResolvedModel, stage:
     """The checkpoint's own MLflow run, reopened; or a new candidate run for a foreign checkpoint."""
     if tgt.run_id:
         return tracker.resume_run(tgt.run_id)
+    method = quant_method(tgt.checkpoint)  # what its config says it is (compare's format column)
     return tracker.start_run(
         f"{stage} {tgt.checkpoint.name} · {models.short_name(tgt.base_source)}",
         {
@@ -698,6 +700,7 @@ def target_run(tracker: Tracker, tgt: Target, base: models.ResolvedModel, stage:
             TAG + "checkpoint": tgt.checkpoint.resolve(),
             TAG + "base_model": tgt.base_source,
             TAG + "base_fingerprint": base.fingerprint,
+            **({TAG + "format": method} if method else {}),
         },
     )
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench.core.errors import UserError
-from quantbench.core.files import file_sha
+from quantbench.core.files import atomic_write, file_sha
 from quantbench.core.paths import cache_dir
 from quantbench.tracking import TAG, tracking_uri
 
@@ -75,7 +75,8 @@ class Target:
 
 
 def resolve_target(target: str, tracker, base: str | None) -> Target:
-    """`target` is a checkpoint directory or an MLflow run id; `base` overrides the base model.
+    """`target` is a checkpoint directory, a GGUF file (with `base`) or an MLflow run id; `base`
+    overrides the base model.
     The checkpoint's config and weight files are checked (load_config, check_weights)."""
     target_ = _resolve(target, tracker, base)
     load_config(target_.checkpoint, target)
@@ -86,6 +87,10 @@ def resolve_target(target: str, tracker, base: str | None) -> Target:
 def _resolve(target: str, tracker, base: str | None) -> Target:
 
     path = Path(target)
+    if path.is_file() and path.suffix == ".gguf":  # a GGUF file on its own (a download, llama.cpp's output)
+        if not base:
+            raise UserError(f"'{target}': a GGUF file on its own names no base model: give it with --base SOURCE")
+        return Target(gguf_checkpoint(path, target), None, base, {})
     if path.exists():
         if not (path.is_dir() and (path / "config.json").is_file()):
             raise UserError(f"'{target}' is not a model directory (no config.json)")
@@ -98,7 +103,7 @@ def _resolve(target: str, tracker, base: str | None) -> Target:
             raise UserError(f"'{target}' was not written by quantbench: name its base model with --base SOURCE")
         return Target(path, run_id, source, info)
     if not RUN_ID.fullmatch(target):
-        raise UserError(f"'{target}' is neither a checkpoint directory nor an MLflow run id")
+        raise UserError(f"'{target}' is neither a checkpoint directory, a .gguf file nor an MLflow run id")
     run = tracker.existing(target)
     if run is None:
         raise UserError(f"MLflow run '{target}' does not exist at the tracking store ({tracking_uri()})")
@@ -193,6 +198,47 @@ def gguf_file(checkpoint: Path) -> Path | None:
         return checkpoint
     found = sorted(checkpoint.glob("*.gguf")) if checkpoint.is_dir() else []
     return found[0] if found else None
+
+
+def gguf_checkpoint(file: Path, field: str) -> Path:
+    """A GGUF file on its own as a checkpoint directory like those quantbench writes: under the
+    cache, keyed by the file's content, a link to the file with the config.json and tokenizer that
+    transformers reads from it (its quantization_config naming the file and its type, from the
+    file's `general.file_type`). Made once; re-linked when the same content is found elsewhere."""
+    import gguf as gguf_py
+    from gguf import GGUFReader
+
+    check_gguf(file, field)
+    file = file.resolve()
+    view = cache_dir() / "gguf-checkpoints" / f"{file.stem}-{file_sha(file)[:16]}"
+    link = view / file.name
+    view.mkdir(parents=True, exist_ok=True)
+    if not (link.is_symlink() and link.resolve() == file):  # the same content, from where it is now
+        tmp = view / f".{file.name}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(file)
+        os.replace(tmp, link)  # another process doing the same at once: one link wins, whole
+    if (view / "config.json").is_file():
+        return view
+    from transformers import AutoConfig
+
+    from quantbench.sources.verify import gguf_tokenizer
+
+    field_ = GGUFReader(file).fields.get("general.file_type")
+    try:
+        kind = gguf_py.LlamaFileType(int(field_.contents())).name.removeprefix("MOSTLY_") if field_ else "unknown"
+    except ValueError:
+        kind = "unknown"
+    try:
+        config = AutoConfig.from_pretrained(view, gguf_file=file.name)
+        tokenizer = gguf_tokenizer(link)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UserError(f"{field}: transformers cannot read {file} ({type(exc).__name__}: {exc})") from None
+    tokenizer.save_pretrained(view)
+    data = config.to_dict() | {"quantization_config": {"quant_method": "gguf", "type": kind, "file": file.name}}
+    atomic_write(view / "config.json", json.dumps(data, indent=2))  # last: its presence says the view is whole
+    log.info("%s: a checkpoint view of it in %s (%s)", file, view, kind)
+    return view
 
 
 def load_kwargs(checkpoint: Path) -> dict:
