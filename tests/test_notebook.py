@@ -14,6 +14,21 @@ from quantbench.cli import main
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "tradeoffs.ipynb"
 
 
+def execute(workdir: Path) -> tuple:
+    """The notebook run by a real kernel in `workdir`: (the executed notebook, the text of every
+    output, how many images), no cell having failed."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
+    texts, images = [], 0
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            assert output.output_type != "error", output
+            data = output.get("data", {})
+            images += "image/png" in data
+            texts.append(output.get("text", "") + data.get("text/plain", "") + data.get("text/html", ""))
+    return nb, "\n".join(texts), images
+
+
 def test_committed_without_outputs():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     for cell in nb.cells:
@@ -30,17 +45,7 @@ def test_notebook_executes_against_the_store(workdir, scored_runs, monkeypatch, 
     capsys.readouterr()
 
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", scored_runs["experiment"])  # the kernel inherits the env
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
-
-    texts, images = [], 0
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            assert output.output_type != "error", output
-            data = output.get("data", {})
-            images += "image/png" in data
-            texts.append(output.get("text", "") + data.get("text/plain", "") + data.get("text/html", ""))
-    text = "\n".join(texts)
+    nb, text, images = execute(workdir)
     assert images == 1 and (workdir / "outputs" / "notebooks" / "tradeoffs.png").is_file()
     assert scored_runs["gptq"][:8] in text and scored_runs["fp8"][:8] in text
     assert "nb: pass" in text and "tiny-notebook@champion" in text
@@ -89,16 +94,7 @@ def test_a_gguf_candidate_and_a_stack_ledger_show_in_the_notebook(workdir, tiny_
     assert main(["stack", "tiny", "--json"]) == 0, capsys.readouterr().err[-3000:]
     ledger = last_json(capsys.readouterr().out)
 
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
-    texts, images = [], 0
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            assert output.output_type != "error", output
-            data = output.get("data", {})
-            images += "image/png" in data
-            texts.append(output.get("text", "") + data.get("text/plain", "") + data.get("text/html", ""))
-    text = "\n".join(texts)
+    _, text, images = execute(workdir)
     assert gguf_run[:8] in text and "tags.quantbench.format" in text and "gguf" in text
     # the ledger: each step's row with this stack's own cumulative multiplier; the waterfall chart
     for step in ledger["steps"]:
