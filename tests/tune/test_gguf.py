@@ -122,7 +122,11 @@ def test_a_gguf_tune_writes_the_types_it_chose_at_the_size_it_predicted(setup, c
     assert set(table["ms"]) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16"} and all(v > 0 for v in table["ms"].values())
     [quick] = fast["candidates"]  # the fastest mix passes: nothing between it and itself to search
     assert fast["best_run"] == quick["run_id"]
-    assert quick["predicted_ms"] <= min(table["ms"].values()) + 1e-9  # at most the fastest uniform file
+    # the fastest mix whose predicted KLD the policy allows (`loose`: below 1): the fastest uniform
+    # file's time when that file's predicted KLD is below 1, else more (which type is fastest, and
+    # how far its KLD goes on this random model, depends on the CPU)
+    assert min(table["ms"].values()) - 1e-9 <= quick["predicted_ms"] <= max(table["ms"].values()) + 1e-9
+    assert quick["predicted_kld"] <= 1
     [run] = [r for r in runs() if r.info.run_id == quick["run_id"]]
     assert run.data.metrics["tune/predicted_decode_ms"] == pytest.approx(quick["predicted_ms"])
     stored = Path(table["path"])

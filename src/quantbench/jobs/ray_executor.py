@@ -27,6 +27,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ INSTALL = "pip install -e '.[ray]'"
 CONNECT_TIMEOUT_S = 5.0  # an address that does not accept a connection within this fails at once
 POLL_S = 1.0  # how often the driver asks an attempt for its state and its log
 CHUNK = 4 * 2**20  # log bytes handed back per poll
+PLACEMENTS = 3  # times an attempt is placed when Ray's chosen node dies before the job starts
 LOST_S = 120.0  # an actor that does not answer for this long is taken for lost
 LOCAL_OBJECT_STORE = 128 * 2**20  # a Ray started for a sweep moves only logs and small results
 # Ray SIGKILLs a worker's child processes when the worker exits (its owner died, ray.kill): the
@@ -154,6 +156,10 @@ class RayAttempt:
     placement_checked: float = 0.0
     infeasible_since: float | None = None
     unanswered_since: float | None = None
+    # to place it again when its actor's node dies before the job started (it never ran: not a try)
+    options: dict = field(default_factory=dict)
+    call: tuple = ()
+    placements: int = 1
 
 
 class RayExecutor:
@@ -234,10 +240,11 @@ class RayExecutor:
         if asked.get("memory_gb"):
             options["memory"] = int(asked["memory_gb"] * 2**30)
         request = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], "memory": options.get("memory", 0)}
+        call = (argv, {**self.env, **env}, os.getcwd(), timeout_s, self.grace_s)
         actor: Any = self.actor_class.options(**options, runtime_env=ACTOR_ENV).remote()
-        started = actor.start.remote(argv, {**self.env, **env}, os.getcwd(), timeout_s, self.grace_s)
+        started = actor.start.remote(*call)
         log_path.write_bytes(b"")  # the node's log is appended here as it comes
-        return RayAttempt(actor, started, {k: v for k, v in request.items() if v}, log_path)
+        return RayAttempt(actor, started, {k: v for k, v in request.items() if v}, log_path, options=options, call=call)
 
     def poll(self, attempt: RayAttempt) -> Ended | None:
         import ray
@@ -316,8 +323,18 @@ class RayExecutor:
         _kill(ray, attempt.actor)
         return ended
 
-    def _lost(self, ray, attempt: RayAttempt, exc) -> Ended:
+    def _lost(self, ray, attempt: RayAttempt, exc) -> Ended | None:
         if attempt.node is None:  # its actor never came up (its node died first, or could not import quantbench)
+            if attempt.placements < PLACEMENTS and re.search(r"node (has died|died|was terminated)", _cause(exc)):
+                # Ray placed it on a node that was dying (not yet declared dead): the job never
+                # started, so this is not a try; place it again on a node alive now
+                log.warning("the node Ray chose died before the job started (%s); placing it again", _cause(exc))
+                _kill(ray, attempt.actor)
+                attempt.actor = self.actor_class.options(**attempt.options, runtime_env=ACTOR_ENV).remote()
+                attempt.started_ref = attempt.actor.start.remote(*attempt.call)
+                attempt.placements += 1
+                attempt.placement_checked, attempt.infeasible_since = 0.0, None
+                return None
             return self._end(ray, attempt, Ended(None, f"could not start on a Ray node: {_cause(exc)}"))
         node = f"Ray node {attempt.node[:12]}" + (f" ({attempt.host})" if attempt.host else "")
         return self._end(ray, attempt, Ended(None, f"lost with {node}: {_cause(exc)}"))
