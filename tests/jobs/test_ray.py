@@ -101,9 +101,11 @@ def recipes(cluster, workdir, tiny_model_dir):
 
     # fp8 asks the node with the GPU, gptq two CPUs (only the other node has two); "any" fits both.
     # fp8 and gptq are RUNNING for a fraction of a second; "any" evaluates as well, for seconds, so
-    # that a test can catch it mid-run.
+    # that a test can catch it mid-run (and stop it before its end: on a fast CPU a 6-item suite
+    # once ended the run between the test seeing it RUNNING and stopping it, hence 48 items)
     (workdir / "suites").mkdir()
-    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE)
+    (workdir / "suites" / "tiny.yaml").write_text(TINY_SUITE.replace("task_limit: 6", "task_limit: 48")
+                                                  .replace("tokens: 640", "tokens: 4096"))
     write_recipe(workdir, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n") + "resources:\n  num_gpus: 1\n")
     write_recipe(workdir, "gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n") +
                  "resources:\n  num_cpus: 2\n  num_gpus: 0\n")
