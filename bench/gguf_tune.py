@@ -5,7 +5,7 @@ suite, in-process de-quantized KLD and llama-perplexity's KLD against the base's
   1. `gguf-q4_k_m` quantized and evaluated (llama.cpp's hand-made mix; on this model most of its
      tensors fall back from K-quants to Q5_0 / Q8_0, rows of 576 not being multiples of 256)
   2. `quantbench tune --engine llamacpp --max-size-mb <Q4_K_M's file size>` (one candidate: the
-     allocation of Q4_0 ... Q8_0 per tensor with the least predicted KLD at that size; `--schemes`
+     allocation of llama.cpp types per tensor with the least predicted KLD at that size; `--schemes`
      to choose the types: the default model was de-quantized from a Q4_1 GGUF, see --help)
 Both without a bench stage (speed is bench/llamacpp_speed.py's). Printed: each checkpoint's size,
 bits per weight, quality/kld_mean and quality_engine/kld_mean with their intervals, then the
@@ -59,12 +59,12 @@ def main() -> None:
     parser.add_argument("--suite", default="default")
     parser.add_argument("--experiment", default="gguf-tune")
     parser.add_argument("--schemes", nargs="+", default=None, metavar="TYPE",
-                        help="the types the tune chooses from (default: tune's, Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 F16). The "
+                        help="the types the tune chooses from (default: tune's, which include Q4_1). The "
                         "default model was de-quantized from a Q4_1 GGUF: its weights sit on Q4_1's grid, so Q4_1 "
                         "re-quantizes them almost losslessly; leave it out to measure a model that never was quantized")
     parser.add_argument("--imatrix", action="store_true",
                         help="the tuned candidate with an importance matrix too, as gguf-q4_k_m has one (the "
-                        "sensitivity still rounds without: its prediction errs on the safe side)")
+                        "sensitivity then rounds every type through llama-quantize with the same matrix)")
     parser.add_argument("--reference", metavar="RUN_ID", help="a finished gguf-q4_k_m run to compare with (not re-made)")
     args = parser.parse_args()
     env = {**os.environ, "MLFLOW_EXPERIMENT_NAME": args.experiment}

@@ -207,6 +207,21 @@ def file_type(gguf: Path) -> str | None:
 # Running a tool, and an unquantized model as a GGUF
 
 
+def imatrix(tools, base: Path, tokenizer, windows: list[list[int]], seq_len: int, folder: Path, log_path: Path) -> Path:
+    """llama-imatrix of the GGUF `base` over token `windows` (decoded to text, one chunk per window):
+    `folder/imatrix.gguf`, what `llama-quantize --imatrix` weighs each weight's rounding by."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = folder / "calibration.txt"
+    text.write_text("".join(tokenizer.decode(w, skip_special_tokens=True) for w in windows))
+    out = folder / "imatrix.gguf"
+    run_tool(
+        [tools.tool("llama-imatrix"), "-m", str(base), "-f", str(text), "-o", str(out), "-c", str(seq_len),
+         "--chunks", str(len(windows)), "-t", str(threads()), "--no-ppl"],
+        log_path, "llama-imatrix on the calibration text",
+    )  # fmt: skip
+    return out
+
+
 def run_tool(cmd: list[str], log_path: Path, what: str) -> str:
     """Run one llama.cpp tool, its output appended to `log_path`; returns that output. UserError
     naming the tool's own error line when it fails."""

@@ -104,18 +104,9 @@ class GGUFBackend:
 
     def imatrix(self, inputs: Inputs, tools: build.Tools, base: Path) -> Path:
         """llama-imatrix over the calibration windows (decoded to text, one chunk per window)."""
-        windows = inputs.calibration or []
         seq_len = inputs.loaded.recipe.calibration.seq_len
-        inputs.workdir.mkdir(parents=True, exist_ok=True)
-        text = inputs.workdir / "calibration.txt"
-        text.write_text("".join(inputs.tokenizer.decode(w, skip_special_tokens=True) for w in windows))
-        out = inputs.workdir / "imatrix.gguf"
-        llamacpp.run_tool(
-            [tools.tool("llama-imatrix"), "-m", str(base), "-f", str(text), "-o", str(out), "-c", str(seq_len),
-             "--chunks", str(len(windows)), "-t", str(llamacpp.threads()), "--no-ppl"],
-            inputs.log_path, "llama-imatrix on the calibration text",
-        )  # fmt: skip
-        return out
+        windows = inputs.calibration or []
+        return llamacpp.imatrix(tools, base, inputs.tokenizer, windows, seq_len, inputs.workdir, inputs.log_path)
 
     def write_companions(self, inputs: Inputs, gguf: Path) -> None:
         """config.json (read from the file by transformers, its quantization_config naming the

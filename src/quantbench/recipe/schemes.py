@@ -111,14 +111,16 @@ DEFAULT_TUNE_SCHEMES = ("W4A16-G64", "W4A16-G64-ASYM", "W4A16-G32", "W4A16-G32-A
 @dataclass(frozen=True)
 class GgufType(Scheme):
     """A llama.cpp tensor type as `quantbench tune --engine llamacpp` chooses it per tensor: blocks of
-    `block` weights stored in `bytes_per_block` bytes (scale included), rounded as llama.cpp's
-    reference quantizer rounds (gguf-py's own port of it, which `fake_quantize` calls). Only the
-    types gguf-py can quantize are here: the legacy block types and F16. K- and I-quants are not
-    (gguf-py only de-quantizes them; they also need rows that are multiples of 256, which the
-    default model's 576 is not, so llama-quantize would fall back to these types anyway)."""
+    `block` weights stored in `bytes_per_block` bytes (scales included). The legacy block types are
+    rounded in-process as llama.cpp's reference quantizer rounds (gguf-py's port of it, which
+    `fake_quantize` calls); K- and I-quants (`by_engine`) have no quantizer in gguf-py, so a tune
+    reads them back from a file `llama-quantize` wrote (`tune.gguf.EngineRounding`). K-quants and
+    IQ4_XS need rows that are multiples of 256: on the default model only the MLP's down projection
+    (rows of 1,536; the others have 576), so `fits` offers them there and nowhere else."""
 
     block: int = 32
     bytes_per_block: int = 0
+    by_engine: bool = False  # rounded by llama-quantize, not in-process
 
     @property
     def group_size(self) -> int | None:
@@ -134,6 +136,8 @@ class GgufType(Scheme):
 
     def fake_quantize(self, weight):
         """The weight as llama.cpp stores it in this type, de-quantized (a torch tensor, same dtype)."""
+        if self.by_engine:
+            raise ValueError(f"{self.name} is rounded by llama-quantize: a tune reads it from a file (EngineRounding)")
         import numpy as np
         import torch
         from gguf import GGMLQuantizationType, quants
@@ -152,13 +156,20 @@ GGUF_TUNE_TYPES: dict[str, GgufType] = {
         GgufType("Q5_0", "5-bit blocks of 32, one F16 scale", {"gguf": "Q5_0"}, None, 32, 22),
         GgufType("Q5_1", "5-bit blocks of 32, an F16 scale and minimum", {"gguf": "Q5_1"}, None, 32, 24),
         GgufType("Q8_0", "8-bit blocks of 32, one F16 scale", {"gguf": "Q8_0"}, None, 32, 34),
+        GgufType("IQ4_NL", "4-bit non-linear grid, blocks of 32", {"gguf": "IQ4_NL"}, None, 32, 18, True),
+        GgufType("IQ4_XS", "4-bit non-linear grid, super-blocks of 256", {"gguf": "IQ4_XS"}, None, 256, 136, True),
+        GgufType("Q2_K", "2-bit super-blocks of 256 with 4-bit sub-scales", {"gguf": "Q2_K"}, None, 256, 84, True),
+        GgufType("Q3_K", "3-bit super-blocks of 256 with 6-bit sub-scales", {"gguf": "Q3_K"}, None, 256, 110, True),
+        GgufType("Q4_K", "4-bit super-blocks of 256 with 6-bit sub-scales", {"gguf": "Q4_K"}, None, 256, 144, True),
+        GgufType("Q5_K", "5-bit super-blocks of 256 with 6-bit sub-scales", {"gguf": "Q5_K"}, None, 256, 176, True),
+        GgufType("Q6_K", "6-bit super-blocks of 256 with 8-bit sub-scales", {"gguf": "Q6_K"}, None, 256, 210, True),
         GgufType("F16", "left unquantized: IEEE half precision", None, None, 1, 2),
     )
 }
-# What `quantbench tune --engine llamacpp` chooses from unless told: every type above.
-DEFAULT_GGUF_TUNE_TYPES = tuple(GGUF_TUNE_TYPES)
-# llama.cpp types a tune cannot measure in-process (gguf-py has no quantizer for them)
-_GGUF_UNMEASURABLE = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "BF16")
+# What `quantbench tune --engine llamacpp` chooses from unless told: every type above from 4 bits up
+DEFAULT_GGUF_TUNE_TYPES = tuple(t for t in GGUF_TUNE_TYPES if t not in ("Q2_K", "Q3_K"))
+# a tune's unquantized type is F16 (BF16 is slow or missing in llama.cpp's CPU kernels on some classes)
+_GGUF_NOT_TUNED = ("BF16",)
 
 
 def tune_scheme(name: str, field: str = "--schemes", gguf: bool = False) -> Scheme:
@@ -169,10 +180,9 @@ def tune_scheme(name: str, field: str = "--schemes", gguf: bool = False) -> Sche
     upper = name.upper()
     if upper in GGUF_TUNE_TYPES:
         return GGUF_TUNE_TYPES[upper]
-    if upper in _GGUF_UNMEASURABLE:
+    if upper in _GGUF_NOT_TUNED:
         raise UserError(
-            f"{field}: {upper} cannot be tuned per tensor here: a tune rounds each tensor in-process as llama.cpp "
-            "does (gguf-py), which has no quantizer for K- or I-quants. Choose from "
+            f"{field}: a tune does not choose {upper} per tensor. Choose from "
             + " ".join(GGUF_TUNE_TYPES)
             + " (a recipe can still name it: quantize.type, or layers)"
         )

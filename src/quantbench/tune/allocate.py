@@ -94,15 +94,7 @@ def problem(
         if not opts:
             stuck.append(unit)
         options.append(opts)
-    if stuck:
-        groups = {s: schemes.any_scheme(s).group_size for s in scheme_names}
-        widths = sorted({u.in_features for u in stuck})
-        raise UserError(
-            f"--schemes: no scheme of {', '.join(scheme_names)} fits {len(stuck)} layer(s) of this model "
-            f"(input widths {', '.join(map(str, widths))}, e.g. {stuck[0].layers[0]}); group sizes "
-            f"{', '.join(f'{s}: {g}' for s, g in groups.items() if g)} do not divide them. Add a scheme that "
-            "fits (W4A16-G32, a per-channel scheme such as W8A8, or BF16)"
-        )
+    check_fits({u.layers[0]: u.in_features for u in stuck}, scheme_names)
     return Problem([u.name for u in sens.units], [u.params for u in sens.units], options, fixed_bytes)
 
 
@@ -155,6 +147,30 @@ def solve(p: Problem, budget_bits: float, resolution: int = RESOLUTION) -> Alloc
         spent_bits / p.total_params,
         (p.fixed_bytes + spent_bits / 8) / 2**20,
         p.base_ms + spent if p.by_ms else None,
+    )
+
+
+def check_fits(stuck: dict[str, int], scheme_names: list[str], model: str = "this model") -> None:
+    """UserError naming the layers (name -> input width) no scheme of `scheme_names` fits, if any
+    (checked before a tune measures anything, and again on its allocation problem)."""
+    if not stuck:
+        return
+    widths = sorted(set(stuck.values()))
+    groups = ", ".join(
+        f"{x} needs a multiple of {schemes.any_scheme(x).group_size}"
+        for x in scheme_names
+        if schemes.any_scheme(x).group_size
+    )
+    gguf = any(isinstance(schemes.any_scheme(x), schemes.GgufType) for x in scheme_names)
+    fitting = (
+        "Q4_0 ... Q8_0, IQ4_NL (blocks of 32) or F16"
+        if gguf
+        else "W4A16-G32, a per-channel scheme (W8A8, W8A16, FP8) or BF16"
+    )
+    raise UserError(
+        f"--schemes: no scheme of {', '.join(scheme_names)} fits {len(stuck)} layer(s) of {model} "
+        f"(input widths {', '.join(map(str, widths))}, e.g. {next(iter(stuck))}; {groups}). Add one "
+        f"that fits: {fitting}"
     )
 
 

@@ -6,11 +6,12 @@ is quantized with every tuned tensor (the repeating blocks' 2-D weights) in that
 embeddings pinned as candidates pin them, and `llama-bench` decodes `TOKENS` tokens with it (no
 prompt, this machine's threads). The files are measured in turn, `ROUNDS` times (the order reversed
 every other round, so a drift of the machine does not favour one type); a type's time is the
-median. With `ms[T]` the decode time per token of the all-`T` file and `W` the tuned weights,
+median. With `ms[T]` the decode time per token of the all-`T` file,
 
-    predicted ms/token of a mix = ms[R] + sum over tensors i of  n_i * (ms[T_i] - ms[R]) / W
+    predicted ms/token of a mix = ms[R] + sum over tensors i of  n_i * (ms[T_i] - ms[R]) / W_T
 
-(R the reference type): the time the tuned tensors take scales with how many weights each type
+(R the reference type, W_T the tuned weights type T fits: all of them, but only rows that are
+multiples of 256 for K-quants and IQ4_XS, the other tensors of that file staying in R): the time the tuned tensors take scales with how many weights each type
 holds, as it does when decoding one token at a time streams every weight once. What the table
 does not see (a type slower on one shape than another) shows as the gap between the predicted and
 the measured decode time of each candidate, which the tune logs (`tune/predicted_decode_ms`
@@ -29,7 +30,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from quantbench.core.errors import UserError
@@ -56,10 +57,12 @@ class CostTable:
     spread: dict[str, float]  # (max - min) / median over the rounds
     weights: int  # tuned weights (W)
     wall_s: float
+    # type -> the tuned weights it fits (K-quants and IQ4_XS only rows of multiples of 256; absent: all)
+    fitting: dict[str, int] = field(default_factory=dict)
 
     def per_weight(self, kind: str) -> float:
         """ms/token one tuned weight adds in `kind` over the reference type."""
-        return (self.ms[kind] - self.ms[REFERENCE]) / self.weights
+        return (self.ms[kind] - self.ms[REFERENCE]) / self.fitting.get(kind, self.weights)
 
 
 def path(key: str) -> Path:
@@ -91,6 +94,7 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None, 
     from quantbench.core import environment, hardware
     from quantbench.engines import llamacpp
     from quantbench.engines import llamacpp_build as build
+    from quantbench.tune import gguf as gguf_tune
 
     tools = build.ensure("the latency cost table")
     cpu_name = f"{environment.describe().get('cpu', 'unknown CPU')} ({hardware.cpu().klass})"
@@ -104,7 +108,12 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None, 
         log.info("latency cost table: reusing %s (measured in %.0f s, %s)", stored, table.wall_s, table.cpu)
         return table
     base_file = llamacpp.base_gguf(base.path, tools)
-    kinds = sorted(set(types) | {REFERENCE}, key=lambda t: (t != REFERENCE, t))
+    # a type no tuned tensor's rows fit (a K-quant on a model of rows of 576) is never chosen: not measured
+    kinds = [
+        t
+        for t in sorted(set(types) | {REFERENCE}, key=lambda t: (t != REFERENCE, t))
+        if t == REFERENCE or gguf_tune.fitting(base_file, tuned, t)
+    ]
     log.info(
         "latency cost table: %d files (%s) through llama-bench, %d rounds of %d tokens (%s, %d threads); "
         "measured once for this build, CPU and model, then reused",
@@ -119,9 +128,13 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None, 
     with tempfile.TemporaryDirectory(prefix="quantbench-costs-") as tmp:
         folder = Path(tmp)
         files = {
-            kind: _uniform(tools, base_file, kind, tuned, folder, log_path or folder / "quantize.log") for kind in kinds
+            kind: gguf_tune.uniform_file(
+                tools, base_file, kind, tuned, folder / f"{kind}.gguf", log_path or folder / "quantize.log"
+            )
+            for kind in kinds
         }
         weights = _tuned_weights(files[REFERENCE], tuned)
+        fits = {kind: _tuned_weights(files[REFERENCE], gguf_tune.fitting(base_file, tuned, kind)) for kind in kinds}
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for r in range(ROUNDS):
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
@@ -130,7 +143,7 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None, 
     ms = {kind: statistics.median(v) for kind, v in times.items()}
     spread = {kind: (max(v) - min(v)) / ms[kind] for kind, v in times.items()}
     table = CostTable(
-        key, tools.describe(), cpu_name, threads, kinds, ms, spread, weights, time.perf_counter() - started
+        key, tools.describe(), cpu_name, threads, kinds, ms, spread, weights, time.perf_counter() - started, fits
     )
     stored.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(stored, json.dumps(asdict(table), indent=1))
@@ -150,23 +163,6 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None, 
         stored,
     )
     return table
-
-
-def _uniform(tools, base_file: Path, kind: str, tuned: list[str], folder: Path, log_path: Path) -> Path:
-    """The base with every tuned tensor in `kind`, the embeddings pinned (as candidates have them)."""
-    from quantbench.engines import llamacpp
-    from quantbench.tune import gguf as gguf_tune
-
-    out = folder / f"{kind}.gguf"
-    cmd = [tools.tool("llama-quantize")]
-    for pattern in gguf_tune.patterns(tuned):
-        cmd += ["--tensor-type", f"{pattern}={kind.lower()}"]
-    for pattern in gguf_tune.PINNED:
-        cmd += ["--tensor-type", f"{pattern}={gguf_tune.EMBEDDINGS.lower()}"]
-    # a quantized file type, so the per-tensor types apply (llama-quantize ignores them for F16)
-    cmd += [str(base_file), str(out), gguf_tune.EMBEDDINGS, str(llamacpp.threads())]
-    llamacpp.run_tool(cmd, log_path, f"llama-quantize: every tuned tensor in {kind}")
-    return out
 
 
 def _tuned_weights(file: Path, tuned: list[str]) -> int:

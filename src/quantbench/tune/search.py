@@ -24,6 +24,7 @@ and reuses every candidate that already has a FINISHED run (found by recipe sha)
 from __future__ import annotations
 
 import json
+import tempfile
 import logging
 import math
 import re
@@ -132,6 +133,7 @@ class Plan:
     tune_id: str
     directory: Path
     gguf_names: dict[str, str] | None = None  # a llama.cpp tune: HF layer -> GGUF tensor base name
+    base_gguf: Path | None = None  # a llama.cpp tune: the base as an F16 GGUF
 
     @property
     def gguf(self) -> bool:
@@ -218,18 +220,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         for n, s in shapes.items()
         if n not in unquantized and not any(schemes.any_scheme(x).fits(s[0]) for x in names)
     }
-    if stuck:
-        widths = sorted({s[0] for s in stuck.values()})
-        groups = ", ".join(
-            f"{x} needs a multiple of {schemes.any_scheme(x).group_size}"
-            for x in names
-            if schemes.any_scheme(x).group_size
-        )
-        raise UserError(
-            f"--schemes: no scheme of {', '.join(names)} fits {len(stuck)} layer(s) of {base.source} "
-            f"(input widths {', '.join(map(str, widths))}, e.g. {next(iter(stuck))}; {groups}). Add one "
-            "that fits: W4A16-G32, a per-channel scheme (W8A8, W8A16, FP8) or BF16"
-        )
+    allocate.check_fits({n: s[0] for n, s in stuck.items()}, names, base.source)
     # the templates' own group sizes do not matter (each candidate gets its schemes); what the
     # method needs of the model's shapes does (SpinQuant's rotation sizes)
     from quantbench.quantize.llmcompressor import rotation_problems
@@ -238,7 +229,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     if problems:
         raise UserError(problems)
     dtype_bits = 32 if template.recipe.model.dtype == "float32" else 16
-    gguf_names = None
+    gguf_names = base_file = None
     if gguf:
         from quantbench.engines import llamacpp
         from quantbench.engines import llamacpp_build as build
@@ -281,6 +272,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         tune_id,
         outputs / "tune" / f"{policy.name}-{tune_id}",
         gguf_names,
+        base_file,
     )
 
 
@@ -1023,14 +1015,53 @@ def run(request: Request, *, outputs: Path = Path("outputs"), experiment: str | 
         executor.close()
 
 
+def _rounding(plan: Plan, folder: Path):
+    """What rounds a llama.cpp tune's K- and I-quants (llama-quantize), and every type when the
+    template weighs by an importance matrix (computed here as its candidates compute theirs: on
+    the template's calibration windows); None for a vLLM tune."""
+    if plan.base_gguf is None or plan.gguf_names is None:
+        return None
+    from quantbench.engines import llamacpp
+    from quantbench.engines import llamacpp_build as build
+    from quantbench.sources import data
+    from quantbench.tune import gguf as gguf_tune
+
+    plan.directory.mkdir(parents=True, exist_ok=True)
+    log_path = plan.directory / "llama-quantize.log"
+    tools = build.ensure("a llama.cpp tune")
+    imatrix = None
+    if getattr(plan.template.recipe.quantize, "imatrix", False):
+        cal = plan.template.recipe.calibration
+        text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
+
+        def compute() -> Path:
+            ids = data.text_ids(plan.tokenizer, text)
+            bos = data.bos_id(plan.tokenizer)
+            windows = data.calibration_windows(
+                ids, cal.samples, cal.seq_len, cal.seed, field="calibration.samples", bos=bos
+            )
+            return llamacpp.imatrix(tools, plan.base_gguf, plan.tokenizer, windows, cal.seq_len, folder, log_path)
+
+        described = {"text": data.text_sha(text), "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed}
+        imatrix = (canonical_sha(described)[:16], compute)
+    return gguf_tune.EngineRounding(tools, plan.base_gguf, plan.gguf_names, folder, log_path, imatrix)
+
+
 def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
     request = plan.request
     state = _read_state(plan.directory)
     # candidates left RUNNING by a tune that died (this tune holds its lock now)
     tracker.fail_orphans({TAG + "tune": plan.tune_id, TAG + "role": "candidate"}, "tune")
-    sens = sensitivity.get(
-        tracker, plan.base, plan.tokenizer, request.schemes, plan.template.recipe.calibration, request.sensitivity
-    )
+    with tempfile.TemporaryDirectory(prefix="quantbench-rounding-") as tmp:
+        sens = sensitivity.get(
+            tracker,
+            plan.base,
+            plan.tokenizer,
+            request.schemes,
+            plan.template.recipe.calibration,
+            request.sensitivity,
+            _rounding(plan, Path(tmp)),
+        )
     costs = None
     if request.objective == "latency":
         costs = cost.get(

@@ -132,7 +132,12 @@ class Sensitivity:
 
 
 def key(
-    base_fingerprint: str, scheme_names: list[str], text_sha: str, settings: Settings, bos: int | None = None
+    base_fingerprint: str,
+    scheme_names: list[str],
+    text_sha: str,
+    settings: Settings,
+    bos: int | None = None,
+    rounding: str | None = None,
 ) -> str:
     doc = {
         "base": base_fingerprint,
@@ -144,6 +149,8 @@ def key(
     }
     if bos is not None:  # windows that start with BOS; absent as before, so results stored without one stay valid
         doc["bos"] = bos
+    if rounding is not None:  # types rounded by an engine's quantizer: its build (absent otherwise, as before)
+        doc["rounding"] = rounding
     return canonical_sha(doc)
 
 
@@ -151,15 +158,22 @@ def key(
 # The verb's stage: find the stored result or measure it
 
 
-def get(tracker: Tracker, base, tokenizer, scheme_names: list[str], calibration, settings: Settings) -> Sensitivity:
+def get(
+    tracker: Tracker, base, tokenizer, scheme_names: list[str], calibration, settings: Settings, rounding=None
+) -> Sensitivity:
     """The sensitivity of `base` to `scheme_names`, reused from an earlier run when one matches.
-    `calibration` is a recipe's calibration section (text source; its windows are held back)."""
+    `calibration` is a recipe's calibration section (text source; its windows are held back);
+    `rounding` (a `tune.gguf.EngineRounding`) rounds the types only an engine quantizes."""
     text = data.load_text(
         calibration.source, field="calibration.source", text_field=calibration.text_field, hub_split=calibration.split
     )
     text_sha = data.text_sha(text)
     bos = data.bos_id(tokenizer)
-    k = key(base.fingerprint, scheme_names, text_sha, settings, bos)
+    by_engine = [n for n in scheme_names if getattr(schemes.any_scheme(n), "by_engine", False)]
+    if by_engine and rounding is None:
+        raise ValueError(f"sensitivity to {', '.join(by_engine)} needs an engine's rounding")
+    engine = rounding is not None and any(rounding.rounds(schemes.any_scheme(n)) for n in scheme_names)
+    k = key(base.fingerprint, scheme_names, text_sha, settings, bos, rounding.key if engine else None)
     found = tracker.find_runs({TAG + "role": "sensitivity", TAG + "sensitivity_key": k})
     if found:
         run = tracker.existing(found[0])
@@ -191,7 +205,7 @@ def get(tracker: Tracker, base, tokenizer, scheme_names: list[str], calibration,
     with tracker.start_run(f"sensitivity · {models.short_name(base.source)} · {settings.method}", tags) as run:
         run.log_params({"sensitivity": {**asdict(settings), "schemes": ",".join(scheme_names), "text_sha": text_sha}})
         started = time.perf_counter()
-        result = measure(base.path, windows, scheme_names, settings)
+        result = measure(base.path, windows, scheme_names, settings, rounding)
         result.run_id, result.key, result.wall_s = run.run_id, k, time.perf_counter() - started
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
@@ -263,7 +277,9 @@ def held_back_windows(
 # Measuring
 
 
-def measure(model_path: Path, windows: list[list[int]], scheme_names: list[str], settings: Settings) -> Sensitivity:
+def measure(
+    model_path: Path, windows: list[list[int]], scheme_names: list[str], settings: Settings, rounding=None
+) -> Sensitivity:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, settings.dtype)).eval()
@@ -272,10 +288,10 @@ def measure(model_path: Path, windows: list[list[int]], scheme_names: list[str],
     scheme_list = [schemes.any_scheme(n) for n in scheme_names]
     modules = dict(model.named_modules())
     if settings.method == "fisher":
-        table = _fisher(model, modules, ids, units, scheme_list)
+        table = _fisher(model, modules, ids, units, scheme_list, rounding)
         extra = {"replay": "n/a", "windows_tokens": int(ids.numel())}
     else:
-        table, replay = _measured(model, modules, ids, units, scheme_list)
+        table, replay = _measured(model, modules, ids, units, scheme_list, rounding)
         extra = {"replay": replay, "windows_tokens": int(ids.numel())}
     return Sensitivity("", False, settings, [s.name for s in scheme_list], units, table, 0.0, "", extra)
 
@@ -335,9 +351,12 @@ def _block_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def fake_quantize_weight(weight: torch.Tensor, scheme: schemes.Scheme) -> torch.Tensor:
+def fake_quantize_weight(weight: torch.Tensor, scheme: schemes.Scheme, layer: str = "", rounding=None) -> torch.Tensor:
     """Round-to-nearest with min-max scales, through compressed-tensors' qparams and QDQ; a llama.cpp
-    type rounds as llama.cpp does."""
+    type rounds as llama.cpp does (a type only llama-quantize quantizes, or any with an importance
+    matrix: as `rounding` reads the layer's tensor back from its file)."""
+    if rounding is not None and rounding.rounds(scheme):
+        return rounding(layer, weight, scheme.name)
     if isinstance(scheme, schemes.GgufType):
         return scheme.fake_quantize(weight)
     from compressed_tensors.quantization import QuantizationArgs
@@ -370,15 +389,15 @@ def fake_quantize_tokens(x: torch.Tensor, activations: dict) -> torch.Tensor:
 class _Quantized:
     """Within the block, the unit's layers run with the scheme's weights (and activations)."""
 
-    def __init__(self, modules: dict, unit: Unit, scheme: schemes.Scheme):
-        self.modules, self.unit, self.scheme = modules, unit, scheme
+    def __init__(self, modules: dict, unit: Unit, scheme: schemes.Scheme, rounding=None):
+        self.modules, self.unit, self.scheme, self.rounding = modules, unit, scheme, rounding
 
     def __enter__(self):
         self.saved, self.hooks = {}, []
         for name in self.unit.layers:
             module = self.modules[name]
             self.saved[name] = module.weight.data
-            module.weight.data = fake_quantize_weight(module.weight.data, self.scheme)
+            module.weight.data = fake_quantize_weight(module.weight.data, self.scheme, name, self.rounding)
             if self.scheme.activations:
                 acts = self.scheme.activations
                 self.hooks.append(
@@ -446,7 +465,7 @@ class _Replay:
 
 
 @torch.inference_mode()
-def _measured(model, modules, ids, units, scheme_list) -> tuple[list[list[float | None]], str]:
+def _measured(model, modules, ids, units, scheme_list, rounding=None) -> tuple[list[list[float | None]], str]:
     from tqdm import tqdm
 
     replay = _Replay(model, ids)
@@ -469,7 +488,7 @@ def _measured(model, modules, ids, units, scheme_list) -> tuple[list[list[float 
             if not scheme.quantized:
                 row.append(0.0)
                 continue
-            with _Quantized(modules, unit, scheme):
+            with _Quantized(modules, unit, scheme, rounding):
                 lp = torch.log_softmax(replay.logits(unit.block), -1)
             kld = (neg_entropy - (base_p * lp).sum(-1)).clamp(min=0)
             row.append(float(kld[:, :-1].mean()))
@@ -479,7 +498,7 @@ def _measured(model, modules, ids, units, scheme_list) -> tuple[list[list[float 
     return table, how
 
 
-def _fisher(model, modules, ids, units, scheme_list) -> list[list[float | None]]:
+def _fisher(model, modules, ids, units, scheme_list, rounding=None) -> list[list[float | None]]:
     """The second-order estimate of each unit's KLD, from one backward pass per window with labels
     sampled from the model (seeded): for the weights, 1/2 sum(F * dW^2) with F the diagonal Fisher
     of the weights; for dynamically quantized input activations (W8A8, FP8), 1/2 sum_t (g_t . e_t)^2
@@ -553,7 +572,10 @@ def _fisher(model, modules, ids, units, scheme_list) -> list[list[float | None]]
                     for name in unit.layers:
                         w = params[name].detach()
                         total += float(
-                            (fisher[name] * (w.float() - fake_quantize_weight(w, scheme).float()) ** 2).sum()
+                            (
+                                fisher[name]
+                                * (w.float() - fake_quantize_weight(w, scheme, name, rounding).float()) ** 2
+                            ).sum()
                         )
                     total += act_total.get((unit.name, scheme.name), 0.0)
                     row.append(0.5 * total / tokens)
