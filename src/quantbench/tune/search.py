@@ -74,7 +74,7 @@ class Request:
     template: str | None = None
     engine: str | None = None  # vllm | llamacpp; None: the template's
     # size: the smallest checkpoint that passes; latency: the fastest, by predicted decode time
-    # (llama.cpp: cost.py's measured table); `latency_ms` makes one candidate under that budget
+    # (cost.py's table, measured through the engine); `latency_ms` makes one candidate under that budget
     objective: str = "size"
     latency_ms: float | None = None
     remeasure_costs: bool = False  # the latency cost table measured again, the cached one replaced
@@ -176,11 +176,6 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         request.objective = "latency"
     if request.objective not in ("size", "latency"):
         raise UserError(f"--objective: '{request.objective}'; size or latency")
-    if request.objective == "latency" and not gguf:
-        raise UserError(
-            f"--objective latency: decode costs are measured for llama.cpp's types only (--engine llamacpp); "
-            f"--from {template.name} makes a {spec.method} checkpoint for vLLM"
-        )
     if request.remeasure_costs and request.objective != "latency":
         raise UserError(
             "--remeasure-costs: only a latency tune reads the cost table (--objective latency or --latency-ms)"
@@ -501,7 +496,7 @@ def problem(plan: Plan, sens: sensitivity.Sensitivity, costs: cost.CostTable | N
     decode ms/token."""
     p = allocate.problem(sens, plan.request.schemes or [], plan.dtype_bits, plan.fixed_bytes, plan.unquantized)
     if costs is not None:
-        p.base_ms = costs.ms[cost.REFERENCE]
+        p.base_ms = costs.ms[costs.reference]
         p.unit_ms = [
             {name: unit.params * costs.per_weight(name) for name, _, _ in opts}
             for unit, opts in zip(sens.units, p.options)
@@ -1063,13 +1058,30 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
             _rounding(plan, Path(tmp)),
         )
     costs = None
-    if request.objective == "latency":
+    if request.objective == "latency" and plan.gguf:
         costs = cost.get(
             plan.base,
             request.schemes or [],
             sorted(set((plan.gguf_names or {}).values())),
             remeasure=request.remeasure_costs,
         )
+    elif request.objective == "latency":
+        costs = cost.get_vllm(
+            plan.base,
+            request.schemes or [],
+            plan.shapes,
+            plan.unquantized,
+            plan.directory / "cost-table-servers.log",
+            remeasure=request.remeasure_costs,
+        )
+    if costs is not None and costs.unserved:
+        # what the engine does not serve here is never proposed (its reasons from the engine interface)
+        request.schemes = [s for s in request.schemes or [] if s not in costs.unserved]
+        if not request.schemes:
+            raise UserError(
+                "--schemes: vLLM serves none of them here: " + "; ".join(f"{k}: {v}" for k, v in costs.unserved.items())
+            )
+    if costs is not None:
         fastest, slowest = problem(plan, sens, costs).bounds()
         if request.latency_ms is not None and request.latency_ms < fastest - 1e-9:
             raise UserError(
@@ -1174,7 +1186,15 @@ def _summary(plan, sens, candidates, best, unmet, points, verdict, parent, resum
         "policy": plan.policy.name,
         "objective": plan.request.objective,
         "cost_table": (
-            {"path": str(cost.path(costs.key)), "cpu": costs.cpu, "threads": costs.threads, "ms": costs.ms}
+            {
+                "path": str(cost.path(costs.key)),
+                "engine": costs.engine,
+                "cpu": costs.cpu,
+                "threads": costs.threads,
+                "reference": costs.reference,
+                "ms": costs.ms,
+                "unserved": costs.unserved,
+            }
             if costs is not None
             else None
         ),
