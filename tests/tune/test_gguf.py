@@ -183,6 +183,29 @@ def test_with_an_importance_matrix_every_type_is_rounded_by_llama_quantize_weigh
     assert computed == [1]  # once for every type
 
 
+@pytest.mark.llamacpp
+def test_a_layers_type_a_tensor_cannot_hold_is_refused_by_name_unless_the_recipe_lets_it_fall_back(setup, capsys):
+    from quantbench.sources.checkpoint import gguf_tensors
+
+    source = yaml.safe_load((setup / "recipes" / "tiny-g.yaml").read_text())["model"]["source"]
+    body = "method: gguf\ntype: Q4_0\nlayers:\n  Q8_0: [ffn_down]\n  Q4_K: [attn_q, ffn_down]\n"
+    recipe = tiny_recipe(source, body).replace("check:\n", "check:\n  base_ppl_bound: false\n")
+    write_recipe(setup, "tiny-k", recipe)
+    assert main(["quantize", "tiny-k"]) == 2
+    err = capsys.readouterr().err
+    # rows of 64 (the tiny model's width) in blocks of 256; ffn_down matched Q8_0 first, as llama-quantize takes it
+    assert ("quantize.layers (line 11): 2 tensor(s) cannot hold the type given them: blk.0.attn_q.weight (rows of 64) in Q4_K "
+            "(blocks of 256); blk.1.attn_q.weight (rows of 64) in Q4_K (blocks of 256). llama-quantize would") in err
+    assert "quantize.fallback: true" in err and runs() == []
+    write_recipe(setup, "tiny-k", recipe.replace("  layers:\n", "  fallback: true\n  layers:\n"))
+    assert main(["quantize", "tiny-k", "--json"]) == 0, capsys.readouterr().err[-2000:]
+    written = dict((name, kind) for name, kind, _, _ in gguf_tensors(Path(last_json(capsys.readouterr().out)["checkpoint"])
+                                                                      / "model.gguf"))
+    assert written["blk.0.ffn_down.weight"] == "Q8_0"
+    # llama-quantize chose another quantized type for it (Q5_0, its fallback for Q4_K)
+    assert written["blk.0.attn_q.weight"] not in ("Q4_K", "F16", "F32")
+
+
 @pytest.mark.slow  # the real llama.cpp (built on first use), a whole tune with a child job
 @pytest.mark.llamacpp
 def test_a_gguf_tune_writes_the_types_it_chose_at_the_size_it_predicted(setup, capsys):

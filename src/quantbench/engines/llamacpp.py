@@ -222,6 +222,26 @@ def imatrix(tools, base: Path, tokenizer, windows: list[list[int]], seq_len: int
     return out
 
 
+def unfit(gguf_file: Path, layers: dict[str, list[str]]) -> list[str]:
+    """The 2-D tensors of `gguf_file` that `layers` (tensor type -> llama-quantize patterns) gives a
+    type whose blocks do not divide their rows, one line each. Matched as llama-quantize matches:
+    the lower-cased pattern searched in the tensor's name, the first type whose pattern matches."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    out = []
+    for t in GGUFReader(gguf_file).tensors:
+        if len(t.shape) != 2:
+            continue
+        rows = int(t.shape[0])
+        for kind, patterns in layers.items():
+            if any(re.search(p.lower(), t.name) for p in patterns):
+                block = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
+                if rows % block:
+                    out.append(f"{t.name} (rows of {rows}) in {kind} (blocks of {block})")
+                break
+    return out
+
+
 def run_tool(cmd: list[str], log_path: Path, what: str) -> str:
     """Run one llama.cpp tool, its output appended to `log_path`; returns that output. UserError
     naming the tool's own error line when it fails."""

@@ -16,6 +16,7 @@ import json
 import logging
 from pathlib import Path
 
+from quantbench.core.errors import UserError
 from quantbench.engines import llamacpp
 from quantbench.engines import llamacpp_build as build
 from quantbench.quantize import Inputs, Produced, calibration_card
@@ -62,6 +63,14 @@ class GGUFBackend:
         is refused here (exit 2)."""
         self.tools = build.ensure("quantizing with llama.cpp")
         self.base = llamacpp.base_gguf(base.path, self.tools)
+        unfit = [] if self.spec.fallback else llamacpp.unfit(self.base, self.spec.layers)
+        if unfit:
+            raise UserError(
+                f"{loaded.path}: {loaded.where('quantize', 'layers')}: {len(unfit)} tensor(s) cannot hold the type "
+                f"given them: {'; '.join(unfit[:4])}{' ...' if len(unfit) > 4 else ''}. llama-quantize would write "
+                "another type instead; give them a type with blocks of 32 (Q4_0 ... Q8_0, IQ4_NL), or set "
+                "quantize.fallback: true to let it"
+            )
         return {}
 
     def produce(self, inputs: Inputs) -> Produced:

@@ -288,7 +288,10 @@ class GGUFSpec(Strict):
     computes on the recipe's calibration text; the checkpoint is the .gguf file (served by
     llama-server, loaded de-quantized by transformers). `layers` gives tensors another type:
     keys are ggml tensor types, values llama.cpp tensor names or patterns (`attn_v`,
-    `blk\\.0\\.ffn_down`), passed as `--tensor-type PATTERN=TYPE`.
+    `blk\\.0\\.ffn_down`), passed as `--tensor-type PATTERN=TYPE`. A tensor `layers` gives a type
+    whose blocks do not divide its rows (K-quants and IQ4_XS need multiples of 256) is refused,
+    named, before anything runs, unless `fallback: true` lets llama-quantize choose another type
+    for it (as its own presets do).
 
         quantize:
           method: gguf
@@ -304,6 +307,9 @@ class GGUFSpec(Strict):
     type: str = "Q8_0"
     imatrix: bool = False  # compute an importance matrix on the calibration text (never the evaluation split)
     layers: dict[str, list[str]] = Field(default_factory=dict)
+    fallback: bool = (
+        False  # a `layers` type a tensor's rows cannot hold: false refuses, true lets llama-quantize choose
+    )
 
     @property
     def scheme(self) -> str:

@@ -269,6 +269,7 @@ def get_vllm(
             kept = {n: s for n, s in shapes.items() if n not in unquantized}
             fitting = [n for n, (i_, _, _) in kept.items() if scheme.fits(i_)]
             fits[kind] = sum(kept[n][0] * kept[n][1] for n in fitting)
+            log.info("latency cost table: %d/%d %s: its checkpoint, then a vLLM server", i + 1, len(kinds), kind)
             checkpoint = _uniform_checkpoint(base, scheme, [n for n in shapes if n not in fitting], Path(tmp) / kind)
             why = engine.unserved(checkpoint)
             if why is not None:

@@ -38,6 +38,7 @@ from quantbench.core.errors import UserError
 from quantbench.core.files import atomic_write, canonical_sha
 from quantbench.core.intervals import pareto
 from quantbench.recipe import (
+    GGUF_TYPES,
     LoadedRecipe,
     load_recipe,
     recipes_dir,
@@ -337,7 +338,8 @@ def write_recipe(
         # when the file type is F16); every tensor is named with its type, that type's too (for its
         # own file type llama-quantize may bump a tensor: with an importance matrix, measured, 3 of
         # the default model's Q5_0 tensors became Q5_1), the embeddings pinned: the file is the allocation
-        quantized = sorted(s for s in layers_of if s != "F16") or [gguf_tune.EMBEDDINGS]
+        # (a file type: Q4_K and Q5_K are tensor types only, llama.cpp's file types being Q4_K_S/M ...)
+        quantized = sorted(s for s in layers_of if s != "F16" and s in GGUF_TYPES) or [gguf_tune.EMBEDDINGS]
         q["type"] = max(quantized, key=lambda s: len(layers_of.get(s, [])))
         q["layers"] = {
             s: gguf_tune.patterns([plan.gguf_names[n] for n in layers]) for s, layers in sorted(layers_of.items())
