@@ -222,22 +222,30 @@ def imatrix(tools, base: Path, tokenizer, windows: list[list[int]], seq_len: int
     return out
 
 
+def block(kind: str) -> int:
+    """Weights per block of a ggml tensor type (256 for K-quants and IQ4_XS, 32 for Q4_0 ... IQ4_NL)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
+
+
+def matrix_rows(gguf_file: Path) -> dict[str, int]:
+    """Every 2-D tensor of a GGUF file, by name, with its row length (its input width)."""
+    from gguf import GGUFReader
+
+    return {t.name: int(t.shape[0]) for t in GGUFReader(gguf_file).tensors if len(t.shape) == 2}
+
+
 def unfit(gguf_file: Path, layers: dict[str, list[str]]) -> list[str]:
     """The 2-D tensors of `gguf_file` that `layers` (tensor type -> llama-quantize patterns) gives a
     type whose blocks do not divide their rows, one line each. Matched as llama-quantize matches:
     the lower-cased pattern searched in the tensor's name, the first type whose pattern matches."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-
     out = []
-    for t in GGUFReader(gguf_file).tensors:
-        if len(t.shape) != 2:
-            continue
-        rows = int(t.shape[0])
+    for name, rows in matrix_rows(gguf_file).items():
         for kind, patterns in layers.items():
-            if any(re.search(p.lower(), t.name) for p in patterns):
-                block = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
-                if rows % block:
-                    out.append(f"{t.name} (rows of {rows}) in {kind} (blocks of {block})")
+            if any(re.search(p.lower(), name) for p in patterns):
+                if rows % block(kind):
+                    out.append(f"{name} (rows of {rows}) in {kind} (blocks of {block(kind)})")
                 break
     return out
 

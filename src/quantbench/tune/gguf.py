@@ -85,11 +85,10 @@ def patterns(names: list[str]) -> list[str]:
 
 def fitting(base_gguf: Path, names: list[str], kind: str) -> list[str]:
     """The tensors of `names` (GGUF base names) whose rows a `kind` block divides."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+    from quantbench.engines import llamacpp
 
-    block = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
-    rows = {t.name.removesuffix(".weight"): int(t.shape[0]) for t in GGUFReader(base_gguf).tensors}
-    return [n for n in names if rows[n] % block == 0]
+    rows = llamacpp.matrix_rows(base_gguf)
+    return [n for n in names if rows[f"{n}.weight"] % llamacpp.block(kind) == 0]
 
 
 def uniform_file(
