@@ -223,7 +223,7 @@ def test_a_stack_step_drafts_through_vllm_and_logs_the_acceptance(workdir, tiny_
 
 
 def test_a_latency_cost_table_through_vllm_is_measured_once_served_schemes_only(workdir, tiny_model_dir, settings,
-                                                                                 vllm, tmp_path):
+                                                                                 vllm, tmp_path, capsys):
     """`tune --objective latency` on compressed-tensors schemes: each scheme's uniform checkpoint
     served by vLLM and timed; what vLLM does not serve here is left out with its reason; cached."""
     from transformers import AutoConfig
@@ -237,6 +237,8 @@ def test_a_latency_cost_table_through_vllm_is_measured_once_served_schemes_only(
     asked = ["W4A16-G32", "W8A16"]
     # measured (again, if an earlier session cached it: the cache is the machine's)
     table = cost.get_vllm(base, asked, shapes, set(), tmp_path / "servers.log", remeasure=True, compiled=False)
+    assert capsys.readouterr().out == ""  # llm-compressor's lines in the log, not where --json prints
+    assert "lifecycle finalized" in (tmp_path / "servers.log").read_text()
     assert table.reference == "BF16" and table.engine.startswith("vLLM (") and "eager" in table.engine
     # 8-bit weight-only has no vLLM-CPU kernel on any CPU; W4A16 has one with AVX-512 (CPUWNA16) only
     assert "W8A16" not in table.ms and "8-bit weight-only needs a GPU kernel" in table.unserved["W8A16"]

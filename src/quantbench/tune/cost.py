@@ -270,7 +270,8 @@ def get_vllm(
             fitting = [n for n, (i_, _, _) in kept.items() if scheme.fits(i_)]
             fits[kind] = sum(kept[n][0] * kept[n][1] for n in fitting)
             log.info("latency cost table: %d/%d %s: its checkpoint, then a vLLM server", i + 1, len(kinds), kind)
-            checkpoint = _uniform_checkpoint(base, scheme, [n for n in shapes if n not in fitting], Path(tmp) / kind)
+            left = [n for n in shapes if n not in fitting]
+            checkpoint = _uniform_checkpoint(base, scheme, left, Path(tmp) / kind, log_path)
             why = engine.unserved(checkpoint)
             if why is not None:
                 unserved[kind] = why
@@ -306,9 +307,10 @@ def get_vllm(
     return _store(table)
 
 
-def _uniform_checkpoint(base, scheme, left: list[str], dest: Path) -> Path:
+def _uniform_checkpoint(base, scheme, left: list[str], dest: Path, log_path: Path) -> Path:
     """The base in bfloat16 with every quantizable layer but `left` in `scheme`, round-to-nearest
-    through llm-compressor, saved compressed (the reference: the base, saved in bfloat16)."""
+    through llm-compressor (its log lines into `log_path`), saved compressed (the reference: the
+    base, saved in bfloat16)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -317,10 +319,14 @@ def _uniform_checkpoint(base, scheme, left: list[str], dest: Path) -> Path:
         from llmcompressor import oneshot
         from llmcompressor.modifiers.quantization import QuantizationModifier
 
+        from loguru import logger
+
+        from quantbench.core.logs import log_file
         from quantbench.quantize.llmcompressor import cpu_safe_pinning
 
         groups = {"group_0": scheme.quantization_scheme(["Linear"])}
-        with cpu_safe_pinning():
+        logger.remove()  # llm-compressor's own sinks print to stdout, where a tune's --json summary goes
+        with cpu_safe_pinning(), log_file(log_path):
             oneshot(model=model, recipe=[QuantizationModifier(config_groups=groups, ignore=["lm_head", *left])])
     model.save_pretrained(dest, save_compressed=scheme.quantized)
     AutoTokenizer.from_pretrained(base.path).save_pretrained(dest)
