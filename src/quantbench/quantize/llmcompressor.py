@@ -6,10 +6,14 @@ config_groups entry per scheme, the recipe's own scheme last on every other Line
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+import sys
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
-import llmcompressor  # noqa: F401  (configures its loguru sinks now, before a run's log file is added)
+# llm-compressor configures its loguru sink on import, before a run's log file is added, and it is
+# a console sink on sys.stdout, where --json prints: imported with stdout on stderr, the sink is stderr
+with redirect_stdout(sys.stderr):
+    import llmcompressor  # noqa: F401
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 

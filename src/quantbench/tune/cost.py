@@ -314,18 +314,18 @@ def _uniform_checkpoint(base, scheme, left: list[str], dest: Path, log_path: Pat
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # first: llm-compressor imported as quantbench imports it (its console lines on stderr, not on
+    # stdout where a tune's --json summary goes)
+    from quantbench.quantize.llmcompressor import cpu_safe_pinning
+
     model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.bfloat16)
     if scheme.quantized:
         from llmcompressor import oneshot
         from llmcompressor.modifiers.quantization import QuantizationModifier
 
-        from loguru import logger
-
         from quantbench.core.logs import log_file
-        from quantbench.quantize.llmcompressor import cpu_safe_pinning
 
         groups = {"group_0": scheme.quantization_scheme(["Linear"])}
-        logger.remove()  # llm-compressor's own sinks print to stdout, where a tune's --json summary goes
         with cpu_safe_pinning(), log_file(log_path):
             oneshot(model=model, recipe=[QuantizationModifier(config_groups=groups, ignore=["lm_head", *left])])
     model.save_pretrained(dest, save_compressed=scheme.quantized)
