@@ -67,7 +67,9 @@ def test_a_gguf_file_on_its_own_is_evaluated_against_the_base_it_names(workdir, 
     assert main(["evaluate", str(gguf), "--base", str(base), "--suite", "tiny", "--json"]) == 0, capsys.readouterr().err
     result = last_json(capsys.readouterr().out)
     m = result["metrics"]
-    assert 0 < m["quality/kld_mean"] < 0.01 and 0 < m["quality_engine/kld_mean"] < 0.01
+    # llama-perplexity prints its KLD to 6 decimals: a Q8_0 file's ~1e-6 may print as 0.000000
+    assert 0 < m["quality/kld_mean"] < 0.01 and 0 <= m["quality_engine/kld_mean"] < 0.01
+    assert m["quality_engine/same_top_p"] > 0.9  # llama.cpp's own reading: the same top token almost always
     [candidate] = [r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]
     assert candidate.info.status == "FINISHED" and candidate.data.tags["quantbench.format"] == "gguf"
     view = Path(result["checkpoint"])
