@@ -20,6 +20,7 @@ import json
 import logging
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -212,12 +213,32 @@ def _converted_dir(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{file_sha(gguf)[:16]}"
 
 
+def _current(info_file: Path) -> bool:
+    return info_file.is_file() and json.loads(info_file.read_text()).get("conversion") == CONVERSION
+
+
+@contextmanager
+def _one_conversion(dest: Path):
+    """One conversion into `dest` at a time across processes (test workers, parallel jobs on a fresh
+    cache): a second waits for the first, then finds its result. Without it the second replaced the
+    first's finished directory while the first was reading its tokenizer from it."""
+    import fcntl
+
+    locks = cache_dir() / "locks"  # not beside it: a failed conversion leaves nothing in models/
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{dest.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def _from_gguf(source: str, gguf: Path, field: str = "model.source") -> ResolvedModel:
     dest = _converted_dir(gguf)
     info_file = dest / SOURCE_INFO
-    if not info_file.is_file() or json.loads(info_file.read_text()).get("conversion") != CONVERSION:
-        check_gguf(gguf, field)
-        _convert_gguf(source, gguf, dest, field)
+    if not _current(info_file):
+        with _one_conversion(dest):
+            if not _current(info_file):
+                check_gguf(gguf, field)
+                _convert_gguf(source, gguf, dest, field)
     info = json.loads(info_file.read_text())
     if info.get("gguf") != str(gguf) and source_gguf(dest) is None and file_sha(gguf) == info.get("gguf_sha256"):
         # converted from a copy of this file that is gone (a moved download, a temporary
