@@ -168,9 +168,7 @@ def prepare(
             text = data.load_text(
                 cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split
             )
-            calibration = data.calibration_windows(
-                data.text_ids(tokenizer, text), cal.samples, cal.seq_len, cal.seed, field="calibration.samples", bos=bos
-            )
+            calibration = data.recipe_windows(tokenizer, text, cal)
         text_shas["calibration"] = data.text_sha(text)
     eval_text = data.python_docs("evaluation")
     text_shas["evaluation"] = data.text_sha(eval_text)
@@ -329,14 +327,7 @@ def _check_calibration(loaded: LoadedRecipe, experiment: str | None) -> None:
     tokenizer = models.tokenizer_dir(loaded.recipe.model.source, experiment)
     if tokenizer is not None:
         tok = AutoTokenizer.from_pretrained(tokenizer)
-        data.calibration_windows(
-            data.text_ids(tok, text),
-            cal.samples,
-            cal.seq_len,
-            cal.seed,
-            field="calibration.samples",
-            bos=data.bos_id(tok),
-        )
+        data.recipe_windows(tok, text, cal)
 
 
 def check_outputs(loaded: LoadedRecipe, outputs: Path) -> None:

@@ -307,9 +307,8 @@ class GGUFSpec(Strict):
     type: str = "Q8_0"
     imatrix: bool = False  # compute an importance matrix on the calibration text (never the evaluation split)
     layers: dict[str, list[str]] = Field(default_factory=dict)
-    fallback: bool = (
-        False  # a `layers` type a tensor's rows cannot hold: false refuses, true lets llama-quantize choose
-    )
+    # a `layers` type a tensor's rows cannot hold: false refuses it, true lets llama-quantize choose another
+    fallback: bool = False
 
     @property
     def scheme(self) -> str:

@@ -143,6 +143,19 @@ def calibration_windows(
     return windows(token_ids, seq_len, bos, starts)
 
 
+def recipe_windows(tokenizer, text: str, calibration) -> list[list[int]]:
+    """A recipe's calibration windows over `text` (`calibration`: its calibration section), as every
+    method that calibrates takes them."""
+    return calibration_windows(
+        text_ids(tokenizer, text),
+        calibration.samples,
+        calibration.seq_len,
+        calibration.seed,
+        field="calibration.samples",
+        bos=bos_id(tokenizer),
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Windows that start the way the model expects
 

@@ -118,11 +118,8 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None, 
         return table
     base_file = llamacpp.base_gguf(base.path, tools)
     # a type no tuned tensor's rows fit (a K-quant on a model of rows of 576) is never chosen: not measured
-    kinds = [
-        t
-        for t in sorted(set(types) | {REFERENCE}, key=lambda t: (t != REFERENCE, t))
-        if t == REFERENCE or gguf_tune.fitting(base_file, tuned, t)
-    ]
+    fit = {t: gguf_tune.fitting(base_file, tuned, t) for t in set(types) | {REFERENCE}}
+    kinds = [t for t in sorted(fit, key=lambda t: (t != REFERENCE, t)) if t == REFERENCE or fit[t]]
     log.info(
         "latency cost table: %d files (%s) through llama-bench, %d rounds of %d tokens (%s, %d threads); "
         "measured once for this build, CPU and model, then reused",
@@ -143,7 +140,7 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None, 
             for kind in kinds
         }
         weights = _tuned_weights(files[REFERENCE], tuned)
-        fits = {kind: _tuned_weights(files[REFERENCE], gguf_tune.fitting(base_file, tuned, kind)) for kind in kinds}
+        fits = {kind: _tuned_weights(files[REFERENCE], fit[kind]) for kind in kinds}
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for r in range(ROUNDS):
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
@@ -264,9 +261,9 @@ def get_vllm(
     unserved: dict[str, str] = {}
     fits: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="quantbench-costs-") as tmp:
+        kept = {n: s for n, s in shapes.items() if n not in unquantized}
         for i, kind in enumerate(kinds):
             scheme = schemes.get(kind)
-            kept = {n: s for n, s in shapes.items() if n not in unquantized}
             fitting = [n for n, (i_, _, _) in kept.items() if scheme.fits(i_)]
             fits[kind] = sum(kept[n][0] * kept[n][1] for n in fitting)
             log.info("latency cost table: %d/%d %s: its checkpoint, then a vLLM server", i + 1, len(kinds), kind)

@@ -1032,11 +1032,7 @@ def _rounding(plan: Plan, folder: Path):
         text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
 
         def compute() -> Path:
-            ids = data.text_ids(plan.tokenizer, text)
-            bos = data.bos_id(plan.tokenizer)
-            windows = data.calibration_windows(
-                ids, cal.samples, cal.seq_len, cal.seed, field="calibration.samples", bos=bos
-            )
+            windows = data.recipe_windows(plan.tokenizer, text, cal)
             return llamacpp.imatrix(tools, plan.base_gguf, plan.tokenizer, windows, cal.seq_len, folder, log_path)
 
         described = {"text": data.text_sha(text), "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed}
