@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from quantbench.cli import main
+from quantbench.tracking import owner_alive
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.slow  # child quantize processes, timeouts, kills
@@ -160,10 +161,16 @@ def test_sweep_killed_mid_job_resumes_and_reaps_the_stale_run(workdir, recipes, 
                 victim = run
     assert victim is not None, "the second job never started"
     os.kill(sweep.pid, signal.SIGKILL)
-    os.killpg(int(victim.data.tags["quantbench.owner"].split()[1]), signal.SIGKILL)
+    owner = victim.data.tags["quantbench.owner"]
+    os.killpg(int(owner.split()[1]), signal.SIGKILL)
     sweep.wait()
     for proc in sweep_children():
         proc.wait(30)
+    # a killed job that frees a large heap stays "running" for a while; the resume below must meet a
+    # dead owner (a live one is a different case: the sweep kills it, another message)
+    deadline = time.monotonic() + 30
+    while owner_alive(owner) is not False and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert state(workdir, name)["jobs"][victim.data.tags["quantbench.recipe_sha"]]["status"] == "running"
 
     assert main(["sweep", name, "--json"]) == 0
