@@ -145,6 +145,7 @@ CONCURRENT: dict[str, Direction | None] = {
     "e2e_ms_p95": "lower",
     "spec_acceptance": "higher",  # with a draft model (a stack's draft step): the level's drafted tokens accepted
     "saturated": None,  # a request rate: 1 when the level stopped early, the server over-saturated
+    "prompt_cached_share": None,  # the level's prompt tokens the server reused from its prefix cache (its counts)
     "slo_pct": "higher",  # a profile with SLOs: the share of the level's requests meeting every one
     "goodput_rps": "higher",  # ... requests/s meeting every SLO
     "slo_held": None,  # ... 1 when every SLO held at its percentile over the level

@@ -38,6 +38,7 @@ class Stream:
     counted: bool  # whether the server reported the token counts
     drafted: tuple[int, int] | None = None  # speculative decoding: (tokens drafted, accepted), as the server says
     prompt_computed: int | None = None  # prompt tokens the server computed (not reused from its cache), where it says
+    prompt_cached: int | None = None  # prompt tokens the server reused from its prefix cache, where it says
 
     @property
     def tokens(self) -> int:
@@ -82,7 +83,7 @@ def stream_one(url: str, body: dict, client=None) -> Stream:
     counts: list[int] = []
     total = None  # the server's completion_tokens, from its last chunk
     drafted = None
-    computed = None
+    computed = cached = None
     finished = False
     try:
         with client.stream("POST", url.rstrip("/") + "/completions", json=body) as response:
@@ -102,12 +103,14 @@ def stream_one(url: str, body: dict, client=None) -> Stream:
                     drafted = (int(timings["draft_n"]), int(timings.get("draft_n_accepted", 0)))
                 if "prompt_n" in timings:
                     computed = int(timings["prompt_n"])
+                if "cache_n" in timings:
+                    cached = int(timings["cache_n"])
                 if not data.get("choices"):  # the usage chunk
                     usage = data.get("usage") or {}
                     total = usage.get("completion_tokens", total)
-                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                    if cached is not None and "prompt_tokens" in usage:  # vLLM's prefix cache
-                        computed = int(usage["prompt_tokens"]) - int(cached)
+                    reused = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    if reused is not None and "prompt_tokens" in usage:  # vLLM's prefix cache
+                        cached, computed = int(reused), int(usage["prompt_tokens"]) - int(reused)
                     continue
                 choice = data["choices"][0]
                 if usage_asked or choice.get("text"):
@@ -121,12 +124,14 @@ def stream_one(url: str, body: dict, client=None) -> Stream:
         if own:
             client.close()
     end = time.perf_counter() - start
-    if not finished or not times:
+    if not finished:
         raise EndpointError(f"{url}: the stream ended before the completion finished")
     counted = total is not None
+    if not times:  # the model ended at once (its first token an end of sequence; a server without ignore_eos)
+        return Stream(end, end, [end], [int(total or 0)], counted, drafted, computed, cached)
     if counted and total != sum(counts):  # a chunk held several tokens (or none): the server's total counts
         counts[-1] = max(0, counts[-1] + total - sum(counts))
-    return Stream(times[0], end, times, counts, counted, drafted, computed)
+    return Stream(times[0], end, times, counts, counted, drafted, computed, cached)
 
 
 @contextmanager

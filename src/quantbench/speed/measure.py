@@ -42,7 +42,13 @@ from quantbench.recipe import Strict, load_named
 DEFAULT_PROFILE = "cpu-smoke"
 LEVEL = re.compile(r"c\d+|r[0-9.]+")  # a load level's sample prefix: c4, r0.5
 LOWER_IS_FASTER = ("_ms_p50", "_ms_p95", "_ms_p99", "peak_mem_mb")
-NO_RATIO = ("/saturated", "/slo_held", "/ttft_ratio", "/computed_share")  # flags and ratios: no speedup
+NO_RATIO = (
+    "/saturated",
+    "/slo_held",
+    "/ttft_ratio",
+    "/computed_share",
+    "/prompt_cached_share",
+)  # flags and ratios: no speedup
 # An SLO: a request latency at a percentile of a level's requests, e.g. ttft_ms_p95 (ITL: of the
 # level's inter-token gaps, and for one request of its own gaps)
 SLO_NAME = re.compile(r"(ttft|itl|e2e)_ms_p(\d{1,2}(?:\.\d+)?)")
@@ -158,6 +164,18 @@ class Profile(Strict):
         if self.requests_per_level:
             return self.requests_per_level
         return 2 * concurrency if concurrency else 8
+
+    @property
+    def prompts_per_repetition(self) -> int:
+        """Prompts of the longest length one repetition sends through a server: its streamed request
+        and every load level's (a sweep's refining levels included), each a prompt of its own, so
+        that no request meets a prompt a server has seen (and could answer from its prefix cache)."""
+        swept = {1, self.sweep.requests} if self.sweep else set()
+        count = 1 + sum(self.level_requests(n) for n in self.concurrency if n not in swept)
+        count += len(self.request_rates) * self.level_requests(None)
+        if self.sweep:
+            count += (2 + self.sweep.rates + self.sweep.refine) * self.sweep.requests
+        return count
 
     @property
     def max_requests(self) -> int:
@@ -336,7 +354,10 @@ def bench_pair(measurers: dict, token_ids: list[int], profile: Profile, sweep: S
     With a sweep, its rates are set after the warm-up from its synchronous and throughput runs."""
     from tqdm import tqdm
 
-    count = profile.max_requests + profile.repetitions + profile.warmup
+    # servers: every repetition its own prompts (`prompts_per_repetition`); in-process, a batch of the
+    # largest level starting at the repetition's index
+    reps = profile.repetitions + profile.warmup
+    count = max(profile.max_requests + reps, profile.prompts_per_repetition * reps)
     lengths = [*profile.prompt_tokens, *profile.context_tokens]
     prompt_sets = {length: prompts(token_ids, length, count, profile.seed) for length in lengths}
     samples: dict[str, dict[str, list[float]]] = {"candidate": {}, "base": {}}

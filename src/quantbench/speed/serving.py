@@ -146,6 +146,9 @@ def load_level(
     }
     if gaps:
         out |= {"itl_ms_p50": statistics.median(gaps), "itl_ms_p95": pct(gaps, 0.95), "itl_ms_p99": pct(gaps, 0.99)}
+    reuse = [(s.prompt_cached, s.prompt_computed) for s in streams]
+    if all(c is not None and n is not None for c, n in reuse) and sum(c + n for c, n in reuse):  # type: ignore[operator]
+        out["prompt_cached_share"] = sum(c for c, _ in reuse) / sum(c + n for c, n in reuse)  # type: ignore[operator,misc]
     drafted = [s.drafted for s in streams if s.drafted]
     if drafted and sum(d for d, _ in drafted):  # speculative decoding: the level's draft tokens accepted
         out["spec_acceptance"] = sum(a for _, a in drafted) / sum(d for d, _ in drafted)
@@ -228,14 +231,23 @@ def openai_measurer(
     engine: ServingEngine | None = None,
     sweep: SweepRates | None = None,
     prefix_texts: list[str] | None = None,
+    prefix_cache: bool | None = None,
 ):
     """Backends openai and serve: one repetition = a streamed request per prompt length, one per
     long-context length (with the server's peak memory during it), then each load level with the
     longest prompts (concurrency levels, request rates, then the profile's sweep: synchronous,
     throughput and `sweep`'s rates, once bench_pair has set them), then the prefix workload.
     `engine`: whose request body to send (default: a plain OpenAI one, as to a user's endpoint).
-    `prefix_texts`: the prefix workload's prompts (`prefix_cache`)."""
-    request_body = (engine or engines.get("openai")).request_body
+    `prefix_texts`: the prefix workload's prompts (`prefix_cache`). `prefix_cache`: every request
+    asks for the server's prefix cache on (True) or off (False), where the engine turns it on and
+    off per request; None leaves the server's default."""
+    plain = (engine or engines.get("openai")).request_body
+    per_request = prefix_cache is not None and engine is not None and engine.prefix_cache is None
+
+    def request_body(model: str, text: str, tokens: int) -> dict:
+        body = plain(model, text, tokens)
+        return engine.with_prefix_cache(body, bool(prefix_cache)) if per_request else body  # type: ignore[union-attr]
+
     spec = profile.sweep if sweep is not None else None
 
     def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
@@ -256,10 +268,19 @@ def openai_measurer(
         return (after[1] - before[1]) / (after[0] - before[0])
 
     def measure_into(prompt_sets: dict[int, list[list[int]]], rep: int, out: dict[str, float]) -> dict[str, float]:
+        longest = max(profile.prompt_tokens)
+        rows = prompt_sets[longest]
+        cursor = rep * profile.prompts_per_repetition  # this repetition's own prompts, one per request
+
+        def take(count: int) -> list[list[int]]:
+            nonlocal cursor
+            cursor += count
+            return [rows[(cursor - count + i) % len(rows)] for i in range(count)]
+
         with PeakRSS(server_pid, tree=True) as mem, http_client() as client:
             for length in profile.prompt_tokens:
-                rows = prompt_sets[length]
-                body = request_body(model, tokenizer.decode(rows[rep % len(rows)]), profile.output_tokens)
+                prompt = take(1)[0] if length == longest else prompt_sets[length][rep % len(prompt_sets[length])]
+                body = request_body(model, tokenizer.decode(prompt), profile.output_tokens)
                 before = draft_counts(client)
                 s = stream_one(url, body, client)
                 if s.drafted is None and (share := acceptance(before, client)) is not None:
@@ -273,8 +294,9 @@ def openai_measurer(
                 if s.drafted and s.drafted[0]:
                     out[f"p{length}/spec_acceptance"] = s.drafted[1] / s.drafted[0]
             for length in profile.context_tokens:  # long context: one request per length
-                rows = prompt_sets[length]
-                body = request_body(model, tokenizer.decode(rows[rep % len(rows)]), profile.output_tokens)
+                body = request_body(
+                    model, tokenizer.decode(prompt_sets[length][rep % len(prompt_sets[length])]), profile.output_tokens
+                )
                 with PeakRSS(server_pid, tree=True) if server_pid is not None else nullcontext() as peak:
                     s = stream_one(url, body, client)
                 out[f"ctx{length}/ttft_ms_p50"] = s.ttft * 1000
@@ -283,7 +305,6 @@ def openai_measurer(
                     out[f"ctx{length}/itl_ms_p50"] = statistics.median(s.gaps) * 1000
                 if peak is not None:
                     out[f"ctx{length}/peak_mem_mb"] = peak.peak / 2**20
-            rows = prompt_sets[max(profile.prompt_tokens)]
             swept = {1, spec.requests} if spec else set()
             levels = [(n, None, profile.level_requests(n)) for n in profile.concurrency if n not in swept]
             levels += [(None, r, profile.level_requests(None)) for r in profile.request_rates]
@@ -292,10 +313,7 @@ def openai_measurer(
                 levels += [(None, r, spec.requests) for r in sweep.rates]
 
             def level_at(n: int | None, rate: float | None, count: int) -> dict[str, float]:
-                bodies = [
-                    request_body(model, tokenizer.decode(rows[(rep + i) % len(rows)]), profile.output_tokens)
-                    for i in range(count)
-                ]
+                bodies = [request_body(model, tokenizer.decode(p), profile.output_tokens) for p in take(count)]
                 before = draft_counts(client)
                 level = load_level(
                     url,
@@ -327,7 +345,7 @@ def openai_measurer(
                 out["slo_rate_rps"] = hold
             if prefix_texts:
                 assert engine is not None  # prepare() refuses a prefix workload without an engine that offers it
-                out.update(prefix_cache(url, [request_body(model, t, 2) for t in prefix_texts], engine, client))
+                out.update(prefix_cache_ttft(url, [plain(model, t, 2) for t in prefix_texts], engine, client))
             if spec and sweep is not None:
                 out["max_rate_rps"] = out[f"c{spec.requests}/requests_s"]
         if server_pid is not None:
@@ -337,7 +355,7 @@ def openai_measurer(
     return run
 
 
-def prefix_cache(url: str, bodies: list[dict], engine: ServingEngine, client) -> dict[str, float]:
+def prefix_cache_ttft(url: str, bodies: list[dict], engine: ServingEngine, client) -> dict[str, float]:
     """Prompts sharing a prefix, one at a time, with the server's prefix cache off, then on (the
     first request of each series left out: with the cache on it fills the cache). TTFT medians,
     their ratio, and where the server counts them the share of prompt tokens it still computed
