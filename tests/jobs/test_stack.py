@@ -137,6 +137,50 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
     assert refused.value.problems == ["stacks/kvv.yaml: steps.1 (vllm): kv_cache fp8: vLLM takes fp8, fp8_e4m3, fp8_e5m2" + why]
 
 
+def test_rate_and_prefix_cache_steps_need_a_server_and_a_shared_prefix(workdir, tiny_model_dir, capsys):
+    from quantbench.jobs import stack
+
+    write_stack(workdir, "load", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
+                "  - {name: start, engine: hf}\n"
+                "  - {name: arrivals, rate: 2}\n"                 # open loop in-process: no server
+                "  - {name: cached, prefix_cache: true}\n"        # no prefix cache in-process, nor a shared prefix
+                "  - {name: server, engine: llamacpp}\n")  # fmt: skip
+    with pytest.raises(stack.UserError) as refused:
+        stack.load("load")
+    assert refused.value.problems == [
+        "stacks/load.yaml: steps.1 (arrivals): rate 2: requests arriving at a rate need a server; in-process "
+        "transformers generate runs in-process (one batched generate)",
+        "stacks/load.yaml: steps.2 (cached): prefix_cache: in-process transformers generate does not turn its prefix "
+        "cache on and off per request; a prefix_cache step needs engine vllm or llamacpp",
+        "stacks/load.yaml: steps.2 (cached): prefix_cache: the workload's prompts share no prefix, so there is nothing "
+        "to reuse; set workload.prefix_tokens (e.g. 96 of 128: a system prompt)",
+    ]  # each said once, where it meets the engine (not again for the steps after)
+    write_stack(workdir, "long", f"base: {tiny_model_dir}\nworkload:\n  prompt_tokens: 16\n  prefix_tokens: 16\n"
+                "steps:\n  - {name: start, engine: hf}\n  - {name: more, concurrency: 2}\n")  # fmt: skip
+    assert main(["stack", "long"]) == 2
+    assert "stacks/long.yaml: workload: Value error, prefix_tokens 16: the shared prefix is part of each prompt and " \
+           "must be shorter than prompt_tokens (16)" in capsys.readouterr().err  # fmt: skip
+    # a rate keeps the slots of the concurrency before it; a later concurrency goes back to closed loop
+    prefix = WORKLOAD.replace("prompt_tokens: 16", "prompt_tokens: 16\n  prefix_tokens: 12")
+    write_stack(workdir, "ok", f"base: {tiny_model_dir}\n{prefix}steps:\n"
+                "  - {name: start, engine: hf}\n"
+                "  - {name: server, engine: llamacpp, concurrency: 4}\n"
+                "  - {name: cached, prefix_cache: true}\n"
+                "  - {name: arrivals, rate: 2.5}\n"
+                "  - {name: closed, concurrency: 8}\n")  # fmt: skip
+    loaded, configs = stack.load("ok")
+    assert [(c.concurrency, c.rate, c.prefix_cache, c.level) for c in configs] == [
+        (1, None, False, "c1"), (4, None, False, "c4"), (4, None, True, "c4"), (4, 2.5, True, "r2.5"),
+        (8, None, True, "c8")]  # fmt: skip
+    assert stack.adds(loaded.steps[3], 3) == "rate 2.5/s" and stack.adds(loaded.steps[2], 2) == "prefix cache on"
+    # every prompt starts with the same 12 tokens and goes on with 4 of its own
+    ids = list(range(1000))
+    rows = stack.shared_prefix_prompts(ids, loaded.workload, 6)
+    assert all(len(r) == 16 and r[:12] == rows[0][:12] for r in rows)
+    assert len({tuple(r[12:]) for r in rows}) == 6
+    assert len({tuple(r[:12]) for r in stack.shared_prefix_prompts(ids, stack.Workload(prompt_tokens=16), 6)}) == 6
+
+
 def test_every_shipped_stack_loads(monkeypatch):
     from quantbench.jobs import stack
 
@@ -372,3 +416,42 @@ def test_a_stack_through_llama_server_stops_every_server(workdir, tmp_path_facto
     assert len(servers) == 6
     drafted = MlflowClient().download_artifacts(parent.info.run_id, "servers/1-llamacpp.log", str(workdir))
     assert "--model-draft" in Path(drafted).read_text()
+
+
+@pytest.mark.slow  # the real llama.cpp (built on first use) and llama-server processes
+@pytest.mark.llamacpp
+def test_a_prefix_cache_step_reuses_the_shared_prefix_and_a_rate_step_arrives_open_loop(workdir, tmp_path_factory,
+                                                                                          capsys):  # fmt: skip
+    from tests import gguf_files as gg
+
+    tiny_gguf = gg.write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", gg.gpt2_bpe_vocab(400, add_bos=False))
+    workload = ("workload:\n  prompt_tokens: 64\n  prefix_tokens: 48\n  output_tokens: 4\n  requests: 4\n"
+                "  repetitions: 3\n  warmup: 1\n")  # fmt: skip
+    write_stack(workdir, "cache", f"base: {tiny_gguf}\n{workload}steps:\n"
+                "  - {name: naive, engine: hf, dtype: float32}\n"
+                "  - {name: server, engine: llamacpp, dtype: auto, concurrency: 2}\n"
+                "  - {name: cached, prefix_cache: true}\n"
+                "  - {name: arrivals, rate: 4}\n")  # fmt: skip
+    assert main(["stack", "cache", "--json"]) == 0, capsys.readouterr().err[-3000:]
+    out = capsys.readouterr().out
+    steps = {s["step"]: s for s in last_json(out)["steps"]}
+    assert all(s["status"] == "measured" and s["throughput_tok_s"] > 0 for s in steps.values())
+    # llama-server's own counts: with the cache off every prompt token is computed; with it on, a slot
+    # holding an earlier prompt computes only what follows the shared 48 of 64 tokens
+    assert steps["server"]["level_prompt_cached_share"] == 0
+    assert 0.5 < steps["cached"]["level_prompt_cached_share"] <= 48 / 64 + 0.05
+    assert steps["cached"]["prefix_cache"] and steps["arrivals"]["prefix_cache"]
+    assert "· prefix cache (reused" in out
+    # open loop: 4 requests/s on the 2 slots the concurrency step gave the server (its level r4)
+    arrivals = steps["arrivals"]
+    assert arrivals["rate"] == 4 and arrivals["concurrency"] == 2 and arrivals["adds"] == "rate 4/s"
+    assert "4/s (≤ 2 at once)" in out
+    # the arrivals are paced: each round's 4 requests cannot finish before the last one is sent, so
+    # the level's requests/s stays under 4 / the span of the round's (seeded) Poisson draws, far below
+    # the closed loop's on the same server
+    import random
+
+    spans = [sum(random.Random(f"{rnd}-rate-4.0").expovariate(4) for _ in range(3)) for rnd in (1, 2, 3)]
+    assert arrivals["level_requests_s"] <= 4 / min(spans) * 1.01
+    assert arrivals["level_requests_s"] < steps["server"]["level_requests_s"]
+    assert [p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"] == []

@@ -3,8 +3,9 @@ stacked and measured in one run.
 
 A stack file (stacks/NAME.yaml) names a base model, a workload (prompt and output lengths, requests,
 repetitions) and an ordered list of steps. The first step is the naive start; every later step
-changes one or more of `engine`, `dtype`, `model` and `concurrency` and keeps everything else from
-the steps before it, so each step adds its techniques on top of all the earlier ones:
+changes one or more of `engine`, `dtype`, `model`, `concurrency` (or an open-loop `rate`), `draft`,
+`kv_cache` and `prefix_cache` and keeps everything else from the steps before it, so each step adds
+its techniques on top of all the earlier ones:
 
     steps:
       - {name: naive, engine: hf, dtype: float32}      # in-process transformers generate
@@ -13,7 +14,9 @@ the steps before it, so each step adds its techniques on top of all the earlier 
       - {name: batching, concurrency: 8}              # 8 requests in flight (continuous batching)
 
 Measuring: every step is measured in every round (A B C D, A B C D, ...), one after the other on
-the same prompts, so machine drift hits all alike and step i's repetition r pairs with step i-1's
+prompts of the same lengths (each step and round its own, drawn alike from the held-out text: a
+server never meets a prompt twice, so a prefix cache reuses only a shared prefix), so machine drift
+hits all alike and step i's repetition r pairs with step i-1's
 (its multiplier's interval) and with step 0's (the cumulative one's). A step's speed is its output
 throughput (tokens/s over the requests in flight at its concurrency); per-request decode rate, TTFT
 and end-to-end latency are logged beside it. The cumulative multiplier is measured directly (the
@@ -46,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from quantbench import engines
 from quantbench.core.errors import UserError
@@ -57,7 +60,8 @@ from quantbench.tracking import TAG, Tracker
 log = logging.getLogger(__name__)
 
 ENGINE_NAMES = ("hf", "transformers", "vllm", "llamacpp")  # the engines a step can name
-KNOBS = ("engine", "dtype", "model", "concurrency", "draft", "kv_cache")  # what a step can change
+# what a step can change
+KNOBS = ("engine", "dtype", "model", "concurrency", "rate", "draft", "kv_cache", "prefix_cache")
 PLOT = "stack_waterfall.png"
 AGAINST_BASE_LOG = "against-base.log"
 BASE = "<base>"  # a draft that is the base model (a step serving the base named as the draft)
@@ -71,19 +75,33 @@ QUALITY_KEYS = (
 
 
 class Workload(Strict):
-    """What every step is measured on: the same prompts and output lengths."""
+    """What every step is measured on: prompts of the same lengths (the same shared prefix) and output lengths."""
 
     prompt_tokens: PositiveInt = 128
+    # the first this many of every prompt's tokens are the same for every request (a system prompt,
+    # a shared document); a prefix_cache step lets the server reuse them, every other step
+    # computes them anew
+    prefix_tokens: NonNegativeInt = 0
     output_tokens: PositiveInt = 32
-    # requests per measurement at concurrency N (default 2 x N): closed loop, N in flight
+    # requests per measurement: at concurrency N default 2 x N (closed loop, N in flight); at a
+    # request rate default 8, or 2 x the slots when more
     requests: PositiveInt | None = None
     repetitions: int = Field(3, ge=3, description="rounds measured (3 or more: each multiplier gets an interval)")
     warmup: int = Field(1, ge=0, description="rounds run first and dropped")
     seed: int = 0
     compile: bool = True  # vLLM compiles its graphs at start-up (what a deployment runs)
 
-    def level_requests(self, concurrency: int) -> int:
-        return self.requests or 2 * concurrency
+    @model_validator(mode="after")
+    def _prefix_inside_the_prompt(self) -> Workload:
+        if self.prefix_tokens >= self.prompt_tokens:
+            raise ValueError(
+                f"prefix_tokens {self.prefix_tokens}: the shared prefix is part of each prompt and must be "
+                f"shorter than prompt_tokens ({self.prompt_tokens}), leaving each request tokens of its own"
+            )
+        return self
+
+    def level_requests(self, concurrency: int, rate: float | None = None) -> int:
+        return self.requests or (max(8, 2 * concurrency) if rate is not None else 2 * concurrency)
 
 
 class Step(Strict):
@@ -95,11 +113,17 @@ class Step(Strict):
     # model.source), e.g. a distilled student quantized; default the stack's base
     source: str | None = None
     concurrency: PositiveInt | None = None
+    # open loop: requests arrive at this many per second (Poisson), the server batching at most the
+    # concurrency in place (its slots); a later concurrency step goes back to closed loop
+    rate: PositiveFloat | None = None
     # speculative decoding through the engine: the draft model, an earlier step's name (its model)
     # or run:ID / recipe:NAME / a checkpoint directory
     draft: str | None = None
     # the server's KV cache in this type (the engine's own names: llama.cpp q8_0, q4_0, ...)
     kv_cache: str | None = None
+    # the server reuses the KV cache of the workload's shared prefix (llama.cpp's cache_prompt,
+    # vLLM's prefix caching); steps without it send every request with the cache off
+    prefix_cache: bool | None = None
 
     @field_validator("engine")
     @classmethod
@@ -127,6 +151,15 @@ class Config:
     source: str | None = None  # model is recipe:NAME applied to this step's model (None: the base)
     draft: str | None = None  # the draft model's key (speculative decoding), as model_key names models
     kv_cache: str | None = None  # the server's KV-cache type (None: the engine's 16-bit cache)
+    rate: float | None = None  # open-loop arrivals per second (None: closed loop, `concurrency` in flight)
+    prefix_cache: bool = False  # requests reuse the cached shared prefix
+
+    @property
+    def level(self) -> str:
+        """The load level the step is measured at: c8 (8 in flight) or r4 (4 requests/s)."""
+        from quantbench.speed.serving import level_name
+
+        return level_name(self.concurrency, self.rate)
 
     @property
     def model_key(self) -> str | None:
@@ -179,7 +212,14 @@ def configs(stack: StackFile, where: str) -> list[Config]:
                 f"{where}: steps.0 ({first.name}): {knob}: the first step is the naive start; it names no earlier "
                 "step's model (make it a step of its own)"
             )
-    current = Config(first.engine or "hf", first.dtype or "auto", first.model, first.concurrency or 1)
+    current = Config(
+        first.engine or "hf",
+        first.dtype or "auto",
+        first.model,
+        first.concurrency or 1,
+        rate=first.rate,
+        prefix_cache=bool(first.prefix_cache),
+    )
     out = [current]
     seen = {first.name: 0}
     for i, step in enumerate(stack.steps[1:], start=1):
@@ -219,15 +259,9 @@ def configs(stack: StackFile, where: str) -> list[Config]:
                 f"{where}: steps.{i} ({step.name}): {', '.join(f'{k}: {changes[k]}' for k in same)} is what the "
                 "steps before it already use; a step must add something"
             )
-        current = Config(
-            changes.get("engine", current.engine),
-            changes.get("dtype", current.dtype),
-            changes.get("model", current.model),
-            changes.get("concurrency", current.concurrency),
-            source if "model" in changes else current.source,
-            changes.get("draft", current.draft),
-            changes.get("kv_cache", current.kv_cache),
-        )
+        if "model" in changes:
+            changes["source"] = source
+        current = _apply(current, changes)
         out.append(current)
 
     def no_draft_here(config: Config) -> str | None:
@@ -235,6 +269,12 @@ def configs(stack: StackFile, where: str) -> list[Config]:
 
     def no_kv_cache_here(config: Config) -> bool:
         return config.kv_cache is not None and not kv_cache_scored(config)
+
+    def no_rate_here(config: Config) -> bool:
+        return config.rate is not None and engines.get(config.engine).kind == "in-process"
+
+    def no_prefix_cache_here(config: Config) -> str | None:
+        return engines.get(config.engine).prefix_cache if config.prefix_cache else None
 
     for i, config in enumerate(out):
         # said once, where the draft meets an engine that takes none (not again for each later step)
@@ -253,6 +293,22 @@ def configs(stack: StackFile, where: str) -> list[Config]:
                 + "; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...: its quality is scored with "
                 "llama.cpp's tools)"
             )
+        if no_rate_here(config) and not (i and no_rate_here(out[i - 1])):
+            problems.append(
+                f"{where}: steps.{i} ({stack.steps[i].name}): rate {config.rate:g}: requests arriving at a rate "
+                f"need a server; {engines.get(config.engine).label} runs in-process (one batched generate)"
+            )
+        if (why := no_prefix_cache_here(config)) and not (i and no_prefix_cache_here(out[i - 1])):
+            problems.append(
+                f"{where}: steps.{i} ({stack.steps[i].name}): prefix_cache: {engines.get(config.engine).label} "
+                f"{why}; a prefix_cache step needs engine "
+                + " or ".join(n for n in ENGINE_NAMES if engines.get(n).prefix_cache is None)
+            )
+        if stack.steps[i].prefix_cache and not stack.workload.prefix_tokens:
+            problems.append(
+                f"{where}: steps.{i} ({stack.steps[i].name}): prefix_cache: the workload's prompts share no "
+                "prefix, so there is nothing to reuse; set workload.prefix_tokens (e.g. 96 of 128: a system prompt)"
+            )
         if config.engine == "llamacpp" and config.dtype not in ("auto", "float16"):
             problems.append(
                 f"{where}: steps.{i} ({stack.steps[i].name}): dtype {config.dtype}: llama.cpp serves a model's own "
@@ -263,11 +319,20 @@ def configs(stack: StackFile, where: str) -> list[Config]:
     return out
 
 
+def _apply(config: Config, changes: dict) -> Config:
+    """A step's changes on top of the configuration before it: a concurrency without a rate goes
+    back to closed loop (N in flight)."""
+    if "concurrency" in changes and "rate" not in changes:
+        changes = {**changes, "rate": None}
+    return dataclasses.replace(config, **changes)
+
+
 def adds(step: Step, index: int) -> str:
     """What a step adds, in words, for the ledger."""
     if index == 0:
         return "the start"
-    said = [f"{k} {getattr(step, k)}" for k in KNOBS if getattr(step, k) is not None]
+    words = {"prefix_cache": lambda on: f"prefix cache {'on' if on else 'off'}", "rate": lambda r: f"rate {r:g}/s"}
+    said = [words.get(k, lambda v, k=k: f"{k} {v}")(getattr(step, k)) for k in KNOBS if getattr(step, k) is not None]
     if step.source:
         said = [f"{s} of {step.source}" if s.startswith("model ") else s for s in said]
     return ", ".join(said)
@@ -526,22 +591,35 @@ class StepResult:
 
     @property
     def throughputs(self) -> list[float]:
-        return self.samples.get(f"c{self.config.concurrency}/throughput_tok_s", [])
+        return self.samples.get(f"{self.config.level}/throughput_tok_s", [])
 
 
-def _profile(workload: Workload, concurrency: int):
+def _profile(workload: Workload, config: Config):
     from quantbench.speed.measure import Profile
 
     return Profile(
         prompt_tokens=[workload.prompt_tokens],
         output_tokens=workload.output_tokens,
-        concurrency=[concurrency],
-        requests_per_level=workload.level_requests(concurrency),
+        concurrency=[config.concurrency] if config.rate is None else [],
+        request_rates=[config.rate] if config.rate is not None else [],
+        requests_per_level=workload.level_requests(config.concurrency, config.rate),
         repetitions=1,
         warmup=0,
         seed=workload.seed,
         compile=workload.compile,
     )
+
+
+def shared_prefix_prompts(token_ids: list[int], workload: Workload, count: int) -> list[list[int]]:
+    """`count` prompts of the workload's length from the evaluation text; with `prefix_tokens`, each
+    starts with the same tokens (from a place of their own) and goes on with its own."""
+    from quantbench.speed.measure import prompts
+
+    if not workload.prefix_tokens:
+        return prompts(token_ids, workload.prompt_tokens, count, workload.seed)
+    [shared] = prompts(token_ids, workload.prefix_tokens, 1, workload.seed + 1)
+    own = prompts(token_ids, workload.prompt_tokens - workload.prefix_tokens, count, workload.seed)
+    return [shared + tail for tail in own]
 
 
 def _hf_load(path: Path, dtype: str, is_base: bool):
@@ -569,22 +647,25 @@ def measure(
     from quantbench.engines import ServerSettings
     from quantbench.engines.server import model_server
     from quantbench.sources import data
-    from quantbench.speed.measure import hf_measurer, prompts
+    from quantbench.speed.measure import hf_measurer
     from quantbench.speed.serving import openai_measurer
 
     workload = stack.workload
     tokenizer = AutoTokenizer.from_pretrained(models_[None].path)
     ids = tokenizer(data.python_docs("evaluation"))["input_ids"]
     rounds = workload.warmup + workload.repetitions
-    most = max(workload.level_requests(c.concurrency) for c in steps)
-    prompt_sets = {workload.prompt_tokens: prompts(ids, workload.prompt_tokens, most + rounds, workload.seed)}
+    # every step and round its own prompts, drawn alike: a server serving several steps never meets a
+    # prompt it has seen, so its prefix cache reuses only the workload's shared prefix
+    most = max(_profile(workload, c).prompts_per_repetition for c in steps) * rounds
+    drawn = shared_prefix_prompts(ids, workload, most * len(steps))
+    prompt_sets = [{workload.prompt_tokens: drawn[i * most : (i + 1) * most]} for i in range(len(steps))]
     results = [StepResult(s.name, adds(s, i), c) for i, (s, c) in enumerate(zip(stack.steps, steps))]
     with ExitStack() as servers:
         measurers = {}
         started: dict[tuple, tuple] = {}
         for i, config in enumerate(steps):
             resolved = models_[config.model_key]
-            profile = _profile(workload, config.concurrency)
+            profile = _profile(workload, config)
             if config.engine == "hf":
                 measurers[i] = hf_measurer(_hf_load(resolved.path, config.dtype, config.model is None), profile)
                 continue
@@ -605,7 +686,9 @@ def measure(
                 log.info("stack: starting %s for %s", engine.label, resolved.label or resolved.path)
                 started[key] = (servers.enter_context(model_server(resolved.path, log_path, engine, settings)), engine)
             (url, model_name, pid), engine = started[key]
-            measurers[i] = openai_measurer(url, model_name, tokenizer, profile, server_pid=pid, engine=engine)
+            measurers[i] = openai_measurer(
+                url, model_name, tokenizer, profile, server_pid=pid, engine=engine, prefix_cache=config.prefix_cache
+            )
         with tqdm(total=rounds * len(steps), desc="stack", unit="step") as bar:
             for rnd in range(rounds):
                 for i, result in enumerate(results):
@@ -613,7 +696,7 @@ def measure(
                     if result.error:
                         continue
                     try:
-                        values = measurers[i](prompt_sets, rnd)
+                        values = measurers[i](prompt_sets[i], rnd)
                     except Exception as exc:  # that step fails; the others are kept
                         result.error = f"{type(exc).__name__}: {exc}"
                         log.error("stack: step %s failed in round %d: %s", result.name, rnd, result.error)
@@ -646,8 +729,10 @@ def ledger(results: list[StepResult], qualities: list[dict | None], workload: Wo
             "dtype": result.config.dtype,
             "model": (result.config.model or "base") + (f" of {result.config.source}" if result.config.source else ""),
             "concurrency": result.config.concurrency,
+            "rate": result.config.rate,
             "draft": _draft_name(result.config.draft, results),
             "kv_cache": result.config.kv_cache,
+            "prefix_cache": result.config.prefix_cache,
             "status": "failed" if result.error else "measured",
             "error": result.error,
             "quality": quality,
@@ -658,12 +743,14 @@ def ledger(results: list[StepResult], qualities: list[dict | None], workload: Wo
             row["throughputs"] = thr  # per round
             # the streamed single request of each round (p<prompt tokens>/...) and the load level,
             # summarised as bench summarises them (medians; peak memory: the maximum)
-            speed = summarize(result.samples, _profile(workload, result.config.concurrency))
+            speed = summarize(result.samples, _profile(workload, result.config))
             row |= {k: speed[k] for k in ("decode_tok_s", "ttft_ms_p50", "e2e_ms_p50", "peak_mem_mb") if k in speed}
-            level = f"c{result.config.concurrency}"
+            level = result.config.level
+            if any(result.samples.get(f"{level}/saturated", [])):  # arrivals beyond what the server keeps up with
+                row["saturated"] = True
             if result.samples.get(f"{level}/spec_acceptance"):  # a draft: its tokens accepted at the load level
                 row["spec_acceptance"] = statistics.median(result.samples[f"{level}/spec_acceptance"])
-            for name in ("ttft_ms_p50", "ttft_ms_p95", "e2e_ms_p50", "e2e_ms_p95", "requests_s"):
+            for name in ("ttft_ms_p50", "ttft_ms_p95", "e2e_ms_p50", "e2e_ms_p95", "requests_s", "prompt_cached_share"):
                 if f"{level}/{name}" in speed:
                     row[f"level_{name}"] = speed[f"{level}/{name}"]
             if previous is not None:
@@ -735,14 +822,23 @@ def table(report: dict) -> str:
         row = [
             r["step"],
             r["adds"],
-            f"{r['engine']} · {r['model']} · c{r['concurrency']}"
+            f"{r['engine']} · {r['model']} · "
+            + (f"{r['rate']:g}/s (≤ {r['concurrency']} at once)" if r.get("rate") else f"c{r['concurrency']}")
+            + (
+                " · prefix cache"
+                + (f" (reused {r['level_prompt_cached_share']:.0%})" if "level_prompt_cached_share" in r else "")
+                if r.get("prefix_cache")
+                else ""
+            )
             + (
                 f" · draft {r['draft']}" + (f" (accepted {r['spec_acceptance']:.0%})" if "spec_acceptance" in r else "")
                 if r.get("draft")
                 else ""
             )
             + (f" · KV {r['kv_cache']}" if r.get("kv_cache") else ""),
-            f"{r['throughput_tok_s']:.1f}" if "throughput_tok_s" in r else "FAILED",
+            f"{r['throughput_tok_s']:.1f}" + (" (saturated)" if r.get("saturated") else "")
+            if "throughput_tok_s" in r
+            else "FAILED",
             f"{r['multiplier']:.2f}×{interval(r.get('multiplier_ci'))}" if "multiplier" in r else "—",
             f"{r['cumulative']:.2f}×{interval(r.get('cumulative_ci'))}" if "cumulative" in r else "—",
             quality,
@@ -828,7 +924,7 @@ def compose(stack: StackFile, steps: list[Config], keep: tuple[int, ...]) -> Con
         changes = {k: getattr(steps[i], k) for k in KNOBS if getattr(stack.steps[i], k) is not None}
         if "model" in changes:
             changes["source"] = steps[i].source
-        config = dataclasses.replace(config, **changes)
+        config = _apply(config, changes)
     return config
 
 
@@ -857,6 +953,11 @@ def best_subset(
             if config.draft is not None and engines.get(config.engine).drafts:
                 continue
             if config.kv_cache is not None and not kv_cache_scored(config):
+                continue
+            engine = engines.get(config.engine)
+            if (config.rate is not None and engine.kind == "in-process") or (
+                config.prefix_cache and engine.prefix_cache is not None
+            ):
                 continue
             key = (config.engine, config.model_key)
             if key not in serves:
