@@ -270,6 +270,9 @@ def configs(stack: StackFile, where: str) -> list[Config]:
     def no_kv_cache_here(config: Config) -> bool:
         return config.kv_cache is not None and not kv_cache_scored(config)
 
+    def no_dtype_here(config: Config) -> bool:
+        return config.engine == "llamacpp" and config.dtype not in ("auto", "float16")
+
     def no_rate_here(config: Config) -> bool:
         return config.rate is not None and engines.get(config.engine).kind == "in-process"
 
@@ -309,7 +312,7 @@ def configs(stack: StackFile, where: str) -> list[Config]:
                 f"{where}: steps.{i} ({stack.steps[i].name}): prefix_cache: the workload's prompts share no "
                 "prefix, so there is nothing to reuse; set workload.prefix_tokens (e.g. 96 of 128: a system prompt)"
             )
-        if config.engine == "llamacpp" and config.dtype not in ("auto", "float16"):
+        if no_dtype_here(config) and not (i and no_dtype_here(out[i - 1])):
             problems.append(
                 f"{where}: steps.{i} ({stack.steps[i].name}): dtype {config.dtype}: llama.cpp serves a model's own "
                 "GGUF file, the base model as an F16 file; dtype applies to hf, transformers and vllm"
