@@ -251,6 +251,8 @@ def test_a_latency_cost_table_through_vllm_is_measured_once_served_schemes_only(
     log = (tmp_path / "servers.log").read_text()
     started = [line for line in log.splitlines() if line.startswith("$ ")]
     assert len(started) == len(table.ms) and all("vllm.entrypoints.openai.api_server" in c for c in started)
+    # a scheme vLLM would refuse is told from its config: never quantized (one checkpoint made: W4A16's)
+    assert log.count("lifecycle finalized") == len(set(table.ms) - {"BF16"})
     # reused from the cache: no server started, the same numbers
     again = cost.get_vllm(base, asked, shapes, set(), tmp_path / "servers.log", compiled=False)
     assert again.ms == table.ms and again.unserved == table.unserved

@@ -53,6 +53,15 @@ class Scheme:
             stored = params * 8
         return (stored + scales * dtype_bits + zero_points + extra) / params
 
+    def checkpoint_config(self, base_config: dict) -> dict:
+        """The config.json of `base_config`'s model with every layer in this scheme, as
+        compressed-tensors writes it (enough for an engine to say whether it would serve it)."""
+        if self.weights is None:
+            return base_config
+        group = {"targets": ["Linear"], "weights": self.weights, "input_activations": self.activations}
+        quantization = {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}}
+        return {**base_config, "quantization_config": quantization}
+
     def quantization_scheme(self, targets: list[str]):
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 

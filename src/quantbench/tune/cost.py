@@ -267,9 +267,12 @@ def get_vllm(
             fitting = [n for n, (i_, _, _) in kept.items() if scheme.fits(i_)]
             fits[kind] = sum(kept[n][0] * kept[n][1] for n in fitting)
             log.info("latency cost table: %d/%d %s: its checkpoint, then a vLLM server", i + 1, len(kinds), kind)
-            left = [n for n in shapes if n not in fitting]
-            checkpoint = _uniform_checkpoint(base, scheme, left, Path(tmp) / kind, log_path)
-            why = engine.unserved(checkpoint)
+            # asked of the scheme's config first (minutes of quantizing saved), then of the checkpoint
+            why = engine.unserved(scheme.checkpoint_config(engines.model_config(base.path)))
+            if why is None:
+                left = [n for n in shapes if n not in fitting]
+                checkpoint = _uniform_checkpoint(base, scheme, left, Path(tmp) / kind, log_path)
+                why = engine.unserved(checkpoint)
             if why is not None:
                 unserved[kind] = why
                 log.warning("latency cost table: %s is not served by vLLM here, left out of the tune: %s", kind, why)
