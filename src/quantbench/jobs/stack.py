@@ -264,62 +264,59 @@ def configs(stack: StackFile, where: str) -> list[Config]:
         current = _apply(current, changes)
         out.append(current)
 
-    def no_draft_here(config: Config) -> str | None:
-        return engines.get(config.engine).drafts if config.draft is not None else None
-
-    def no_kv_cache_here(config: Config) -> bool:
-        return config.kv_cache is not None and not kv_cache_scored(config)
-
-    def no_dtype_here(config: Config) -> bool:
-        return config.engine == "llamacpp" and config.dtype not in ("auto", "float16")
-
-    def no_rate_here(config: Config) -> bool:
-        return config.rate is not None and engines.get(config.engine).kind == "in-process"
-
-    def no_prefix_cache_here(config: Config) -> str | None:
-        return engines.get(config.engine).prefix_cache if config.prefix_cache else None
-
     for i, config in enumerate(out):
-        # said once, where the draft meets an engine that takes none (not again for each later step)
-        if (why := no_draft_here(config)) and not (i and no_draft_here(out[i - 1])):
+        engine = engines.get(config.engine)
+        # each said once, where the knob meets an engine that cannot apply it (not again for each later step)
+        refused = {k for k, no in refusals(config).items() if no and not (i and refusals(out[i - 1])[k])}
+        where_i = f"{where}: steps.{i} ({stack.steps[i].name})"
+        if "draft" in refused:
             problems.append(
-                f"{where}: steps.{i} ({stack.steps[i].name}): draft: speculative decoding through "
-                f"{engines.get(config.engine).label}: {why}; a draft step needs engine "
-                + " or ".join(n for n in ENGINE_NAMES if engines.get(n).drafts is None)
+                f"{where_i}: draft: speculative decoding through {engine.label}: {engine.drafts}; a draft step "
+                "needs engine " + " or ".join(n for n in ENGINE_NAMES if engines.get(n).drafts is None)
             )
-        if no_kv_cache_here(config) and not (i and no_kv_cache_here(out[i - 1])):
-            offered = engines.get(config.engine).kv_cache_types
+        if "kv_cache" in refused:
+            offered = engine.kv_cache_types
             problems.append(
-                f"{where}: steps.{i} ({stack.steps[i].name}): kv_cache {config.kv_cache}: "
-                f"{engines.get(config.engine).label} "
+                f"{where_i}: kv_cache {config.kv_cache}: {engine.label} "
                 + (f"takes {', '.join(offered)}" if offered else "takes no KV-cache type through quantbench")
                 + "; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...: its quality is scored with "
                 "llama.cpp's tools)"
             )
-        if no_rate_here(config) and not (i and no_rate_here(out[i - 1])):
+        if "rate" in refused:
             problems.append(
-                f"{where}: steps.{i} ({stack.steps[i].name}): rate {config.rate:g}: requests arriving at a rate "
-                f"need a server; {engines.get(config.engine).label} runs in-process (one batched generate)"
+                f"{where_i}: rate {config.rate:g}: requests arriving at a rate need a server; {engine.label} "
+                "runs in-process (one batched generate)"
             )
-        if (why := no_prefix_cache_here(config)) and not (i and no_prefix_cache_here(out[i - 1])):
+        if "prefix_cache" in refused:
             problems.append(
-                f"{where}: steps.{i} ({stack.steps[i].name}): prefix_cache: {engines.get(config.engine).label} "
-                f"{why}; a prefix_cache step needs engine "
+                f"{where_i}: prefix_cache: {engine.label} {engine.prefix_cache}; a prefix_cache step needs engine "
                 + " or ".join(n for n in ENGINE_NAMES if engines.get(n).prefix_cache is None)
             )
         if stack.steps[i].prefix_cache and not stack.workload.prefix_tokens:
             problems.append(
-                f"{where}: steps.{i} ({stack.steps[i].name}): prefix_cache: the workload's prompts share no "
-                "prefix, so there is nothing to reuse; set workload.prefix_tokens (e.g. 96 of 128: a system prompt)"
+                f"{where_i}: prefix_cache: the workload's prompts share no prefix, so there is nothing to reuse; "
+                "set workload.prefix_tokens (e.g. 96 of 128: a system prompt)"
             )
-        if no_dtype_here(config) and not (i and no_dtype_here(out[i - 1])):
+        if "dtype" in refused:
             problems.append(
-                f"{where}: steps.{i} ({stack.steps[i].name}): dtype {config.dtype}: llama.cpp serves a model's own "
-                "GGUF file, the base model as an F16 file; dtype applies to hf, transformers and vllm"
+                f"{where_i}: dtype {config.dtype}: llama.cpp serves a model's own GGUF file, the base model as an "
+                "F16 file; dtype applies to hf, transformers and vllm"
             )
     if problems:
         raise UserError(problems)
     return out
+
+
+def refusals(config: Config) -> dict[str, bool]:
+    """Per knob, whether the configuration's engine cannot apply it (here, through quantbench)."""
+    engine = engines.get(config.engine)
+    return {
+        "draft": config.draft is not None and engine.drafts is not None,
+        "kv_cache": config.kv_cache is not None and not kv_cache_scored(config),
+        "rate": config.rate is not None and engine.kind == "in-process",
+        "prefix_cache": config.prefix_cache and engine.prefix_cache is not None,
+        "dtype": config.engine == "llamacpp" and config.dtype not in ("auto", "float16"),
+    }
 
 
 def _apply(config: Config, changes: dict) -> Config:
@@ -951,16 +948,7 @@ def best_subset(
             if any("multiplier" not in rows[i] for i in keep):
                 continue  # a failed step: nothing to predict from
             config = compose(stack, steps, keep)
-            if config.engine == "llamacpp" and config.dtype not in ("auto", "float16"):
-                continue
-            if config.draft is not None and engines.get(config.engine).drafts:
-                continue
-            if config.kv_cache is not None and not kv_cache_scored(config):
-                continue
-            engine = engines.get(config.engine)
-            if (config.rate is not None and engine.kind == "in-process") or (
-                config.prefix_cache and engine.prefix_cache is not None
-            ):
+            if any(refusals(config).values()):
                 continue
             key = (config.engine, config.model_key)
             if key not in serves:
