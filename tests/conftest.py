@@ -56,7 +56,7 @@ def build_tiny(path: Path, tokenizer, **overrides) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**{**TINY, **overrides}, tie_word_embeddings=True, max_position_embeddings=512,
+    config = LlamaConfig(**{"tie_word_embeddings": True, **TINY, **overrides}, max_position_embeddings=512,
                          bos_token_id=1, eos_token_id=2, pad_token_id=2)
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -202,17 +202,22 @@ def test_evaluate_engine_vllm_scores_the_tasks_on_the_served_checkpoint(workdir,
     assert "--dtype float32" in artifact(run.info.run_id, "servers/engine.log", workdir).read_text().splitlines()[0]
 
 
-def test_a_stack_step_drafts_through_vllm_and_logs_the_acceptance(workdir, tiny_model_dir, tiny128_model_dir, settings,
-                                                                   capsys):
+def test_a_stack_step_drafts_through_vllm_and_logs_the_acceptance(workdir, tiny_model_dir, tiny_tokenizer, settings,
+                                                                   capsys, tmp_path):
     """Speculative decoding through vLLM (--speculative-config with a draft model), the acceptance
     from vLLM's own counters: the model drafting for itself, greedy, proposes the very tokens it
-    then chooses (accepted nearly always); another model (random weights, the same tokenizer)
-    proposes tokens the target rarely chooses."""
+    then chooses (accepted nearly always); another model (random weights, the same tokenizer, an
+    output head of its own) proposes tokens the target rarely chooses. (Random models whose output
+    head is their embedding, as the fixtures', both repeat a prompt's last token: they agree.)"""
+    from tests.conftest import build_tiny
+
+    other_model = build_tiny(tmp_path / "other", tiny_tokenizer, hidden_size=128, intermediate_size=256,
+                             num_attention_heads=4, tie_word_embeddings=False)  # fmt: skip
     (workdir / "stacks").mkdir()
     (workdir / "stacks" / "spec.yaml").write_text(
         f"base: {tiny_model_dir}\nworkload:\n  prompt_tokens: 16\n  output_tokens: 16\n  requests: 2\n"
         "  repetitions: 3\n  warmup: 0\n  compile: false\nsteps:\n  - {name: served, engine: vllm, dtype: float32}\n"
-        f"  - {{name: itself, draft: served}}\n  - {{name: other, draft: {tiny128_model_dir}}}\n")  # fmt: skip
+        f"  - {{name: itself, draft: served}}\n  - {{name: other, draft: {other_model}}}\n")  # fmt: skip
     assert main(["stack", "spec", "--json"]) == 0, capsys.readouterr().err[-3000:]
     served, itself, other = last_json(capsys.readouterr().out)["steps"]
     assert "spec_acceptance" not in served and itself["draft"] == "base"  # the base model drafting

@@ -234,8 +234,10 @@ def test_the_driver_interrupted_stops_its_jobs_on_their_nodes(cluster, workdir, 
     assert job["attempts"][0]["pid"] == int(victim.data.tags["quantbench.owner"].split()[1])
     assert not alive(job["attempts"][0]["pid"])
     stopped = next(r for r in candidates() if r.info.run_id == victim.info.run_id)
-    assert stopped.info.status == "KILLED"  # the job was told, and said so itself
-    assert open(job["attempts"][0]["log"]).read().strip().endswith("interrupted")  # its log came back to the end
+    assert stopped.info.status == "KILLED"  # the job was told, and said so itself (its log came back to the end);
+    # or, busy in native code past the grace (once in CI, beside vLLM's tests), it was killed and the driver said so
+    said = open(job["attempts"][0]["log"]).read().strip().endswith("interrupted")
+    assert said or "did not end the run within the grace and was killed" in stopped.data.tags["quantbench.error"]
 
 
 @pytest.mark.slow

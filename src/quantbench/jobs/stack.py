@@ -14,9 +14,9 @@ its techniques on top of all the earlier ones:
       - {name: batching, concurrency: 8}              # 8 requests in flight (continuous batching)
 
 Measuring: every step is measured in every round (A B C D, A B C D, ...), one after the other on
-prompts of the same lengths (each step and round its own, drawn alike from the held-out text: a
-server never meets a prompt twice, so a prefix cache reuses only a shared prefix), so machine drift
-hits all alike and step i's repetition r pairs with step i-1's
+the same prompts (every round new ones, and steps served by one server each their own, drawn
+alike from the held-out text: a server never meets a prompt twice, so a prefix cache reuses only a
+shared prefix), so machine drift hits all alike and step i's repetition r pairs with step i-1's
 (its multiplier's interval) and with step 0's (the cumulative one's). A step's speed is its output
 throughput (tokens/s over the requests in flight at its concurrency); per-request decode rate, TTFT
 and end-to-end latency are logged beside it. The cumulative multiplier is measured directly (the
@@ -654,11 +654,16 @@ def measure(
     tokenizer = AutoTokenizer.from_pretrained(models_[None].path)
     ids = tokenizer(data.python_docs("evaluation"))["input_ids"]
     rounds = workload.warmup + workload.repetitions
-    # every step and round its own prompts, drawn alike: a server serving several steps never meets a
-    # prompt it has seen, so its prefix cache reuses only the workload's shared prefix
+    # every round its own prompts, and a server that serves several steps other prompts for each of
+    # them (drawn alike): a server never meets a prompt it has seen, so its prefix cache reuses only
+    # the workload's shared prefix; steps on different servers (or in-process) share the prompts
     most = max(_profile(workload, c).prompts_per_repetition for c in steps) * rounds
-    drawn = shared_prefix_prompts(ids, workload, most * len(steps))
-    prompt_sets = [{workload.prompt_tokens: drawn[i * most : (i + 1) * most]} for i in range(len(steps))]
+    block = [
+        0 if c.engine == "hf" else [x.server_key() for x in steps[:i]].count(c.server_key())
+        for i, c in enumerate(steps)
+    ]
+    drawn = shared_prefix_prompts(ids, workload, most * (max(block) + 1))
+    prompt_sets = [{workload.prompt_tokens: drawn[b * most : (b + 1) * most]} for b in block]
     results = [StepResult(s.name, adds(s, i), c) for i, (s, c) in enumerate(zip(stack.steps, steps))]
     with ExitStack() as servers:
         measurers = {}
