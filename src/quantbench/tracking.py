@@ -365,12 +365,10 @@ class Tracker:
         self.client.set_tag(run_id, TAG + "error", reason)
         self.client.set_terminated(run_id, status)
 
-    def fail_orphans(
-        self, tags: dict[str, str], what: str, reason: str | None = None, status: str = "FAILED"
-    ) -> list[str]:
+    def fail_orphans(self, tags: dict[str, str], what: str) -> list[str]:
         """Runs with these tags left RUNNING by a `what` (sweep, tune) that died, when the caller
         holds the lock that says no `what` owns them any more: a job process still alive is killed
-        first, then the run is FAILED (or `status`) with the reason (or `reason`). Their ids."""
+        first, then the run is FAILED with the reason. Their ids."""
         import signal
 
         failed = []
@@ -381,8 +379,8 @@ class Tracker:
                     os.killpg(int(owner.split()[1]), signal.SIGKILL)
                 except (ProcessLookupError, PermissionError, ValueError):
                     pass
-            why = reason or f"left RUNNING by a {what} that died (job process {owner or '?'}); marked FAILED on resume"
-            self.fail_run(run.info.run_id, why, status)
+            reason = f"left RUNNING by a {what} that died (job process {owner or '?'}); marked FAILED on resume"
+            self.fail_run(run.info.run_id, reason)
             failed.append(run.info.run_id)
         return failed
 

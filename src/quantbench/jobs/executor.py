@@ -266,6 +266,13 @@ class Runner:
             attempt.job.attempts[-1].update(
                 ended=time.time(), reason=f"the {self.label} was interrupted", **_where(attempt.handle)
             )
+            # a job told to stop ends its run KILLED itself; one that could not within the grace (busy in
+            # native code) was killed, and its run is ended here rather than left RUNNING
+            run = self._run_of(attempt.job.attempts[-1]["attempt"])
+            if run is not None and run.info.status == "RUNNING":
+                why = f"the {self.label} was interrupted; its job did not end the run within the grace and was killed"
+                self.tracker.fail_run(run.info.run_id, why, status="KILLED")
+                log.warning("%s: run %s ended KILLED: %s", self.label, run.info.run_id, why)
         self.running.clear()
         self.on_change()
 

@@ -222,13 +222,6 @@ def run(
             try:
                 runner.run(todo, on_end=lambda job: bar.update(1))
             except BaseException:  # Ctrl-C / SIGTERM: the jobs were stopped; the parent run says so
-                # a job told to stop ends its run KILLED itself; one that could not within the grace (busy
-                # in native code) was killed, and its run is ended here rather than left RUNNING
-                stopped = "the sweep was interrupted; its job did not end the run within the grace and was killed"
-                for run_id in tracker.fail_orphans(
-                    {TAG + "sweep": name, TAG + "role": "candidate"}, "sweep", stopped, status="KILLED"
-                ):
-                    log.warning("sweep %s: run %s ended KILLED: %s", name, run_id, stopped)
                 tracker.fail_run(parent, "the sweep was interrupted; re-run it to resume", status="KILLED")
                 raise
             finally:
