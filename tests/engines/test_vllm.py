@@ -227,6 +227,24 @@ def test_a_stack_step_drafts_through_vllm_and_logs_the_acceptance(workdir, tiny_
         assert step["status"] == "measured" and step["throughput_tok_s"] > 0
 
 
+def test_a_stack_prefix_cache_step_through_vllm_reuses_a_prefix_shorter_than_a_cpu_block(workdir, tiny_model_dir,
+                                                                                          settings, capsys):
+    """vLLM's prefix cache reuses whole KV-cache blocks only, and vLLM-CPU's are 128 tokens by
+    default: a 48-token shared prefix was never reused there (0 %). The stack starts vLLM with
+    blocks that fit the prefix, so by vLLM's own counts the cache-off step reuses nothing and the
+    prefix-cache step reuses a share of each prompt's 48 shared tokens (whole blocks of them)."""
+    (workdir / "stacks").mkdir()
+    (workdir / "stacks" / "prefix.yaml").write_text(
+        f"base: {tiny_model_dir}\nworkload:\n  prompt_tokens: 64\n  prefix_tokens: 48\n  output_tokens: 4\n"
+        "  requests: 4\n  repetitions: 3\n  warmup: 1\n  compile: false\nsteps:\n"
+        "  - {name: served, engine: vllm, dtype: float32}\n  - {name: cached, prefix_cache: true}\n")  # fmt: skip
+    assert main(["stack", "prefix", "--json"]) == 0, capsys.readouterr().err[-3000:]
+    served, cached = last_json(capsys.readouterr().out)["steps"]
+    assert served["status"] == cached["status"] == "measured"
+    assert served["level_prompt_cached_share"] == 0
+    assert 0.25 <= cached["level_prompt_cached_share"] <= 48 / 64
+
+
 def test_a_latency_cost_table_through_vllm_is_measured_once_served_schemes_only(workdir, tiny_model_dir, settings,
                                                                                  vllm, tmp_path, capsys):
     """`tune --objective latency` on compressed-tensors schemes: each scheme's uniform checkpoint

@@ -165,6 +165,9 @@ def test_the_vllm_command_line(tmp_path, tiny_model_dir):
     cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=False, draft=tmp_path / "draft")
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    assert "--block-size" not in cmd
+    cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=False, block_size=32)
+    assert cmd[cmd.index("--block-size") + 1] == "32"
     env = vllm_engine.server_env(tmp_path, AVX512)
     assert env["TMPDIR"] == str(tmp_path) and env["VLLM_CACHE_ROOT"] and "PYTHONPATH" not in env
     # with AMX every vLLM process asks Linux for the tile state first: its own sitecustomize, alone on its path
@@ -207,6 +210,11 @@ def test_vllm_turns_its_prefix_cache_off_per_request_and_says_how_big_its_kv_cac
     vllm = engines.get("vllm")
     body = vllm.request_body("m", "text", 4)
     assert vllm.with_prefix_cache(body, True) == body  # on by default
+    # it reuses whole KV-cache blocks only; vLLM-CPU's are 128 tokens: a shared prefix that is not a
+    # whole number of them gets blocks of 32 (what its CPU attention takes), a GPU's 16 do as they are
+    on_cpu = hardware.device() != "cuda"
+    assert [vllm_engine.block_size(n) for n in (0, 96, 256, 1000)] == [None, 32 if on_cpu else None, None,
+                                                                       32 if on_cpu else None]  # fmt: skip
     off = [vllm.with_prefix_cache(body, False) for _ in range(2)]
     assert off[0]["cache_salt"] != off[1]["cache_salt"] and {**off[0], "cache_salt": None} == {**body, "cache_salt": None}
     log = tmp_path / "server.log"  # the lines vllm-cpu 0.32 writes (its worker, then its engine core)

