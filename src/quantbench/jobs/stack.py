@@ -47,7 +47,7 @@ import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
@@ -56,6 +56,9 @@ from quantbench.core.errors import UserError
 from quantbench.core.intervals import HIGH, LOW, ratio_interval
 from quantbench.recipe import DEFAULT_MODEL, Strict, load_named
 from quantbench.tracking import TAG, Tracker
+
+if TYPE_CHECKING:
+    from quantbench.sources.models import ResolvedModel
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +347,7 @@ def adds(step: Step, index: int) -> str:
 
 def resolve_models(
     stack: StackFile, steps: list[Config], tracker: Tracker, experiment: str | None, outputs: Path
-) -> tuple[object, dict[str | None, Resolved]]:
+) -> tuple[ResolvedModel, dict[str | None, Resolved]]:
     """The base model and each step's model: `run:ID` read from the store, `recipe:NAME` from its
     newest finished run in the experiment made from the same source (the stack's base, or the
     model of the step named by `source:`), run now through the quantize pipeline when there is
@@ -464,30 +467,57 @@ def _scoring_inputs(base: Path, workdir: Path) -> tuple[str, Path, Path]:
     return tokenizer.decode(ids, skip_special_tokens=True), llamacpp.base_gguf(base, log_path=log_path), log_path
 
 
-def against_base(models_: dict[str | None, Resolved], workdir: Path) -> None:
+def against_base(models_: dict[str | None, Resolved], workdir: Path, base: ResolvedModel, tracker: Tracker) -> None:
     """A model made from another step's model (a student quantized) carries its run's quality
     against *that* model; the ledger wants it against the stack's base. A GGUF one is scored here
     through llama.cpp (llama-perplexity's KL divergence against the base's F16 file, on
-    CHAIN_TOKENS of the held-out text); any other keeps no quality figure, and the ledger says why."""
+    CHAIN_TOKENS of the held-out text); any other through transformers, evaluated with the suite
+    its run used (`quality_pass`)."""
     from quantbench.engines import llamacpp
     from quantbench.sources.checkpoint import gguf_file
 
-    chained = [r for r in models_.values() if r.base is not None and gguf_file(r.path) is not None]
+    chained = [r for r in models_.values() if r.base is not None]
     if not chained:
         return
-    text, base_file, log_path = _scoring_inputs(models_[None].path, workdir)
+    scoring = None
     for resolved in chained:
-        log.info("stack: %s was measured against %s; scoring it against the base through llama.cpp",
-                 resolved.label, resolved.base)  # fmt: skip
         gguf = gguf_file(resolved.path)
-        assert gguf is not None
+        log.info("stack: %s was measured against %s; scoring it against the base through %s",
+                 resolved.label, resolved.base, "llama.cpp" if gguf else "transformers")  # fmt: skip
         try:
-            resolved.metrics = llamacpp.engine_quality(base_file, gguf, text, CHAIN_WINDOW, workdir / "kld", log_path)
+            if gguf is None:
+                # the suite its own run was evaluated with
+                suite = tracker.get(resolved.run_id).data.tags.get(TAG + "suite") if resolved.run_id else None
+                resolved.metrics = quality_pass(resolved.path, base, tracker, suite)
+            else:
+                scoring = scoring or _scoring_inputs(models_[None].path, workdir)
+                text, base_file, log_path = scoring
+                resolved.metrics = llamacpp.engine_quality(
+                    base_file, gguf, text, CHAIN_WINDOW, workdir / "kld", log_path
+                )
         except UserError as exc:  # the step is measured all the same; its quality stays unknown
             log.warning("stack: %s: no quality against the base: %s", resolved.label, "; ".join(exc.problems))
             continue
         resolved.base = None
         resolved.label += " (quality against the base measured by the stack)"
+
+
+def quality_pass(checkpoint: Path, base: ResolvedModel, tracker: Tracker, suite: str | None = None) -> dict[str, float]:
+    """A checkpoint's evaluation against the base model with a suite (default: default), in transformers, as
+    its own run's evaluate stage scores it against its source: KL divergence, top-1 agreement,
+    perplexity, the suite's tasks and answer flips, with their intervals (the base's side from its
+    baseline run, found in or added to `tracker`'s experiment). Logged in the stack's runs only."""
+    from transformers import AutoTokenizer
+
+    from quantbench.core import hardware
+    from quantbench.quality import stage
+    from quantbench.quality.suite import DEFAULT_SUITE, load_suite
+    from quantbench.sources.checkpoint import load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    plan = stage.prepare(load_suite(suite or DEFAULT_SUITE), tokenizer)
+    model = load_model(checkpoint, dtype=hardware.compute_dtype_of(checkpoint))
+    return stage.evaluate(model, tokenizer, base, plan, tracker).metrics
 
 
 def kv_cache_scored(config: Config) -> bool:
@@ -1027,7 +1057,7 @@ def run(
     stack_name = Path(name).stem
     logs_dir = Path(tempfile.mkdtemp(prefix="qb-stack-"))
     try:  # the servers' and tools' logs, logged as artifacts, then removed
-        against_base(models_, logs_dir)
+        against_base(models_, logs_dir, base, tracker)
         kv = kv_cache_quality(steps, models_, logs_dir)
         qualities = [
             kv[(c.model_key, c.kv_cache)] if c.kv_cache else quality_of(models_[c.model_key]) if c.model else None
