@@ -472,7 +472,7 @@ def against_base(models_: dict[str | None, Resolved], workdir: Path, base: Resol
     against *that* model; the ledger wants it against the stack's base. A GGUF one is scored here
     through llama.cpp (llama-perplexity's KL divergence against the base's F16 file, on
     CHAIN_TOKENS of the held-out text); any other through transformers, evaluated with the suite
-    its run used (`quality_pass`)."""
+    its run used (`evaluated_against_base`)."""
     from quantbench.engines import llamacpp
     from quantbench.sources.checkpoint import gguf_file
 
@@ -488,7 +488,7 @@ def against_base(models_: dict[str | None, Resolved], workdir: Path, base: Resol
             if gguf is None:
                 # the suite its own run was evaluated with
                 suite = tracker.get(resolved.run_id).data.tags.get(TAG + "suite") if resolved.run_id else None
-                resolved.metrics = quality_pass(resolved.path, base, tracker, suite)
+                resolved.metrics = evaluated_against_base(resolved.path, base, tracker, suite)
             else:
                 scoring = scoring or _scoring_inputs(models_[None].path, workdir)
                 text, base_file, log_path = scoring
@@ -502,11 +502,14 @@ def against_base(models_: dict[str | None, Resolved], workdir: Path, base: Resol
         resolved.label += " (quality against the base measured by the stack)"
 
 
-def quality_pass(checkpoint: Path, base: ResolvedModel, tracker: Tracker, suite: str | None = None) -> dict[str, float]:
-    """A checkpoint's evaluation against the base model with a suite (default: default), in transformers, as
-    its own run's evaluate stage scores it against its source: KL divergence, top-1 agreement,
-    perplexity, the suite's tasks and answer flips, with their intervals (the base's side from its
-    baseline run, found in or added to `tracker`'s experiment). Logged in the stack's runs only."""
+def evaluated_against_base(
+    checkpoint: Path, base: ResolvedModel, tracker: Tracker, suite: str | None = None
+) -> dict[str, float]:
+    """A checkpoint's metrics against the base model with a suite (default: default), in
+    transformers, as its own run's evaluate stage scores it against its source: KL divergence,
+    top-1 agreement, perplexity, the suite's tasks and answer flips, with their intervals (the
+    base's side from its baseline run, found in or added to `tracker`'s experiment). They go into
+    the stack's ledger, never into the checkpoint's own run."""
     from transformers import AutoTokenizer
 
     from quantbench.core import hardware
