@@ -255,7 +255,7 @@ def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, 
     for run in made.values():  # the stack measures speed itself: the recipe's bench stage is left out
         assert not any(k.startswith(("speed/", "speedup/")) for k in run.data.metrics)
     # its run measured the student quantized against the student; the stack scores it against the
-    # base (the default suite's evaluation, in transformers), with intervals, as its run would
+    # base (an evaluation in transformers with the suite its run used), with intervals, as its run would
     chained = steps[4]["quality"]
     assert chained["metric"] == "quality/kld_mean" and chained["ci"][0] <= chained["value"] <= chained["ci"][1]
     assert chained["value"] > of_student.data.metrics["quality/kld_mean"]  # the student is another model
