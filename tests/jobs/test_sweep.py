@@ -204,18 +204,25 @@ def test_bad_sweep_files_report_every_problem(workdir, recipes, capsys):
 
 
 def test_two_sweeps_at_once(workdir, recipes, capsys):
+    """A sweep that another process is running is refused; another sweep runs beside it. The first
+    is held where it is (its lock taken here, as a running sweep holds it) rather than raced: on a
+    loaded machine a real first sweep could finish before the second one starts."""
+    from quantbench.core.processes import hold_lock
+
     write_sweep(workdir, "a", {"recipes": ["fp8"], "retries": 0})
     write_sweep(workdir, "b", {"recipes": ["gptq"], "retries": 0})
     cmd = [sys.executable, "-m", "quantbench", "sweep"]
-    first = subprocess.Popen([*cmd, "a"], cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (workdir / "outputs" / "sweeps" / "a" / "state.json").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    same = subprocess.run([*cmd, "a"], cwd=workdir, capture_output=True, text=True)  # the same sweep: refused
-    other = subprocess.run([*cmd, "b"], cwd=workdir, capture_output=True, text=True)  # another: runs beside it
-    first.communicate(timeout=300)
+    held = hold_lock(workdir / "outputs" / "sweeps" / "a", "this sweep")
+    try:
+        same = subprocess.run([*cmd, "a"], cwd=workdir, capture_output=True, text=True)  # refused
+        other = subprocess.run([*cmd, "b"], cwd=workdir, capture_output=True, text=True)  # runs beside it
+    finally:
+        held.close()
     assert same.returncode == 2 and "this sweep is already running" in same.stderr
-    assert first.returncode == 0 and other.returncode == 0, other.stderr[-2000:]
+    assert f"(pid {os.getpid()}," in same.stderr  # the holder named
+    assert other.returncode == 0, other.stderr[-2000:]
+    first = subprocess.run([*cmd, "a"], cwd=workdir, capture_output=True, text=True)  # released: it runs
+    assert first.returncode == 0, first.stderr[-2000:]
     candidates = [r for r in runs() if r.data.tags.get("quantbench.role") == "candidate"]
     assert sorted(r.data.tags["quantbench.recipe"] for r in candidates) == ["fp8", "gptq"]
     assert all(r.info.status == "FINISHED" for r in runs())
