@@ -145,7 +145,15 @@ def test_a_failure_after_the_run_started_marks_it_failed_and_leaves_no_checkpoin
     assert code == 1
     [run] = runs()
     assert run.info.status == "FAILED" and "No space left on device" in run.data.tags["quantbench.error"]
-    assert [p.name for p in (workdir / "outputs" / "blocked").iterdir()] == [f"{run.info.run_id}.log"]
+    log = workdir / "outputs" / "blocked" / f"{run.info.run_id}.log"
+    assert [p.name for p in log.parent.iterdir()] == [log.name]
+    # the terminal: the reason in one line and where the traceback is; the traceback: in the log
+    assert "Traceback" not in err
+    assert f"quantize failed: OSError: [Errno 28] No space left on device (traceback in {log.relative_to(workdir)})" in err
+    assert "Traceback" in log.read_text() and "in full_disk" in log.read_text()
+    monkeypatch.setenv("QUANTBENCH_DEBUG", "1")  # --debug: the traceback on the terminal too
+    code, out, err = quantize(["blocked"], capsys)
+    assert code == 1 and "Traceback" in err and "in full_disk" in err
 
 
 def test_reload_check_rejects_a_checkpoint_that_reloads_broken(workdir, tiny_model_dir):

@@ -4,6 +4,7 @@ COMMANDS in the order `--help` lists them; argument parsing only, the work is do
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from quantbench.cli import (
@@ -78,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="a failed stage's traceback on the terminal too (it is always in the run's log file); "
+        "also QUANTBENCH_DEBUG=1",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS.values():
         module.add_parser(sub)
@@ -89,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     from quantbench.core.logs import configure_console
 
     configure_console(args.verbose)
+    if args.debug:
+        os.environ["QUANTBENCH_DEBUG"] = "1"  # child processes (sweep and tune jobs) inherit it
     try:
         return COMMANDS[args.command].run(args)
     except UserError as exc:

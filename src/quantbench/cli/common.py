@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from quantbench.core.errors import UserError
+from quantbench.core.logs import debugging, log_path_of, one_line
 
 log = logging.getLogger("quantbench")
 
@@ -48,7 +49,14 @@ def run_stage(name: str, fn, *args, **kwargs) -> Any | None:
     except Exception as exc:  # the run is already marked FAILED (or KILLED) with the traceback
         if interrupted(exc):  # an interrupt a library wrapped in an exception of its own: exit 130
             raise KeyboardInterrupt(str(exc)) from exc
-        log.exception("%s failed: %s", name, exc)
+        # One line on the terminal; the traceback is in the run's log file (and its MLflow run's
+        # error.txt), or here too with --debug / QUANTBENCH_DEBUG=1.
+        where = log_path_of(exc)
+        if debugging():
+            log.exception("%s failed: %s", name, one_line(exc))
+        else:
+            hint = f"traceback in {where}" if where else "--debug prints the traceback"
+            log.error("%s failed: %s (%s)", name, one_line(exc), hint)
         return None
 
 

@@ -6,6 +6,7 @@ log file is opened (the backend registry imports the backend module while prepar
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -77,9 +78,31 @@ def configure_console(verbose: bool = False) -> None:
             quiet.addFilter(_Drop(text))
 
 
+def debugging() -> bool:
+    """--debug or QUANTBENCH_DEBUG=1: a failure's traceback on the terminal too, not only in the log."""
+    return os.environ.get("QUANTBENCH_DEBUG", "").lower() in ("1", "true", "yes")
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line: its type and the first line of its message, cut to `limit`."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = text if len(text) <= limit else text[:limit] + "…"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def log_path_of(exc: BaseException) -> Path | None:
+    """The log file that holds `exc`'s traceback (a run's log, see log_file), if any."""
+    return getattr(exc, LOG_ATTRIBUTE, None)
+
+
+LOG_ATTRIBUTE = "_quantbench_log"
+
+
 @contextmanager
 def log_file(path: Path):
-    """Copy every log record (ours and loguru's) into `path` while the block runs."""
+    """Copy every log record (ours and loguru's) into `path` while the block runs. An exception
+    that escapes the block has its traceback written there (the terminal gets one line: the CLI
+    finds the file again with log_path_of)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter(FORMAT))
@@ -94,6 +117,14 @@ def log_file(path: Path):
         pass
     try:
         yield path
+    except Exception as exc:
+        record = logging.getLogger("quantbench").makeRecord(
+            "quantbench", logging.ERROR, __file__, 0, "failed: %s", (one_line(exc),), sys.exc_info()
+        )
+        handler.handle(record)  # the file only: the console says it in one line
+        if log_path_of(exc) is None:
+            setattr(exc, LOG_ATTRIBUTE, path)
+        raise
     finally:
         root.removeHandler(handler)
         handler.close()
