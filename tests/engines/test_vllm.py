@@ -28,7 +28,7 @@ from quantbench.cli import main
 from quantbench.core import hardware
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
-pytestmark = pytest.mark.slow  # real server processes
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]  # real server processes, vLLM's environment
 
 # eager: the tests pay for start-up, not decode speed (docs/speed.md)
 LOAD = ("prompt_tokens: [16]\noutput_tokens: 8\nconcurrency: [1, 2]\nrequest_rates: [4]\nrepetitions: 2\nwarmup: 1\n"

