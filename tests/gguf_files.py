@@ -123,12 +123,14 @@ def wordlike_spm_vocab(size: int = 400, style: str = "gemma", add_bos: bool = Tr
 def write_tiny_gguf(path: str | Path, vocab: Vocab, arch: str = "llama", layers: int = 2, hidden: int = 64,
                     heads: int = 4, kv_heads: int = 2, ffn: int = 128, ctx: int = 256, seed: int = 0,
                     std: float = 0.02, tie_embeddings: bool | None = None, name: str = "tiny-test-model",
-                    license: str = "apache-2.0") -> Path:
+                    license: str = "apache-2.0", q8_0: bool = False) -> Path:
     """A tiny GGUF with random F32 weights (normal, `std`; norms = identity) and `vocab` as its tokenizer.
 
     arch: "llama" (any vocabulary; SmolLM2 / Llama-2 / Llama-3 / Mistral GGUFs are this), or "gemma2" /
     "gemma3" (Gemma vocabularies; these are the families whose tokenizer breaks on save+reload).
-    Self-contained: only numpy and gguf. Tensor names/shapes are what transformers' GGUF loader maps."""
+    Self-contained: only numpy and gguf. Tensor names/shapes are what transformers' GGUF loader maps.
+    `q8_0`: the weight matrices stored as Q8_0 (blocks of 32) and the file typed MOSTLY_Q8_0, as a
+    quantized model someone was given is."""
     import gguf
 
     assert arch in ("llama", "gemma2", "gemma3"), arch
@@ -158,7 +160,7 @@ def write_tiny_gguf(path: str | Path, vocab: Vocab, arch: str = "llama", layers:
         w.add_sliding_window(ctx)
     else:
         w.add_rope_dimension_count(head_dim)  # llama: ARCH.rope.dimension_count -> head_dim
-    w.add_file_type(0)  # ALL_F32
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0) if q8_0 else int(gguf.LlamaFileType.ALL_F32))
 
     w.add_tokenizer_model(vocab.model)
     if vocab.pre:
@@ -179,7 +181,12 @@ def write_tiny_gguf(path: str | Path, vocab: Vocab, arch: str = "llama", layers:
         w.add_key_value(key, *value) if isinstance(value, tuple) else w.add_string(key, value)
 
     def rand(*shape):
-        return (rng.standard_normal(shape) * std).astype(np.float32)
+        data = (rng.standard_normal(shape) * std).astype(np.float32)
+        if not q8_0 or len(shape) != 2:
+            return data
+        from gguf.quants import quantize
+
+        return quantize(data, gguf.GGMLQuantizationType.Q8_0)
 
     # RMSNorm identity: llama stores w = 1; Gemma's norms are zero-centred (scale 1 + w) and llama.cpp
     # stores w + 1, which transformers' Gemma2TensorProcessor undoes - so identity is 1.0 in both files.
@@ -187,27 +194,33 @@ def write_tiny_gguf(path: str | Path, vocab: Vocab, arch: str = "llama", layers:
     # numpy shapes are torch's (out, in); GGUFWriter stores them reversed, as ggml expects.
     # (llama.cpp also permutes llama's attn_q/attn_k rows, which transformers undoes on load; random
     # weights need no pre-permutation: both the GGUF-loaded and the saved model see the same tensors.)
-    w.add_tensor("token_embd.weight", rand(n_vocab, hidden))
+    def put(name, data):
+        if data.dtype == np.uint8:  # Q8_0 bytes: the writer is told the type (it infers the shape)
+            w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, data)
+
+    put("token_embd.weight", rand(n_vocab, hidden))
     for i in range(layers):
         b = f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", norm(hidden))
-        w.add_tensor(b + "attn_q.weight", rand(heads * head_dim, hidden))
-        w.add_tensor(b + "attn_k.weight", rand(kv_heads * head_dim, hidden))
-        w.add_tensor(b + "attn_v.weight", rand(kv_heads * head_dim, hidden))
-        w.add_tensor(b + "attn_output.weight", rand(hidden, heads * head_dim))
+        put(b + "attn_norm.weight", norm(hidden))
+        put(b + "attn_q.weight", rand(heads * head_dim, hidden))
+        put(b + "attn_k.weight", rand(kv_heads * head_dim, hidden))
+        put(b + "attn_v.weight", rand(kv_heads * head_dim, hidden))
+        put(b + "attn_output.weight", rand(hidden, heads * head_dim))
         if arch == "gemma3":
-            w.add_tensor(b + "attn_q_norm.weight", norm(head_dim))
-            w.add_tensor(b + "attn_k_norm.weight", norm(head_dim))
+            put(b + "attn_q_norm.weight", norm(head_dim))
+            put(b + "attn_k_norm.weight", norm(head_dim))
         if gemma:
-            w.add_tensor(b + "post_attention_norm.weight", norm(hidden))
-            w.add_tensor(b + "post_ffw_norm.weight", norm(hidden))
-        w.add_tensor(b + "ffn_norm.weight", norm(hidden))
-        w.add_tensor(b + "ffn_gate.weight", rand(ffn, hidden))
-        w.add_tensor(b + "ffn_up.weight", rand(ffn, hidden))
-        w.add_tensor(b + "ffn_down.weight", rand(hidden, ffn))
-    w.add_tensor("output_norm.weight", norm(hidden))
+            put(b + "post_attention_norm.weight", norm(hidden))
+            put(b + "post_ffw_norm.weight", norm(hidden))
+        put(b + "ffn_norm.weight", norm(hidden))
+        put(b + "ffn_gate.weight", rand(ffn, hidden))
+        put(b + "ffn_up.weight", rand(ffn, hidden))
+        put(b + "ffn_down.weight", rand(hidden, ffn))
+    put("output_norm.weight", norm(hidden))
     if not tie_embeddings:
-        w.add_tensor("output.weight", rand(n_vocab, hidden))
+        put("output.weight", rand(n_vocab, hidden))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -207,6 +207,10 @@ TAGS: dict[str, str] = {
     "quantbench.base_fingerprint": "sha256 over the base model's config and weights",
     "quantbench.license": "the base model's licence",
     "quantbench.parent_run": "the run whose checkpoint was this run's base model (run: / recipe: sources)",
+    "quantbench.base_quantized": "what the base model was quantized as before quantbench got it (GGUF Q4_1, "
+    "compressed-tensors ...), none for a 16/32-bit base: figures compare against it de-quantized",
+    "quantbench.same_type_as_base": "true: the candidate is quantized into its base's own type (its quality "
+    "against that base says little about its loss against the original model)",
     "quantbench.checkpoint": "absolute path of the checkpoint directory (set when the job finished)",
     "quantbench.weights_sha": "sha256 over the checkpoint's tensors (names, dtypes, shapes, bytes): same hash, same weights",
     "quantbench.deterministic": "what the produce step pinned for a repeatable checkpoint: seeds, deterministic algorithms, threads",

@@ -386,3 +386,39 @@ def test_the_base_size_is_its_saved_dtype_whatever_this_cpu_computes_in(workdir,
         assert main(["quantize", "q", "--json", "--set", f"model.compute_dtype={compute}"]) == 0
         sizes[compute] = last_json(capsys.readouterr().out)["metrics"]["model/base_size_mb"]
     assert sizes["float32"] == sizes["bfloat16"] == pytest.approx(params * 2 / 2**20, rel=1e-3)
+
+
+def test_a_base_that_is_itself_quantized_is_said_tagged_and_marked_in_compare(workdir, tmp_path, capsys):
+    """A GGUF below 16 bits given as the base (issue: a Q4_K_M file's own Q4_K_M scored KLD 0.0009
+    against it, true against the de-quantized file and misleading against the model the user means):
+    said at the start, tagged on the run, marked in compare; a float GGUF is none of that."""
+    from quantbench.jobs.pipeline import base_tags, candidate_type
+    from quantbench.recipe import load_recipe
+    from quantbench.release import compare
+    from quantbench.sources import models
+    from tests import gguf_files as gg
+
+    vocab = gg.gpt2_bpe_vocab(400, add_bos=False)
+    quantized = gg.write_tiny_gguf(tmp_path / "q8.gguf", vocab, q8_0=True)
+    plain = gg.write_tiny_gguf(tmp_path / "f32.gguf", vocab, seed=1)
+    for name, source in (("given-q8", quantized), ("given-f32", plain)):
+        write_recipe(workdir, name, tiny_recipe(source, "method: fp8\n"))
+        code, out, err = quantize([name], capsys)
+        assert code == 0, err
+        said = f"the base model {source} is itself quantized (GGUF Q8_0, de-quantized to float here)"
+        assert (said in err) == (name == "given-q8")
+    tags = {r.data.tags["quantbench.recipe"]: r.data.tags for r in runs()}
+    assert tags["given-q8"]["quantbench.base_quantized"] == "GGUF Q8_0"
+    assert tags["given-f32"]["quantbench.base_quantized"] == "none"
+    assert "quantbench.same_type_as_base" not in tags["given-q8"]  # FP8 is not its base's type
+    result = compare.run(outputs=workdir / "outputs")
+    text = compare.terminal(result.comparison)
+    assert "given-q8 †" in text and "given-f32 †" not in text
+    assert "† the base model is itself quantized (GGUF Q8_0, de-quantized to float)" in text
+    # a GGUF recipe of the base's own type is named as such (llama.cpp itself runs in the slow tier)
+    write_recipe(workdir, "own-type", tiny_recipe(quantized, "method: gguf\ntype: Q8_0\n"))
+    q = load_recipe(workdir / "recipes" / "own-type.yaml").recipe.quantize
+    assert candidate_type(q) == "GGUF Q8_0"
+    assert base_tags(models.resolve(str(quantized)), candidate_type(q)) == {
+        "quantbench.base_quantized": "GGUF Q8_0", "quantbench.same_type_as_base": "true"}
+    assert compare.base_mark({**base_tags(models.resolve(str(quantized)), "GGUF Q8_0")}) == " ‡"

@@ -154,6 +154,10 @@ def prepare(
         raise UserError(problems)
     with _prefixed(where):
         base = models.resolve(spec.model.source, experiment=experiment)
+    if note := base.quantized_note():
+        log.warning("%s", note)
+    if base.same_type(candidate_type(spec.quantize)):
+        log.warning("%s", same_type_note(base))
     backend = make_backend(spec.quantize)
     problems = backend.check(loaded, AutoConfig.from_pretrained(base.path))
     if problems:
@@ -207,6 +211,27 @@ def prepare(
         produce_estimate,
         model,
     )
+
+
+def candidate_type(q) -> str | None:
+    """The type a recipe quantizes into, named as ResolvedModel.quantized names a base's
+    ("GGUF Q4_K_M"), where the two can be compared; None otherwise."""
+    return f"GGUF {q.scheme}" if q.method == "gguf" else None
+
+
+def same_type_note(base: models.ResolvedModel) -> str:
+    return (
+        f"the candidate is quantized into its base's own type ({base.quantized}): it reproduces the base's grid "
+        "almost exactly, so its quality against this base says little about its loss against the original model"
+    )
+
+
+def base_tags(base: models.ResolvedModel, candidate: str | None = None) -> dict[str, str]:
+    """What a run records of a base that is itself quantized (compare and the verdict show it)."""
+    tags = {TAG + "base_quantized": base.quantized or "none"}
+    if base.same_type(candidate):
+        tags[TAG + "same_type_as_base"] = "true"
+    return tags
 
 
 def _estimate(
@@ -586,6 +611,7 @@ def _candidate_tags(job: Job) -> dict[str, str]:
         TAG + "bos": data.bos_tag(job.tokenizer, data.bos_id(job.tokenizer)),  # what every window starts with
         **{TAG + k: v for k, v in environment.describe().items()},
         **({TAG + "parent_run": job.base.parent_run} if job.base.parent_run else {}),
+        **base_tags(job.base, candidate_type(q)),
         **inherited_tags(),
     }
     what = "distillation (student in bf16) of" if q.method == "distill" else f"{q.method} {q.scheme} of"
@@ -692,6 +718,7 @@ def target_run(tracker: Tracker, tgt: Target, base: models.ResolvedModel, stage:
             TAG + "base_model": tgt.base_source,
             TAG + "base_fingerprint": base.fingerprint,
             **({TAG + "format": method} if method else {}),
+            **base_tags(base),
         },
     )
 
@@ -700,7 +727,10 @@ def _open_target(target: str, base: str | None, experiment: str | None) -> tuple
     tracker = Tracker(experiment)
     tgt = resolve_target(target, tracker, base)
     check_loadable(tgt.checkpoint)
-    return tracker, tgt, models.resolve(tgt.base_source, field="--base", experiment=experiment)
+    base_model = models.resolve(tgt.base_source, field="--base", experiment=experiment)
+    if note := base_model.quantized_note():
+        log.warning("%s", note)
+    return tracker, tgt, base_model
 
 
 def evaluate(

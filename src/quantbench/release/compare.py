@@ -215,7 +215,7 @@ def rows(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
         row = [
             marker,
             c.run_id[:8],
-            c.label,
+            c.label + base_mark(c.tags),
             c.tags.get(TAG + "method", ""),
             c.tags.get(TAG + "scheme", ""),
             c.tags.get(TAG + "format", ""),
@@ -240,9 +240,29 @@ def terminal(cmp: Comparison) -> str:
     )
 
 
+def base_mark(tags: dict[str, str]) -> str:
+    """' ‡' for a candidate quantized into its quantized base's own type, ' †' for any other
+    candidate of a base that is itself quantized (notes() says what they mean)."""
+    if tags.get(TAG + "same_type_as_base") == "true":
+        return " ‡"
+    return " †" if tags.get(TAG + "base_quantized", "none") != "none" else ""
+
+
 def notes(cmp: Comparison) -> list[str]:
-    """The lines under the table: the noise row, and the differences the intervals cannot tell apart."""
+    """The lines under the table: a quantized base, the noise row, and the differences the intervals
+    cannot tell apart."""
     lines = []
+    bases = sorted({c.tags[TAG + "base_quantized"] for c in cmp.candidates if base_mark(c.tags)})
+    if bases:
+        lines.append(
+            f"† the base model is itself quantized ({', '.join(bases)}, de-quantized to float): figures compare "
+            "against it, not against the original 16-bit model"
+        )
+    if any(base_mark(c.tags) == " ‡" for c in cmp.candidates):
+        lines.append(
+            "‡ quantized into its base's own type: it reproduces the base's grid, so its quality against that "
+            "base says little about its loss against the original model"
+        )
     if cmp.noise:
         lines.append(
             "≈ noise floor: the base model against itself re-saved (quantbench noise); differences of that "
@@ -376,6 +396,8 @@ def as_json(cmp: Comparison) -> dict:
                 "method": c.tags.get(TAG + "method"),
                 "scheme": c.tags.get(TAG + "scheme"),
                 "format": c.tags.get(TAG + "format"),
+                "base_quantized": c.tags.get(TAG + "base_quantized"),
+                "same_type_as_base": c.tags.get(TAG + "same_type_as_base") == "true",
                 "speed_engine": c.engine or None,
                 "serving_engine": catalogue.serving(c.tags),
                 "gates": c.gates(),

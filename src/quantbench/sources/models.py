@@ -51,6 +51,23 @@ class ResolvedModel:
     license: str
     fingerprint: str  # sha256 over config and weight files
     parent_run: str | None = None  # the MLflow run that wrote it (run: and recipe: sources)
+    # What the source was quantized as before quantbench got it ("GGUF Q4_1", "compressed-tensors"),
+    # None for a 16- or 32-bit model. Every figure compares against the source as given: a quantized
+    # one, de-quantized, is not the original model (and re-quantizing into its own type reproduces it).
+    quantized: str | None = None
+
+    def same_type(self, candidate_type: str | None) -> bool:
+        """The candidate is quantized into the very type its base was (GGUF Q4_K_M of a Q4_K_M file)."""
+        return bool(self.quantized and candidate_type) and self.quantized.lower() == str(candidate_type).lower()
+
+    def quantized_note(self) -> str | None:
+        """One sentence on a quantized base, for the start of a job, the card and compare."""
+        if self.quantized is None:
+            return None
+        return (
+            f"the base model {self.source} is itself quantized ({self.quantized}, de-quantized to float here): "
+            "every figure compares against that, not against the original 16-bit model"
+        )
 
 
 def short_name(source: str) -> str:
@@ -66,7 +83,9 @@ def resolve(source: str, field: str = "model.source", experiment: str | None = N
     kind, target = _classify(source, field)
     if kind == "run":
         run_id, path, name = _run_checkpoint(source, field, experiment)
-        return ResolvedModel(source, path, name, _card_license(path), fingerprint(path), parent_run=run_id)
+        return ResolvedModel(
+            source, path, name, _card_license(path), fingerprint(path), parent_run=run_id, quantized=_quantized(path)
+        )
     if kind == "builtin":
         return _from_gguf(source, _builtin_gguf(target, field), field)
     if kind == "gguf":
@@ -80,6 +99,7 @@ def resolve(source: str, field: str = "model.source", experiment: str | None = N
             name=target.name,
             license=_card_license(target),
             fingerprint=fingerprint(target),
+            quantized=_quantized(target),
         )
     return _from_hub(source, str(target), field)
 
@@ -246,8 +266,47 @@ def _from_gguf(source: str, gguf: Path, field: str = "model.source") -> Resolved
         # rather than converting the safetensors copy back (source_gguf)
         atomic_write(info_file, json.dumps(info | {"source": source, "gguf": str(gguf)}, indent=2))
     return ResolvedModel(
-        source=source, path=dest, name=info["name"], license=info["license"], fingerprint=info["fingerprint"]
+        source=source,
+        path=dest,
+        name=info["name"],
+        license=info["license"],
+        fingerprint=info["fingerprint"],
+        quantized=_gguf_quantized(gguf),
     )
+
+
+def gguf_type(gguf: Path) -> str | None:
+    """A GGUF file's llama.cpp type (`general.file_type`: Q4_1, Q4_K_M, F16, ...), None when unset."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(gguf).fields.get("general.file_type")
+    if field is None:
+        return None
+    try:
+        return LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        return None
+
+
+def _gguf_quantized(gguf: Path) -> str | None:
+    """'GGUF Q4_1' for a GGUF below 16 bits, None for F32 / F16 / BF16 (and an unset type)."""
+    kind = gguf_type(gguf)
+    return None if kind in (None, "F32", "F16", "BF16") else f"GGUF {kind}"
+
+
+def _quantized(path: Path) -> str | None:
+    """What a model directory was quantized as: its config's quantization method (with the
+    compressed-tensors format), or the GGUF quantbench converted it from; None for a float model."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if isinstance(qc, dict) and qc.get("quant_method"):
+        fmt = qc.get("format")
+        return f"{qc['quant_method']} {fmt}" if isinstance(fmt, str) and fmt != "dense" else str(qc["quant_method"])
+    gguf = source_gguf(path)
+    return _gguf_quantized(gguf) if gguf is not None else None
 
 
 def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.source") -> None:
