@@ -100,6 +100,10 @@ FIXED: dict[str, Direction | None] = {
     "tune/best_size_mb": None,
     "tune/best_kld": None,
     "tune/best_bits_per_weight": None,
+    "bench/others_cpu_share": None,  # the bench: other processes' share of the machine's CPU time meanwhile
+    "bench/steal_share": None,  # ... the hypervisor's
+    "bench/load_avg": None,  # ... the 1-minute load average at its end
+    "bench/speedup_spread": None,  # ... speedup/decode_tok_s's 95 % interval, high / low
 }
 # speed/<name> (also base_speed/<name>); c<N>/... per concurrency level.
 SPEED: dict[str, Direction | None] = {
@@ -236,6 +240,9 @@ TAGS: dict[str, str] = {
     "quantbench.bench_base_dtype": "the dtype the base model was measured in (through vLLM: as it reports it)",
     "quantbench.task_engine": "evaluate --engine: the engine the task_engine/ metrics were scored through, and its dtype",
     "quantbench.bench_partial": "true when the last bench stopped part-way (its server died)",
+    "quantbench.bench_busy": "true | false: the machine was too busy for the bench's speed figures (other processes' "
+    "CPU time, stolen time, or repetitions that disagreed); a gate calls a failing speed check unmeasurable",
+    "quantbench.bench_busy_why": "when busy: what was measured (other processes' share, steal, the interval's spread)",
     "quantbench.spec_target": "bench --draft: the target model's source",
     "quantbench.spec_draft": "bench --draft: the draft checkpoint",
     "quantbench.resumed_from_step": "distillation: the training step an interrupted job resumed from",

@@ -111,3 +111,39 @@ def test_a_measure_of_zero_gives_no_speedup_rather_than_a_crash():
     m = result.metrics
     assert m["speed/peak_mem_mb"] == 0.0 and "speedup/peak_mem_mb" not in m
     assert m["speedup/ttft_ms_p50"] == 2.0 and m["speedup/e2e_ms_p50"] == 2.0
+
+
+@pytest.mark.slow  # keeps every CPU busy on purpose for the length of a bench
+def test_a_bench_beside_cpu_bound_processes_says_it_was_busy_and_the_gate_calls_speed_unmeasurable(
+        workdir, tiny_model_dir, profile, capsys):
+    """Issue: a bench beside two other jobs logged a speedup of 1.47 [0.035, 42.5], and the gate failed
+    it as 'slower'. Here one CPU-bound process per CPU runs through the whole bench: the bench says
+    so, its run is tagged busy, and a failing speed check is unmeasurable, with the command to re-run."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(psutil.cpu_count())]
+    try:
+        write_recipe(workdir, "q", tiny_recipe(tiny_model_dir, "method: fp8\n")
+                     + f"bench:\n  profile: {profile}\n  backend: hf\n")
+        assert main(["quantize", "q", "--json"]) == 0
+    finally:
+        for proc in burners:
+            proc.kill()
+            proc.wait()
+    out, err = capsys.readouterr()
+    result = last_json(out)
+    assert "bench: the machine was too busy to measure speed here (other processes used" in err
+    [run] = runs()
+    assert run.data.tags["quantbench.bench_busy"] == "true"
+    assert run.data.metrics["bench/others_cpu_share"] >= 0.25  # the burners' share, not ours
+    (workdir / "policies").mkdir()
+    (workdir / "policies" / "fast.yaml").write_text(
+        "stages: [quantize, bench]\nspeed_engine: any\nmin:\n  speedup/decode_tok_s: 100\n")
+    assert main(["gate", result["run_id"], "--policy", "fast"]) == 1
+    out = capsys.readouterr().out
+    assert "UNMEASURABLE" in out
+    assert "speed unmeasurable here (the machine was busy: other processes used" in out
+    assert f"re-run `make bench RUN={result['run_id']}` on a quiet machine" in out

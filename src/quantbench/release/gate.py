@@ -124,6 +124,7 @@ class Check:
     ci_low: float | None = None  # the metric's 95 % interval, when the run logged one
     ci_high: float | None = None
     on: str = "value"  # what the threshold was held against: value, ci_low or ci_high
+    unmeasurable: bool = False  # failed because the figure could not be measured here (a busy machine)
 
 
 def policies_dir() -> Path:
@@ -196,10 +197,16 @@ def _interval_problems(path: Path, section: str, key: str, name: str, limit: Lim
 
 
 def evaluate_policy(
-    policy: Policy, status: str, tags: dict[str, str], metrics: dict[str, float], stored: bool = False
+    policy: Policy,
+    status: str,
+    tags: dict[str, str],
+    metrics: dict[str, float],
+    stored: bool = False,
+    run_id: str = "<run id>",
 ) -> list[Check]:
     """Every check of the policy on one run's raw values; none is skipped when an earlier fails.
-    `stored`: the run has its checkpoint as an artifact (so it need not be on this machine)."""
+    `stored`: the run has its checkpoint as an artifact (so it need not be on this machine). A speed
+    check that fails on figures a busy machine measured is unmeasurable, not slower."""
     checks = [Check("run status", status, "FINISHED", status == "FINISHED")]
     for stage in policy.stages:
         evidence = STAGE_EVIDENCE[stage]
@@ -228,6 +235,12 @@ def evaluate_policy(
             check.note = (
                 f"measured through {engine}: not a serving engine (policy speed_engine: serving); "
                 "`make bench RUN=<run id>` measures through vLLM or transformers serve"
+            )
+        elif speed and not check.passed and tags.get(TAG + "bench_busy") == "true":
+            check.unmeasurable = True
+            check.note = (
+                f"speed unmeasurable here (the machine was busy: {tags.get(TAG + 'bench_busy_why', '?')}); "
+                f"re-run `make bench RUN={run_id}` on a quiet machine"
             )
     checks += limits
     checkpoint = tags.get(TAG + "checkpoint")
@@ -284,7 +297,9 @@ def table(checks: list[Check]) -> str:
     rows = []
     for c in checks:
         value = f"{c.value:.4g}" if isinstance(c.value, float) else str(c.value if c.value is not None else "—")
-        result = ("pass" if c.passed else "FAIL") + (f"  ({c.note})" if c.note else "")
+        result = ("pass" if c.passed else "UNMEASURABLE" if c.unmeasurable else "FAIL") + (
+            f"  ({c.note})" if c.note else ""
+        )
         rows.append([c.check, value, _interval_text(c), str(c.threshold), result])
     return tables.table(["check", "value", "95% interval", "threshold", "result"], rows, "lrrrl")
 
@@ -317,7 +332,8 @@ def markdown(checks: list[Check], header: str) -> str:
         value = repr(c.value) if isinstance(c.value, float) else str(c.value if c.value is not None else "—")
         interval = "—" if c.ci_low is None else f"[{c.ci_low!r}, {c.ci_high!r}]"
         rows.append(
-            f"| `{c.check}` | {value} | {interval} | {c.threshold} | {'pass' if c.passed else '**FAIL**'} {c.note} |"
+            f"| `{c.check}` | {value} | {interval} | {c.threshold} | "
+            f"{'pass' if c.passed else '**UNMEASURABLE**' if c.unmeasurable else '**FAIL**'} {c.note} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -343,7 +359,12 @@ def run(run_id: str, policy_name: str, *, experiment: str | None = None) -> dict
 
     try:
         checks = evaluate_policy(
-            loaded.policy, info.status, tags, metrics, stored=run_.has_artifact(f"{ARTIFACT}/config.json")
+            loaded.policy,
+            info.status,
+            tags,
+            metrics,
+            stored=run_.has_artifact(f"{ARTIFACT}/config.json"),
+            run_id=run_id,
         )
     except MissingInterval as exc:
         why = (

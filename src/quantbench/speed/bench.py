@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from quantbench import engines
-from quantbench.core import environment
+from quantbench.core import environment, intervals
+from quantbench.core.busy import Busy, BusyWatch
 from quantbench.core.errors import UserError
 from quantbench.engines import ServerSettings, ServingEngine
 from quantbench.sources import data, models
@@ -202,8 +203,9 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
     logs: list[Path] = []
     served: dict[str, tuple[str, str]] = {}
     sweep = SweepRates() if plan.profile.sweep else None
+    watch = BusyWatch()
     try:
-        with _measurers(plan, checkpoint, base, logs, sweep, served) as measurers:
+        with watch, _measurers(plan, checkpoint, base, logs, sweep, served) as measurers:
             result = bench_pair(measurers, plan.token_ids, plan.profile, sweep)
             scored = _long_context_quality(plan, served)
     except PartialBench as exc:
@@ -224,10 +226,13 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
     tags |= _served_dtypes(plan, logs)
     if plan.profile.kv_cache:
         tags[TAG + "bench_kv_cache"] = plan.profile.kv_cache
+    busy = judge_busy(watch, result.metrics)
+    tags |= busy_tags(busy)
     metrics = {
         **result.metrics,
         **_kv_cache_sizes(plan, logs),
         **scored,
+        **busy.metrics(),
         "model/size_mb": weights_size_mb(checkpoint),
     }
     plots = []
@@ -244,8 +249,35 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
         "metrics": metrics,
         "samples": spread(result.samples),
         "dtypes": {"candidate": tags.get(TAG + "bench_dtype"), "base": tags[TAG + "bench_base_dtype"]},
+        "busy": {"busy": busy.busy, "why": busy.why, **busy.metrics("")},
     }
     return BenchResult(metrics, tags, report, logs, plots)
+
+
+# The speedup whose interval judges the repetitions' spread (the one a release policy holds).
+SPREAD_METRIC = "speedup/decode_tok_s"
+
+
+def judge_busy(watch: BusyWatch, metrics: dict[str, float]) -> Busy:
+    """Whether the machine was too busy for the figures: what else ran during the bench, and how
+    far its repetitions disagreed. Said once on the terminal when it was."""
+    assert watch.result is not None
+    interval = intervals.interval_of(metrics, SPREAD_METRIC)
+    busy = watch.result.judge(interval)
+    if busy.busy:
+        log.warning(
+            "bench: the machine was too busy to measure speed here (%s); these speed figures are logged but "
+            "a gate calls them unmeasurable: re-run `make bench RUN=<run id>` on a quiet machine",
+            busy.why,
+        )
+    return busy
+
+
+def busy_tags(busy: Busy) -> dict[str, str]:
+    return {
+        TAG + "bench_busy": "true" if busy.busy else "false",
+        **({TAG + "bench_busy_why": busy.why} if busy.busy else {}),
+    }
 
 
 def prefix_length(profile: Profile) -> int:
