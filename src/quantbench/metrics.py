@@ -100,6 +100,8 @@ FIXED: dict[str, Direction | None] = {
     "tune/best_size_mb": None,
     "tune/best_kld": None,
     "tune/best_bits_per_weight": None,
+    "plan/peak_rss_mb": None,  # the memory plan (jobs/footprint.py): the job's highest stage
+    "plan/ram_available_mb": None,  # ... and what the machine had available when it was planned
     "bench/others_cpu_share": None,  # the bench: other processes' share of the machine's CPU time meanwhile
     "bench/steal_share": None,  # ... the hypervisor's
     "bench/load_avg": None,  # ... the 1-minute load average at its end
@@ -189,6 +191,13 @@ PATTERNS = (
     "task_engine/<task>/<metric>",
     "stack/<step>/multiplier",
     "stack/<step>/cumulative",
+    "stage/<stage>/wall_s",
+    "stage/<stage>/peak_rss_mb",
+    "stage/<stage>/disk_mb",
+    "stage/<stage>/temp_disk_mb",
+    "plan/<stage>/peak_rss_mb",
+    "plan/<stage>/disk_mb",
+    "plan/<stage>/temp_disk_mb",
     "quality/kld_mean:pos<a>-<b>",
     "quality/top1_agreement:pos<a>-<b>",
 )

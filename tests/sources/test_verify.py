@@ -136,9 +136,12 @@ def test_a_random_model_is_near_uniform_and_a_peaked_random_one_is_refused(tiny_
 
 
 def test_the_base_check_measures_with_and_without_bos_and_judges_as_the_tokenizer_does(tiny_model_dir, tiny_tokenizer):
-    """Both perplexities once; the verdict and `ppl` are those of the windows the tokenizer makes."""
+    """The verdict and `ppl` are those of the windows the tokenizer makes, over every token asked
+    for (the job's base perplexity: no second pass); both framings are compared on the first
+    OTHER_FRAMING_WINDOWS windows only (one more short pass, not a second full one)."""
     from transformers import AutoModelForCausalLM
 
+    from quantbench.core.measures import perplexity
     from quantbench.sources import data
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -150,10 +153,13 @@ def test_the_base_check_measures_with_and_without_bos_and_judges_as_the_tokenize
     plain = verify.check_base_perplexity(model, text, calibration, 512, 128, 512, bos_token_id=1, wants_bos=False)
     assert wants.bos and wants.ppl == with_bos.ppl and wants.unigram_ppl == with_bos.unigram_ppl
     assert not plain.bos and plain.ppl == without.ppl
+    few = verify.OTHER_FRAMING_WINDOWS * 128
+    assert few < 512
+    first_with, first_without = perplexity(model, data.framed(text, 128, 1)[:few], 128), perplexity(model, text[:few], 128)
     for result in (wants, plain):
-        assert (result.ppl_with_bos, result.ppl_without_bos) == (with_bos.ppl, without.ppl)
+        assert (result.ppl_with_bos, result.ppl_without_bos) == (first_with, first_without)
     assert with_bos.ppl != without.ppl
-    assert f"with BOS, as the tokenizer encodes; without BOS: {without.ppl:.4g}" in wants.describe()
+    assert f"with BOS, as the tokenizer encodes; without BOS: {first_without:.4g}" in wants.describe()
     none = verify.check_base_perplexity(model, text, calibration, 512, 128, 512, bos_token_id=None, wants_bos=False)
     assert not none.bos and none.ppl_with_bos is None and none.ppl == without.ppl
     assert verify.bos_hint(wants) is None and verify.bos_hint(none) is None  # a random model: BOS hardly matters
@@ -164,7 +170,7 @@ def test_a_model_far_better_with_the_other_bos_convention_is_pointed_out():
         return verify.PerplexityCheck(with_bos if bos else without, 900.0, 3.0, 49152, "ok", bos, with_bos, without)
 
     lost = verify.bos_hint(check(False, 45.0, 192.8))  # the defect: a tokenizer that lost add_bos_token
-    assert lost and "far better with a BOS" in lost and "perplexity 45)" in lost and "(192.8, without BOS)" in lost
+    assert lost and "far better with a BOS" in lost and "perplexity 45)" in lost and "(192.8, without BOS, on the same 2 windows)" in lost
     assert verify.bos_hint(check(False, 14.74, 14.53)) is None  # SmolLM2: adds no BOS, and is no better with one
     assert verify.bos_hint(check(True, 30.0, 45.0)) is None
     assert verify.bos_hint(check(True, 30.0, 20.0))  # exactly BOS_HINT_RATIO (1.5x) better: pointed out

@@ -79,6 +79,8 @@ class ServingEngine:
     prefix_cache: ClassVar[str | None] = "does not turn its prefix cache on and off per request"
     # the KV-cache types a server can be started with here (ServerSettings.kv_cache), its own names
     kv_cache_types: ClassVar[tuple[str, ...]] = ()
+    # a server's own resident memory besides its weights and KV cache (a job's memory plan)
+    runtime_bytes: ClassVar[int] = 2**30
 
     @property
     def tag_name(self) -> str:
@@ -152,6 +154,11 @@ class ServingEngine:
     def kv_cache_mb(self, log_path: Path) -> float | None:
         """The size of the KV cache the server allocated (MiB), as its log says, if it says."""
         return None
+
+    def server_memory(self, weights: int, kv_per_token: int, max_len: int, slots: int) -> int:
+        """Resident memory of one server of a model of `weights` bytes (as it loads them) with room for
+        `slots` requests of `max_len` tokens (`kv_per_token` bytes each): for a job's memory plan."""
+        return weights + kv_per_token * max_len * slots + self.runtime_bytes
 
     def max_model_len(self, checkpoint: Path) -> int | None:
         """The longest context the checkpoint allows (its config's max_position_embeddings)."""

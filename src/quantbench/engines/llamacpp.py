@@ -58,6 +58,7 @@ class LlamaServer(ServingEngine):
     # llama-server --cache-type-k/-v (a quantized V cache needs flash attention, turned on with it)
     kv_cache_types = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "iq4_nl", "q4_1", "q4_0")
     health_timeout_s = 120.0  # loading a GGUF is seconds; a first build happens before, in ensure()
+    runtime_bytes = int(0.15 * 2**30)  # llama-server besides the file it maps and its KV cache
 
     def __init__(self) -> None:
         self.tools: build.Tools | None = None

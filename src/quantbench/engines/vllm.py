@@ -34,6 +34,7 @@ class VLLM(ServingEngine):
     drafts = None
     quality = "prompt_logprobs"  # lm-eval's local-completions scores tasks through it (evaluate --engine vllm)
     health_timeout_s = 600.0  # vLLM-CPU compiles its graphs at start-up: 1-2 min on 2 cores
+    runtime_bytes = int(2.5 * 2**30)  # its API server, engine core and compiled graphs (vllm-cpu, 2 cores)
 
     def __init__(self) -> None:
         self.env: vllm_engine.Engine | None = None  # the environment, once found or created
@@ -46,6 +47,16 @@ class VLLM(ServingEngine):
 
     def cpu_note(self) -> str:
         return " (vllm-cpu)"
+
+    def server_memory(self, weights: int, kv_per_token: int, max_len: int, slots: int) -> int:
+        """On a GPU the weights and KV cache are in its memory; on a CPU vLLM reserves its KV cache
+        whole up front (VLLM_CPU_KVCACHE_SPACE, which quantbench sets to 1 GiB unless given)."""
+        import os
+
+        if hardware.cuda():
+            return self.runtime_bytes
+        reserved = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30
+        return weights + int(reserved) + self.runtime_bytes
 
     def unserved(self, checkpoint: Path | dict) -> str | None:
         return vllm_engine.unserved(checkpoint)

@@ -28,8 +28,12 @@ from pathlib import Path
 
 from quantbench.core import environment, hardware
 from quantbench.core.errors import UserError, check_creatable_dir
+from quantbench.core.resources import StageCost, StageMeter
+from quantbench.jobs import footprint
+from quantbench.jobs.footprint import Footprint
 from quantbench.quality import stage as evaluate_stage
-from quantbench.quantize import Backend, Inputs, estimate
+from quantbench.quality.check import reload_check
+from quantbench.quantize import Backend, Inputs, Produced, estimate
 from quantbench.recipe import (
     LoadedRecipe,
     RecipeError,
@@ -38,13 +42,13 @@ from quantbench.recipe import (
 )
 from quantbench.release import card
 from quantbench.sources import data, models
+from quantbench.sources.shapes import Shape
 from quantbench.sources.checkpoint import (
     Target,
     bits_per_weight,
     check_loadable,
     gguf_file,
     load_model,
-    param_bytes,
     quant_method,
     resolve_target,
     weights_sha,
@@ -77,7 +81,10 @@ class Job:
     produce_estimate: estimate.Estimate | None = (
         None  # the produce step's expected wall time here, when it depends on data
     )
-    model: object = None  # the base model in the compute dtype, when the estimate loaded it (execute takes it)
+    model: object = None  # the base model in the compute dtype, when prepare loaded it (execute takes it)
+    base_ppl: float = float("nan")  # the base's perplexity on check_ids in the compute dtype (the base check's pass)
+    footprint: Footprint | None = None  # each stage's memory and disk, planned
+    prepare_cost: StageCost | None = None  # what prepare itself cost (it runs before the run exists)
 
     @property
     def produce_dtype(self) -> str:
@@ -120,7 +127,9 @@ def quantize(
     experiment: str | None = None,
     strict_budget: bool = False,
 ) -> JobResult:
-    job = prepare(recipe, overrides, experiment=experiment, outputs=outputs, strict_budget=strict_budget)
+    with StageMeter("prepare") as meter:
+        job = prepare(recipe, overrides, experiment=experiment, outputs=outputs, strict_budget=strict_budget)
+    job.prepare_cost = meter.cost
     return execute(job, outputs=outputs, experiment=experiment)
 
 
@@ -178,9 +187,6 @@ def prepare(
     text_shas["evaluation"] = data.text_sha(eval_text)
     eval_ids = data.text_ids(tokenizer, eval_text)
     check_ids = data.framed(eval_ids, spec.check.window, bos)[: spec.check.ppl_tokens]
-    if spec.check.base_ppl_bound:
-        with _prefixed(where):
-            check_base(base, tokenizer, eval_ids, spec.check.ppl_tokens, spec.check.window, "model.source")
     evaluation = bench = None
     with _prefixed(where):
         if spec.evaluate is not None:
@@ -196,7 +202,21 @@ def prepare(
                 backend_field="bench.backend",
             )
     compute_dtype = spec.model.computes_in()
-    produce_estimate, model = _estimate(loaded, base, backend, calibration, eval_ids, compute_dtype, strict_budget)
+    footprint = _plan(loaded, base, backend, compute_dtype, evaluation, bench, outputs, experiment)
+    for line in footprint.lines():
+        log.info("%s", line)
+    problems = footprint.problems(where)
+    if problems:
+        raise UserError(problems)
+    loader = _BaseLoader(base.path, compute_dtype)
+    with _prefixed(where):
+        check = check_base(
+            base, tokenizer, eval_ids, spec.check.ppl_tokens, spec.check.window, "model.source",
+            dtype=compute_dtype, loader=loader, enforce=spec.check.base_ppl_bound,
+        )  # fmt: skip
+    produce_estimate = _estimate(loaded, base, backend, calibration, eval_ids, compute_dtype, strict_budget, loader)
+    model = loader.model if backend.takes_model else None
+    loader.release()
     return Job(
         loaded,
         base,
@@ -210,6 +230,51 @@ def prepare(
         compute_dtype,
         produce_estimate,
         model,
+        check.ppl,
+        footprint,
+    )
+
+
+class _BaseLoader:
+    """The base model in the compute dtype, loaded at most once in prepare (by the base check or the
+    estimate, whichever needs it first) and handed to the job, or let go."""
+
+    def __init__(self, path: Path, dtype: str):
+        self.path, self.dtype = path, dtype
+        self.model = None
+
+    def __call__(self):
+        if self.model is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, self.dtype)).eval()
+        return self.model
+
+    def release(self) -> None:
+        self.model = None
+
+
+def _plan(loaded, base, backend, compute: str, evaluation, bench, outputs: Path, experiment) -> Footprint:
+    """The job's memory and disk, stage by stage, from the base's config and the recipe."""
+    from transformers import AutoConfig
+
+    spec = loaded.recipe
+    shape = Shape.from_config(AutoConfig.from_pretrained(base.path))
+    produce = footprint.produce_footprint(backend, shape, loaded, compute)
+    estimating = (backend.calibrates or backend.trains) and estimate.passes(spec.quantize, 1, 1) is not None
+    cached = evaluation is None or evaluate_stage.baseline_exists(Tracker(experiment, reap=False), base, evaluation)
+    return footprint.plan(
+        shape,
+        compute=compute,
+        saved=spec.model.dtype,
+        produce=produce,
+        check_window=spec.check.window,
+        estimate_window=spec.calibration.seq_len if estimating else None,
+        evaluation=evaluation,
+        baseline_cached=cached,
+        bench=bench,
+        outputs=outputs / loaded.name,
     )
 
 
@@ -242,25 +307,23 @@ def _estimate(
     eval_ids: list[int],
     dtype: str,
     strict: bool,
-) -> tuple[estimate.Estimate | None, object]:
+    loader: _BaseLoader,
+) -> estimate.Estimate | None:
     """Time a few forward passes, say how long the produce step will take, and hold it to the
-    recipe's budget_minutes (refused with `strict`: exit 2, before any run exists). Returns the
-    estimate and the base model it loaded in the compute dtype, which the job then computes with
-    (None, None where the method's time does not grow with data)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    recipe's budget_minutes (refused with `strict`: exit 2, before any run exists). None where the
+    method's time does not grow with data."""
+    from transformers import AutoConfig
 
     spec, q = loaded.recipe, loaded.recipe.quantize
     if not (backend.calibrates or backend.trains) or estimate.passes(q, 1, 1) is None:
-        return None, None
+        return None
     if calibration is not None:
         windows = calibration
     else:  # a trained model: windows of its training length, from held-out text (only timed, never learnt)
         length = getattr(q, "seq_len", spec.calibration.seq_len)
         windows = [eval_ids[i : i + length] for i in range(0, min(len(eval_ids), 3 * length), length)]
     layers = AutoConfig.from_pretrained(base.path).num_hidden_layers
-    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=getattr(torch, dtype)).eval()
-    found = estimate.estimate(q, model, windows, layers, dtype)
+    found = estimate.estimate(q, loader(), windows, layers, dtype)
     log.info(
         "estimate: the produce step will take ~%.1f min here (%s; %s)",
         found.minutes(),
@@ -280,7 +343,7 @@ def _estimate(
         if strict:
             raise UserError(message + " Refused: --strict-budget.")
         log.warning("%s Going on (--strict-budget refuses instead).", message)
-    return found, model
+    return found
 
 
 def _expected_config(config_path: Path, backend: Backend, q) -> dict:
@@ -369,26 +432,42 @@ def check_outputs(loaded: LoadedRecipe, outputs: Path) -> None:
 
 
 def check_base(
-    base: models.ResolvedModel, tokenizer, text_ids: list[int], tokens: int, window: int, field: str
-) -> None:
-    """Refuse a base model that predicts held-out text (`tokens` positions of `text_ids`) worse than a
-    unigram model of its own tokens (verify.check_base_perplexity: measured with and without a BOS
-    starting each window, judged as the tokenizer encodes); computed once per (model, tokenizer,
-    text) and cached."""
+    base: models.ResolvedModel,
+    tokenizer,
+    text_ids: list[int],
+    tokens: int,
+    window: int,
+    field: str,
+    *,
+    dtype: str = "auto",
+    loader=None,
+    enforce: bool = True,
+):
+    """The base model's perplexity on held-out text (`tokens` positions of `text_ids`, framed as the
+    tokenizer frames them) in `dtype`: the job's base perplexity, and (`enforce`) a refusal of a base
+    that predicts worse than a unigram model of its own tokens (verify.check_base_perplexity);
+    computed once per (model, tokenizer, text, dtype) and cached. `loader`: gives the base model
+    loaded in `dtype` (prepare's, so the model is loaded once)."""
     from quantbench.sources import verify
 
     wants_bos = data.bos_id(tokenizer) is not None
 
     def compute():
+        import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
         log.info(
-            "checking the base model %s once: perplexity on held-out text (with and without BOS) against "
-            "a unigram model",
+            "scoring the base model %s once: perplexity on held-out text (in %s) against a unigram model",
             base.name,
+            dtype,
         )
         calibration_ids = data.text_ids(tokenizer, data.python_docs("calibration"))
-        model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto").eval()
+        if loader is not None:
+            model = loader()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                base.path, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
+            ).eval()
         vocab_size = AutoConfig.from_pretrained(base.path).vocab_size
         return verify.check_base_perplexity(
             model, text_ids, calibration_ids, tokens, window, vocab_size, tokenizer.bos_token_id, wants_bos
@@ -402,12 +481,15 @@ def check_base(
         "window": window,
         "bos": [tokenizer.bos_token_id, wants_bos],
         "calibration": data.text_sha(data.python_docs("calibration")),
-        "version": 2,
+        "dtype": dtype,
+        "version": 3,  # 3: the other BOS framing on OTHER_FRAMING_WINDOWS windows; the dtype in the key
     }
     result = verify.cached_check(key, compute)
     log.info(
-        "base model %s: perplexity %s with BOS, %.4g without; the check used the windows %s BOS (its tokenizer %s)",
+        "base model %s: perplexity %.4g; on its first windows %s with BOS, %.4g without; the check used the windows "
+        "%s BOS (its tokenizer %s)",
         base.name,
+        result.ppl,
         "n/a (no BOS token)" if result.ppl_with_bos is None else f"{result.ppl_with_bos:.4g}",
         result.ppl_without_bos,
         "with" if result.bos else "without",
@@ -415,6 +497,8 @@ def check_base(
     )
     if hint := verify.bos_hint(result):
         log.warning("%s: %s", base.name, hint)
+    if not enforce:
+        return result
     if result.verdict == "near-uniform":
         log.warning(
             "the base model %s predicts nearly uniformly (%s): an untrained or random model; the perplexity "
@@ -430,6 +514,7 @@ def check_base(
             "another model's vocabulary), a BOS token it expects and does not get, or a dtype it cannot run "
             "in. Check the source; `check.base_ppl_bound: false` skips this for a model known to be random."
         )
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,130 +522,227 @@ def check_base(
 
 
 def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
+    """The job's run: the base scored (its baseline, when the suite has none yet), produce, reload
+    check, evaluate, bench, each measured (`stage/<name>/...`) beside the plan (`plan/<name>/...`);
+    one copy of the model at a time. The checkpoint is renamed into place only at the end."""
+    from quantbench.core.logs import log_file
+
+    spec, loaded = job.loaded.recipe, job.loaded
+    tracker = Tracker(experiment)
+    with tracker.start_run(f"{loaded.name} · {models.short_name(spec.model.source)}", _candidate_tags(job)) as run:
+        where = _Where(outputs / loaded.name, run.run_id, f".{spec.quantize.method}-{loaded.sha[:16]}")
+        costs = _Costs(run, [job.prepare_cost] if job.prepare_cost else [])
+        try:
+            with log_file(where.log):
+                result = _stages(job, run, tracker, where, costs)
+        except BaseException:
+            shutil.rmtree(where.staging, ignore_errors=True)
+            raise
+        finally:
+            run.log_metrics(costs.metrics())
+            if where.log.exists():
+                run.log_artifact(where.log)
+    result.metrics |= costs.metrics()
+    return result
+
+
+@dataclass
+class _Where:
+    """Where a job writes: the recipe's directory under outputs/, its run's checkpoint, staging
+    directory and log, and the method's work directory (state an interrupted job resumes from)."""
+
+    directory: Path
+    run_id: str
+    work: str
+
+    @property
+    def final(self) -> Path:
+        return self.directory / self.run_id
+
+    @property
+    def staging(self) -> Path:
+        return self.directory / f".{self.run_id}.partial"
+
+    @property
+    def log(self) -> Path:
+        return self.directory / f"{self.run_id}.log"
+
+    @property
+    def workdir(self) -> Path:
+        return self.directory / self.work
+
+
+class _Costs:
+    """Each stage's measured cost, logged into the run at the end (also when the job failed: what it
+    cost up to there)."""
+
+    def __init__(self, run, costs: list[StageCost]):
+        self.run, self.costs = run, costs
+
+    @contextmanager
+    def stage(self, name: str, directories: tuple[Path, ...] = ()):
+        import gc
+
+        gc.collect()  # what the stage before let go is gone before this one is measured
+        meter = StageMeter(name, directories)
+        try:
+            with meter:
+                yield
+        finally:
+            if meter.cost is not None:
+                self.costs.append(meter.cost)
+                log.info(
+                    "%s: %.1f s, peak memory %.2f GiB%s",
+                    name,
+                    meter.cost.wall_s,
+                    meter.cost.peak_rss_mb / 1024,
+                    f", {meter.cost.disk_mb / 1024:.2f} GiB written" if meter.cost.disk_mb >= 1 else "",
+                )
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for cost in self.costs:
+            out |= cost.metrics()
+        return out
+
+
+def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> JobResult:
+    spec, loaded, backend = job.loaded.recipe, job.loaded, job.backend
+    q = spec.quantize
+    names = ["produce", "reload check"] + ["evaluate"] * bool(job.evaluation) + ["bench"] * bool(job.bench)
+    step = _Steps(names)
+    run.set_tags({STAGING: where.staging.resolve()})
+    run.log_dict(_resolved_record(job), "resolved_recipe.json")  # the first artifact
+    run.log_params(loaded.resolved)
+    if job.footprint is not None:
+        run.log_metrics(job.footprint.metrics())
+    log.info("run %s: recipe %s (%s %s), base %s", run.run_id, loaded.name, q.method, q.scheme, job.base.path)
+    log.info("computing in %s, saving in %s (%s)", job.produce_dtype, spec.model.dtype, hardware.device_line())
+
+    baseline = None
+    if job.evaluation is not None:
+        # scored before anything is quantized, so the base and a candidate are never loaded together
+        if not evaluate_stage.baseline_exists(tracker, job.base, job.evaluation):
+            job.model = None  # prepare's copy in the compute dtype: the baseline loads the base as stored
+        with costs.stage("baseline"):
+            baseline = evaluate_stage.get_baseline(tracker, job.base, job.evaluation)
+
+    step("produce")
+    with costs.stage("produce", (where.staging, where.workdir)):
+        produced, base_size_mb = _produce(job, run, where)
+
+    step("reload check")
+    with costs.stage("check"):
+        log.info("reloading the saved checkpoint from disk and checking it")
+        check = reload_check(
+            where.staging,
+            spec.check,
+            job.check_ids,
+            job.base_ppl,
+            produced.reference_ppl,
+            dtype=hardware.compute_dtype_of(where.staging, job.compute_dtype),
+        )
+        sha = weights_sha(where.staging)  # same recipe, same seed, same engine versions -> same hash
+    log.info("weights sha256 %s (%s)", sha, produced.pinned)
+    run.set_tags({TAG + "weights_sha": sha or "none", TAG + "deterministic": produced.pinned})
+    write_info(where.staging, {**_checkpoint_info(job, run.run_id), "weights_sha": sha})
+    size_mb = weights_size_mb(where.staging)
+    if job.produce_estimate is not None:
+        produced.metrics["quantize/estimate_s"] = job.produce_estimate.seconds
+    metrics = {
+        **(job.footprint.metrics() if job.footprint is not None else {}),
+        **produced.metrics,
+        "model/size_mb": size_mb,
+        "model/base_size_mb": base_size_mb,
+        "model/compression_ratio": base_size_mb / size_mb,
+        **check.metrics,
+    }
+    bits = bits_per_weight(where.staging)
+    if bits is not None:
+        metrics["model/bits_per_weight"] = bits
+    run.log_metrics(metrics)
+    info = card.CardInfo(
+        loaded, job.base, backend.format, backend.loaders(), produced.card, len(job.check_ids), run.run_id
+    )
+    card.write(where.staging, where.final, info, metrics, check.sample)
+
+    evaluation = bench = None
+    if job.evaluation is not None:
+        step("evaluate")
+        with costs.stage("evaluate"):
+            evaluation = evaluate_stage.evaluate(
+                check.model, check.tokenizer, job.base, job.evaluation, tracker, baseline=baseline
+            )
+            run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
+            metrics.update(evaluation.metrics)
+            engine_quality = _engine_quality(where.staging, job.base, job.evaluation, job.tokenizer, where.log)
+            run.log_metrics(engine_quality)
+            metrics.update(engine_quality)
+    sample = check.sample
+    del check  # the bench loads one model at a time
+    if job.bench is not None:
+        step("bench")
+        with costs.stage("bench"):
+            bench = _bench(run, where.staging, job.base, job.bench)
+        metrics.update(bench.metrics)
+    if evaluation is not None or bench is not None:
+        card.write(where.staging, where.final, info, metrics, sample)  # now with quality and speed
+
+    if run.shares_artifacts:  # a tracking server's artifact store: other machines fetch it from there
+        upload_checkpoint(run, where.staging)
+    where.staging.rename(where.final)
+    run.set_tags({TAG + "checkpoint": where.final.resolve()})
+    shutil.rmtree(where.workdir, ignore_errors=True)  # done: nothing to resume
+    run.log_artifact(where.final / "README.md")
+    log.info("checkpoint: %s", where.final)
+    return JobResult(run.run_id, where.final, where.log, metrics, sample, evaluation, bench)
+
+
+def _produce(job: Job, run, where: _Where) -> tuple[Produced, float]:
+    """The backend writes the checkpoint into the staging directory, from the base model loaded in
+    the compute dtype when it computes on it (prepare's copy, else loaded now), else from files.
+    Returns what it reported and the base's size in its saved dtype (MiB)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantbench.core.logs import log_file
-    from quantbench.core.measures import perplexity
-    from quantbench.quality.check import reload_check
     from quantbench.quantize.stage import produce
 
-    spec, loaded, backend = job.loaded.recipe, job.loaded, job.backend
-    q = spec.quantize
-    tracker = Tracker(experiment)
-    with tracker.start_run(f"{loaded.name} · {models.short_name(spec.model.source)}", _candidate_tags(job)) as run:
-        recipe_dir = outputs / loaded.name
-        final = recipe_dir / run.run_id
-        staging = recipe_dir / f".{run.run_id}.partial"
-        log_path = recipe_dir / f"{run.run_id}.log"
-        workdir = recipe_dir / f".{q.method}-{loaded.sha[:16]}"
-        stages = ["produce", "reload check"] + ["evaluate"] * bool(job.evaluation) + ["bench"] * bool(job.bench)
-        step = _Steps(stages)
-        try:
-            with log_file(log_path):
-                run.set_tags({STAGING: staging.resolve()})
-                run.log_dict(_resolved_record(job), "resolved_recipe.json")  # the first artifact
-                run.log_params(loaded.resolved)
-                log.info(
-                    "run %s: recipe %s (%s %s), base %s", run.run_id, loaded.name, q.method, q.scheme, job.base.path
-                )
+    spec = job.loaded.recipe
+    where.staging.mkdir(parents=True)
+    model = job.take_model() if job.backend.takes_model else None
+    job.model = None
+    if job.backend.takes_model and model is None:
+        model = AutoModelForCausalLM.from_pretrained(job.base.path, dtype=getattr(torch, job.compute_dtype))
+    base_size_mb = base_bytes(job.base.path, spec.model.dtype) / 2**20
+    inputs = Inputs(
+        job.loaded,
+        job.base,
+        job.tokenizer,
+        job.calibration,
+        where.staging,
+        where.log,
+        where.workdir,
+        (job.check_ids, spec.check.window),
+        run,
+        model=model,
+    )
+    del model  # the engine takes it (or lets it go)
+    return produce(job.backend, inputs), base_size_mb
 
-                log.info(
-                    "computing in %s, saving in %s (%s)", job.produce_dtype, spec.model.dtype, hardware.device_line()
-                )
-                model = job.take_model()  # loaded by prepare's estimate, in the same dtype
-                if model is None:
-                    model = AutoModelForCausalLM.from_pretrained(job.base.path, dtype=getattr(torch, job.compute_dtype))
-                # in the dtype the base is saved in (the recipe's), not the one this CPU computes in
-                base_size_mb = param_bytes(model, getattr(torch, spec.model.dtype)) / 2**20
-                log.info("base model perplexity on %d held-out tokens", len(job.check_ids))
-                base_ppl = perplexity(model, job.check_ids, spec.check.window)
 
-                step("produce")
-                staging.mkdir(parents=True)
-                inputs = Inputs(
-                    loaded,
-                    job.base,
-                    job.tokenizer,
-                    job.calibration,
-                    staging,
-                    log_path,
-                    workdir,
-                    (job.check_ids, spec.check.window),
-                    run,
-                    model=model,
-                )
-                del model  # the engine takes it (or lets it go)
-                produced = produce(backend, inputs)
-                del inputs
+def base_bytes(path: Path, dtype: str) -> int:
+    """The base model's size in the recipe's dtype (not the one this CPU computes in), from its
+    config without loading it: its unique tensors (tied embeddings once), floating ones at that
+    dtype's width."""
+    import torch
+    from transformers import AutoConfig
 
-                step("reload check")
-                log.info("reloading the saved checkpoint from disk and checking it")
-                check = reload_check(
-                    staging,
-                    spec.check,
-                    job.check_ids,
-                    base_ppl,
-                    produced.reference_ppl,
-                    dtype=hardware.compute_dtype_of(staging, job.compute_dtype),
-                )
-                sha = weights_sha(staging)  # same recipe, same seed, same engine versions -> same hash
-                log.info("weights sha256 %s (%s)", sha, produced.pinned)
-                run.set_tags({TAG + "weights_sha": sha or "none", TAG + "deterministic": produced.pinned})
-                write_info(staging, {**_checkpoint_info(job, run.run_id), "weights_sha": sha})
-                size_mb = weights_size_mb(staging)
-                if job.produce_estimate is not None:
-                    produced.metrics["quantize/estimate_s"] = job.produce_estimate.seconds
-                metrics = {
-                    **produced.metrics,
-                    "model/size_mb": size_mb,
-                    "model/base_size_mb": base_size_mb,
-                    "model/compression_ratio": base_size_mb / size_mb,
-                    **check.metrics,
-                }
-                bits = bits_per_weight(staging)
-                if bits is not None:
-                    metrics["model/bits_per_weight"] = bits
-                run.log_metrics(metrics)
-                info = card.CardInfo(
-                    loaded, job.base, backend.format, backend.loaders(), produced.card, len(job.check_ids), run.run_id
-                )
-                card.write(staging, final, info, metrics, check.sample)
+    from quantbench.sources.checkpoint import skeleton
 
-                evaluation = bench = None
-                if job.evaluation is not None:
-                    step("evaluate")
-                    evaluation = evaluate_stage.evaluate(
-                        check.model, check.tokenizer, job.base, job.evaluation, tracker
-                    )
-                    run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
-                    metrics.update(evaluation.metrics)
-                    engine_quality = _engine_quality(staging, job.base, job.evaluation, job.tokenizer, log_path)
-                    run.log_metrics(engine_quality)
-                    metrics.update(engine_quality)
-                sample = check.sample
-                del check  # the bench loads one model at a time
-                if job.bench is not None:
-                    step("bench")
-                    bench = _bench(run, staging, job.base, job.bench)
-                    metrics.update(bench.metrics)
-                if evaluation is not None or bench is not None:
-                    card.write(staging, final, info, metrics, sample)  # now with quality and speed
-
-                if run.shares_artifacts:  # a tracking server's artifact store: other machines fetch it from there
-                    upload_checkpoint(run, staging)
-                staging.rename(final)
-                run.set_tags({TAG + "checkpoint": final.resolve()})
-                shutil.rmtree(workdir, ignore_errors=True)  # done: nothing to resume
-                run.log_artifact(final / "README.md")
-                log.info("checkpoint: %s", final)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        finally:
-            if log_path.exists():
-                run.log_artifact(log_path)
-    return JobResult(run.run_id, final, log_path, metrics, sample, evaluation, bench)
+    model = skeleton(AutoConfig.from_pretrained(path))
+    width = getattr(torch, dtype).itemsize
+    unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * (width if t.is_floating_point() else t.element_size()) for t in unique.values())
 
 
 def _engine_quality(checkpoint: Path, base: models.ResolvedModel, plan, tokenizer, log_path: Path | None) -> dict:
@@ -754,8 +936,9 @@ def evaluate(
     engine_plan = evaluate_stage.prepare_engine(engine, tgt.checkpoint, plan) if engine else None
     engine_result = None
     with target_run(tracker, tgt, base_model, "evaluate") as run:
+        baseline = evaluate_stage.get_baseline(tracker, base_model, plan)  # before the candidate is loaded
         model = load_model(tgt.checkpoint, dtype=hardware.compute_dtype_of(tgt.checkpoint))
-        evaluation = evaluate_stage.evaluate(model, tokenizer, base_model, plan, tracker)
+        evaluation = evaluate_stage.evaluate(model, tokenizer, base_model, plan, tracker, baseline=baseline)
         run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
         metrics = dict(evaluation.metrics)
         engine_quality = _engine_quality(tgt.checkpoint, base_model, plan, tokenizer, None)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from quantbench import engines
 from quantbench.core import hardware, intervals, paths
+from quantbench.core.upcast import float32_compute
 from quantbench.core.errors import UserError
 from quantbench.metrics import RECOVERABLE, direction
 from quantbench.quality.suite import BASELINE_FORMAT, LoadedSuite, suites_dir
@@ -144,14 +145,17 @@ def prepare(suite: LoadedSuite, tokenizer) -> Plan:
     return Plan(suite, ids, data.text_sha(text), tasks_dir, counts, ood_ids, ood_sha, bos, data.bos_tag(tokenizer, bos))
 
 
-def evaluate(model, tokenizer, base: models.ResolvedModel, p: Plan, tracker: Tracker) -> Evaluation:
-    """Score an already-loaded candidate against its base model (the baseline run is found in, or
-    added to, `tracker`'s experiment)."""
+def evaluate(
+    model, tokenizer, base: models.ResolvedModel, p: Plan, tracker: Tracker, baseline: Baseline | None = None
+) -> Evaluation:
+    """Score an already-loaded candidate against its base model (`baseline`, or the baseline run
+    found in, or added to, `tracker`'s experiment: then the base is loaded beside the candidate; a
+    job scores it before it loads a candidate)."""
     from quantbench.core.measures import compare
 
     spec = p.suite.suite
     started = time.perf_counter()
-    baseline = get_baseline(tracker, base, p)
+    baseline = baseline or get_baseline(tracker, base, p)
     baseline_s = time.perf_counter() - started
     log.info("evaluate: quality pass over %d held-out tokens", len(p.token_ids))
     comparison = compare(model, p.token_ids, spec.window, baseline.reference, spec.batch_size)
@@ -243,11 +247,21 @@ def _intervals(
     return {**out, **task_bounds}, notes + task_notes
 
 
+def _baseline_keys(base: models.ResolvedModel, p: Plan) -> dict[str, str]:
+    return {TAG + "role": "baseline", TAG + "base_fingerprint": base.fingerprint, TAG + "suite_sha": p.fingerprint}
+
+
+def baseline_exists(tracker: Tracker, base: models.ResolvedModel, p: Plan) -> bool:
+    """Whether the base model was scored with this suite already (its baseline run is reused)."""
+    return bool(tracker.find_runs(_baseline_keys(base, p)))
+
+
 def get_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan) -> Baseline:
-    """The base model's scores for this suite: reused when a baseline run exists, else made."""
+    """The base model's scores for this suite: reused when a baseline run exists, else made (the
+    base loaded as stored and computed in float32 one module at a time: one copy of the model)."""
     from quantbench.core.measures import Reference
 
-    keys = {TAG + "role": "baseline", TAG + "base_fingerprint": base.fingerprint, TAG + "suite_sha": p.fingerprint}
+    keys = _baseline_keys(base, p)
     found = tracker.find_runs(keys)
     if found:
         run = tracker.existing(found[0])
@@ -262,11 +276,9 @@ def get_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan) -> Basel
 
 
 def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys: dict) -> Baseline:
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantbench.core import environment
-    from quantbench.core.measures import reference
 
     spec = p.suite.suite
     tags = {
@@ -284,25 +296,23 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys:
     with tracker.start_run(f"baseline · {models.short_name(base.source)} · {p.suite.name}", tags) as run:
         run.log_params({"suite": spec.model_dump(mode="json")})
         # the reference distributions in float32, whatever the base is saved in: a bfloat16-saved
-        # base (a distilled student, quantized further) loaded as saved gave bfloat16 logits that its
-        # float32 head could not rebuild (reference() refused it), and is emulated on AVX2-only CPUs;
-        # the default base (a float32 conversion) was always scored in float32
-        model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32)
+        # base (a distilled student, quantized further) computed in bfloat16 gave bfloat16 logits
+        # that its float32 head could not rebuild (reference() refused it), and is emulated on
+        # AVX2-only CPUs. Loaded as saved and computed in float32 a module at a time (the same
+        # results as a float32 copy, half its memory for a 16-bit base).
+        model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto").eval()
         tokenizer = AutoTokenizer.from_pretrained(base.path)
-        ref = reference(model, p.token_ids, spec.window, spec.batch_size)
+        with float32_compute(model):
+            ref, ref_ood, tasks = _score_base(model, tokenizer, p)
         metrics = {"quality/ppl": math.exp(ref.nll.double().mean().item()), "quality/positions": float(len(ref.nll))}
-        ref_ood = None
-        if p.ood_ids is not None:
-            ref_ood = reference(model, p.ood_ids, spec.window, spec.batch_size)
+        del model
+        if ref_ood is not None:
             metrics.update(
                 {
                     "quality_ood/ppl": math.exp(ref_ood.nll.double().mean().item()),
                     "quality_ood/positions": float(len(ref_ood.nll)),
                 }
             )
-        tasks = run_tasks(
-            model, tokenizer, spec.tasks, p.tasks_dir, limit=spec.task_limit, batch_size=spec.task_batch_size
-        )
         metrics.update(tasks.metrics)
         with tempfile.TemporaryDirectory() as tmp:
             samples_path = Path(tmp) / "task_samples.json"
@@ -324,6 +334,17 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys:
             {"metrics": metrics, "lm_eval_results": tasks.raw, "task_items_scored": tasks.counts}, "evaluation.json"
         )
     return Baseline(run.run_id, metrics, ref, tasks.items, reused=False, reference_ood=ref_ood)
+
+
+def _score_base(model, tokenizer, p: Plan):
+    """The base model's reference over the suite's texts and its task values."""
+    from quantbench.core.measures import reference
+
+    spec = p.suite.suite
+    ref = reference(model, p.token_ids, spec.window, spec.batch_size)
+    ref_ood = reference(model, p.ood_ids, spec.window, spec.batch_size) if p.ood_ids is not None else None
+    tasks = run_tasks(model, tokenizer, spec.tasks, p.tasks_dir, limit=spec.task_limit, batch_size=spec.task_batch_size)
+    return ref, ref_ood, tasks
 
 
 def recovery(metrics: dict[str, float], baseline: dict[str, float]) -> dict[str, float]:

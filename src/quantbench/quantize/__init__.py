@@ -74,6 +74,25 @@ class Produced:
     pinned: str = ""  # what the produce step pinned for a repeatable checkpoint (quantize/stage.py)
 
 
+@dataclass
+class ProduceFootprint:
+    """What a quantizer declares of its produce step (the backend's `footprint`)."""
+
+    held: list[tuple[str, int]]  # (what, bytes) resident at its peak, the runtime excluded
+    checkpoint: int  # bytes the checkpoint will take on disk
+    temp_disk: int = 0  # held on disk meanwhile (converted files, a work directory)
+    fits_with: list[str] = field(default_factory=list)
+    takes_model: bool = True  # it computes on the job's loaded base model (else it loads or reads its own)
+    prepare_held: list[tuple[str, int]] = field(default_factory=list)  # its prepare (a conversion), at its peak
+    prepare_disk: int = 0  # what its prepare leaves on disk (a cached conversion)
+
+
+# A child Python (llama.cpp's converter, GPTQModel's worker) before it reads a model, and llama.cpp's
+# tools besides the file they map: for the footprints.
+CHILD_RUNTIME = int(0.5 * 2**30)
+LLAMACPP_RUNTIME = int(0.15 * 2**30)
+
+
 class Backend(Protocol):
     """The interface every engine implements.
 
@@ -81,6 +100,8 @@ class Backend(Protocol):
     - `calibrates`: it needs calibration windows (`Inputs.calibration`);
     - `trains`: it makes a new model by training (the reload check bounds that model against itself);
     - `on_load`: it quantizes while the model loads (no pass over data);
+    - `takes_model`: it computes on the job's base model loaded in the compute dtype (else the job
+      loads none for it: one copy of the model at a time);
     - `loaders()`: which runtimes load what it writes (tags and model card);
     - `check(loaded, config)`: problems of this recipe on this model's shapes, from its config alone
       (also what `quantbench validate` runs);
@@ -96,6 +117,7 @@ class Backend(Protocol):
     calibrates: bool
     trains: ClassVar[bool]
     on_load: ClassVar[bool]
+    takes_model: bool  # it computes on the job's loaded base model (else it reads files, or loads its own)
 
     def __init__(self, spec: Any) -> None: ...
 

@@ -32,6 +32,7 @@ class BnbBackend:
     calibrates = False
     trains = False
     on_load = True
+    takes_model = False  # a fresh copy is quantized while it loads
 
     @staticmethod
     def loaders() -> str:

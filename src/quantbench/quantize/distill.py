@@ -42,6 +42,7 @@ class DistillBackend:
     calibrates = False
     trains = True
     on_load = False
+    takes_model = True  # the base is the teacher
 
     @staticmethod
     def loaders() -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 from quantbench.core.errors import UserError
 from quantbench.engines import llamacpp
 from quantbench.engines import llamacpp_build as build
-from quantbench.quantize import Inputs, Produced, calibration_card
+from quantbench.quantize import CHILD_RUNTIME, LLAMACPP_RUNTIME, Inputs, ProduceFootprint, Produced, calibration_card
 from quantbench.recipe import GGUFSpec
 from quantbench.sources.checkpoint import gguf_tensors
 from quantbench.sources.models import source_gguf
@@ -27,6 +27,16 @@ from quantbench.sources.models import source_gguf
 log = logging.getLogger(__name__)
 
 FILE = "model.gguf"
+# Bits per weight of a whole model file in each llama-quantize type, as llama.cpp's quantize tool
+# lists them for a 7-8B Llama (the embeddings and head take their own types): for the memory and
+# disk plan before anything is quantized. Types not listed: 16.
+NOMINAL_BITS = {
+    "Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q2_K": 3.35, "Q2_K_S": 3.2,
+    "Q3_K_S": 3.5, "Q3_K_M": 3.91, "Q3_K_L": 4.27, "Q4_K_S": 4.58, "Q4_K_M": 4.85, "Q5_K_S": 5.54,
+    "Q5_K_M": 5.69, "Q6_K": 6.56, "IQ1_S": 1.56, "IQ1_M": 1.75, "IQ2_XXS": 2.06, "IQ2_XS": 2.31,
+    "IQ2_S": 2.5, "IQ2_M": 2.7, "IQ3_XXS": 3.06, "IQ3_XS": 3.3, "IQ3_S": 3.44, "IQ3_M": 3.66,
+    "IQ4_NL": 4.5, "IQ4_XS": 4.25, "TQ1_0": 1.69, "TQ2_0": 2.06,
+}  # fmt: skip
 
 
 class GGUFBackend:
@@ -34,6 +44,7 @@ class GGUFBackend:
     format = "gguf"
     trains = False
     on_load = False
+    takes_model = False  # llama.cpp reads the base's GGUF file, not this process's model
 
     def __init__(self, spec: GGUFSpec):
         self.spec = spec
@@ -72,6 +83,26 @@ class GGUFBackend:
                 "quantize.fallback: true to let it"
             )
         return {}
+
+    def footprint(self, shape, loaded, compute: str) -> ProduceFootprint:
+        """llama-quantize (and llama-imatrix) map the base's F16 GGUF and read all of it; that file is
+        made once in prepare (llama.cpp's converter, a child process reading the safetensors) and
+        kept in quantbench's cache."""
+        bits = NOMINAL_BITS.get(self.spec.type.upper(), 16.0)
+        f16 = shape.params * 2
+        held = [("llama.cpp mapping the base's F16 GGUF", f16), ("llama.cpp", LLAMACPP_RUNTIME)]
+        if self.spec.imatrix:
+            cal = loaded.recipe.calibration
+            held.append(("llama-imatrix's activations", shape.window_activations(cal.seq_len)))
+        converter = [("llama.cpp's converter reading the safetensors", shape.params * shape.stored_bytes),
+                     ("the converter's Python", CHILD_RUNTIME)]  # fmt: skip
+        return ProduceFootprint(
+            held,
+            int(shape.params * bits / 8),
+            takes_model=False,
+            prepare_held=converter,
+            prepare_disk=f16,
+        )
 
     def produce(self, inputs: Inputs) -> Produced:
         inputs.drop_model()  # llama.cpp reads files, not this process's model

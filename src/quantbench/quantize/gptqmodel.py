@@ -54,6 +54,7 @@ class GPTQModelBackend:
     calibrates = True
     trains = False
     on_load = False
+    takes_model = False  # its child process loads its own copy
 
     def __init__(self, spec: GPTQSpec | AWQSpec):
         self.spec = spec

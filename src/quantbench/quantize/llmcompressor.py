@@ -10,14 +10,20 @@ import sys
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
-# llm-compressor configures its loguru sink on import, before a run's log file is added, and it is
-# a console sink on sys.stdout, where --json prints: imported with stdout on stderr, the sink is stderr
+# llm-compressor configures its loguru sink on import, before a run's log file is added: a console
+# sink on the sys.stdout of that moment, where --json prints, at INFO ("No accelerator available!
+# Compressing model on CPU instead" once per layer). Imported with stdout on stderr (nothing reaches
+# stdout), then that sink is replaced by one that writes warnings only, to whatever sys.stderr is
+# when a line is written (a sink bound to the stream of the import's moment wrote into a closed test
+# capture later, a "Logging error" traceback); its INFO lines go to the run's log file (core.logs).
 with redirect_stdout(sys.stderr):
     import llmcompressor  # noqa: F401
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from llmcompressor.logger import support_log_once
+from loguru import logger as _loguru
 
-from quantbench.quantize import Inputs, Produced, calibration_card, group_size_problem
+from quantbench.quantize import Inputs, ProduceFootprint, Produced, calibration_card, group_size_problem
 from quantbench.recipe import (
     AutoRoundSpec,
     AWQSpec,
@@ -28,8 +34,17 @@ from quantbench.recipe import (
     SpinQuantSpec,
     schemes,
 )
+from quantbench.sources.shapes import BYTES
 
 log = logging.getLogger(__name__)
+
+_loguru.remove()
+_loguru.add(
+    lambda message: sys.stderr.write(message),
+    level="WARNING",
+    format="{time:HH:mm:ss} llm-compressor {level}: {message}",
+    filter=support_log_once,
+)
 
 MIXED = (GPTQSpec, RTNSpec, AutoRoundSpec, SpinQuantSpec)  # the specs with `layers:`
 
@@ -45,6 +60,7 @@ class LLMCompressorBackend:
     format = "compressed-tensors"
     trains = False
     on_load = False
+    takes_model = True  # it quantizes the job's loaded base model in place
 
     @staticmethod
     def loaders() -> str:
@@ -71,10 +87,49 @@ class LLMCompressorBackend:
     def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
         return {}
 
+    def weight_bits(self, hidden: int) -> float:
+        """Stored bits per quantized weight, scales included (a layer of `hidden` inputs and outputs)."""
+        spec = self.spec
+        if isinstance(spec, MIXED):
+            return default_scheme(spec).bits(hidden, hidden)
+        if isinstance(spec, AWQSpec):
+            return schemes.from_recipe("W4A16", spec.group_size, spec.symmetric).bits(hidden, hidden)
+        return 8 + 16 / hidden  # FP8 and W8A8: a byte a weight and a 16-bit scale per output channel
+
+    def footprint(self, shape, loaded, compute: str):
+        """The produce step's memory: the loaded base (in place) and, while saving, its quantized
+        tensors compressed beside it; a calibrating method also caches every calibration window's
+        activations at the layer it is working on (llm-compressor's sequential pipeline), and GPTQ
+        keeps a float32 Hessian per Linear layer of that layer."""
+        bits = self.weight_bits(shape.hidden)
+        saved = BYTES[loaded.recipe.model.dtype]
+        quantized = int(shape.quantized_params * bits / 8)
+        checkpoint = quantized + (shape.params - shape.quantized_params) * saved
+        held = [("its compressed tensors while saving", quantized)]
+        fits = []
+        if self.calibrates:
+            cal = loaded.recipe.calibration
+            tokens = cal.samples * cal.seq_len
+            width = shape.hidden * 2 + shape.intermediate * (2 if isinstance(self.spec, AWQSpec) else 1)
+            held.append(("calibration activations at one layer", tokens * width * BYTES[compute]))
+            if isinstance(self.spec, (GPTQSpec, SmoothQuantSpec)) or (
+                isinstance(self.spec, SpinQuantSpec) and self.spec.quantizer == "gptq"
+            ):
+                held.append(("one layer's Hessians", shape.hessian_bytes))
+            fits.append("fewer calibration windows (--set calibration.samples=N) or shorter ones (calibration.seq_len)")
+        return ProduceFootprint(held, checkpoint, fits_with=fits)
+
     def produce(self, inputs: Inputs) -> Produced:
+        from llmcompressor.core import reset_session
+
         model = inputs.take_model()
-        self.quantize(model, inputs.calibration)
-        self.save(model, inputs.tokenizer, inputs.staging, inputs.loaded.recipe.model.dtype)
+        try:
+            self.quantize(model, inputs.calibration)
+            self.save(model, inputs.tokenizer, inputs.staging, inputs.loaded.recipe.model.dtype)
+        finally:
+            # llm-compressor's session keeps the model it compressed (and its modifiers' state): let
+            # it go, or the reload check loads the checkpoint beside a second copy of the model
+            reset_session()
         return Produced(card=calibration_card(inputs))
 
     def modifiers(self) -> list:

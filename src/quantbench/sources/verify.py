@@ -173,14 +173,15 @@ class PerplexityCheck:
     vocab_size: int
     verdict: str  # "ok" | "near-uniform" | "refused"
     bos: bool = False  # the windows scored started with BOS (what the tokenizer does)
-    ppl_with_bos: float | None = None  # both measured by check_base_perplexity; None: not measured
+    # both framings on the first OTHER_FRAMING_WINDOWS windows (check_base_perplexity); None: not measured
+    ppl_with_bos: float | None = None
     ppl_without_bos: float | None = None  # (a tokenizer without a BOS token has only this one)
 
     def describe(self) -> str:
         other = self.ppl_without_bos if self.bos else self.ppl_with_bos
         framing = (
             f" (windows {'with' if self.bos else 'without'} BOS, as the tokenizer encodes; "
-            f"{'without' if self.bos else 'with'} BOS: {other:.4g})"
+            f"{'without' if self.bos else 'with'} BOS: {other:.4g} on the first {OTHER_FRAMING_WINDOWS} windows)"
             if other is not None
             else ""
         )
@@ -224,6 +225,11 @@ def check_perplexity(
     return PerplexityCheck(math.exp(nll), math.exp(unigram), entropy, vocab_size, verdict)
 
 
+# The other BOS convention is scored on this many windows only: it is a diagnostic (a tokenizer that
+# lost its add_bos_token), and on a large model every pass over the held-out text costs minutes.
+OTHER_FRAMING_WINDOWS = 2
+
+
 def check_base_perplexity(
     model,
     text_ids: list[int],
@@ -234,33 +240,41 @@ def check_base_perplexity(
     bos_token_id: int | None,
     wants_bos: bool,
 ) -> PerplexityCheck:
-    """check_perplexity on the first `tokens` positions of `text_ids` laid out as windows of `window`,
-    once with a BOS at the start of every window and once without (one, when there is no BOS token):
-    the verdict is the framing the tokenizer uses (`wants_bos`), both perplexities are kept."""
+    """check_perplexity on the first `tokens` positions of `text_ids` laid out as windows of `window`
+    as the tokenizer frames them (`wants_bos`): its perplexity is the base model's on the reload
+    check's text, so the job needs no second pass for it. The other framing (with a BOS at the start
+    of every window, or without) is scored on the first OTHER_FRAMING_WINDOWS windows, and the
+    framing used on the same windows, for bos_hint (one pass, when there is no BOS token)."""
+    from quantbench.core.measures import perplexity
     from quantbench.sources import data
 
-    results = {}
-    for with_bos in [False, True] if bos_token_id is not None else [False]:
-        ids = data.framed(text_ids, window, bos_token_id if with_bos else None)[:tokens]
-        results[with_bos] = check_perplexity(model, ids, calibration_ids, window, vocab_size)
-    used = results[wants_bos and bos_token_id is not None]
-    used.bos = wants_bos and bos_token_id is not None
-    used.ppl_without_bos = results[False].ppl
-    used.ppl_with_bos = results[True].ppl if True in results else None
+    use_bos = wants_bos and bos_token_id is not None
+    ids = data.framed(text_ids, window, bos_token_id if use_bos else None)[:tokens]
+    used = check_perplexity(model, ids, calibration_ids, window, vocab_size)
+    used.bos = use_bos
+    if bos_token_id is None:
+        used.ppl_without_bos = used.ppl
+        return used
+    few = min(tokens, OTHER_FRAMING_WINDOWS * window)
+    other = data.framed(text_ids, window, None if use_bos else bos_token_id)[:few]
+    same = perplexity(model, ids[:few], window)
+    other_ppl = perplexity(model, other, window)
+    used.ppl_with_bos, used.ppl_without_bos = (same, other_ppl) if use_bos else (other_ppl, same)
     return used
 
 
 def bos_hint(result: PerplexityCheck) -> str | None:
     """A warning when the model predicts far better with the other BOS convention than with its
-    tokenizer's (a tokenizer that lost its add_bos_token, or gained one), else None."""
+    tokenizer's on the same windows (a tokenizer that lost its add_bos_token, or gained one), else None."""
     other = result.ppl_without_bos if result.bos else result.ppl_with_bos
-    if other is None or other * BOS_HINT_RATIO > result.ppl:
+    same = result.ppl_with_bos if result.bos else result.ppl_without_bos
+    if other is None or same is None or other * BOS_HINT_RATIO > same:
         return None
     return (
         f"the base model predicts held-out text far better {'without' if result.bos else 'with'} a BOS starting each "
-        f"window (perplexity {other:.4g}) than as its tokenizer encodes ({result.ppl:.4g}, "
-        f"{'with' if result.bos else 'without'} BOS): check the tokenizer's add_bos_token (every window of the "
-        "job follows the tokenizer)"
+        f"window (perplexity {other:.4g}) than as its tokenizer encodes ({same:.4g}, "
+        f"{'with' if result.bos else 'without'} BOS, on the same {OTHER_FRAMING_WINDOWS} windows): check the "
+        "tokenizer's add_bos_token (every window of the job follows the tokenizer)"
     )
 
 

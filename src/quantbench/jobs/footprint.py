@@ -1,0 +1,239 @@
+"""The memory and disk a quantize job needs, planned from the model's config and the recipe before
+anything is loaded, and refused (exit 2) where it cannot fit.
+
+Each stage's peak resident memory is predicted as the sum of what it holds at once: the Python
+runtime with its libraries, the model in the dtype it is loaded in, what the method adds (the
+calibration activations a per-layer engine caches, GPTQ's Hessians, the compressed tensors while
+saving), the activations of a pass over one window, and the processes it starts (llama.cpp's tools
+map the files they read; servers hold their weights and KV cache). The constants are fitted to runs
+measured on the size ladder (bench/scale.py, docs/results.md); every run logs the prediction
+(`plan/<stage>/peak_rss_mb`) beside what it measured (`stage/<stage>/peak_rss_mb`), so drift shows.
+
+The job holds one copy of the model at a time: the base is scored once (its perplexity in the base
+check, its baseline before anything is quantized) and freed before the candidate is loaded.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantbench.quantize import ProduceFootprint
+from quantbench.sources.shapes import GiB, MiB, Shape
+
+# The process with torch, transformers, llm-compressor, lm-eval and MLflow imported, a tokenizer
+# and the texts loaded: measured 0.6 GiB after the imports alone; a job's stages add allocator
+# slack, tokenized texts and lm-eval's task objects.
+RUNTIME = int(1.0 * GiB)
+
+
+@dataclass
+class StagePlan:
+    name: str
+    ram: int  # peak resident memory of the process tree, bytes
+    disk: int = 0  # left on disk by the stage (the checkpoint, cached files)
+    temp_disk: int = 0  # held on disk meanwhile beyond that
+    held: list[str] = field(default_factory=list)  # what makes up `ram`, for the table and refusals
+    fits_with: list[str] = field(default_factory=list)  # settings that lower it, most effective first
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            f"plan/{self.name}/peak_rss_mb": self.ram / MiB,
+            f"plan/{self.name}/disk_mb": self.disk / MiB,
+            f"plan/{self.name}/temp_disk_mb": self.temp_disk / MiB,
+        }
+
+
+@dataclass
+class Footprint:
+    stages: list[StagePlan]
+    ram_available: int  # what the job can have: free memory now plus what this process holds
+    disk_available: int
+    outputs: Path
+
+    @property
+    def peak(self) -> StagePlan:
+        return max(self.stages, key=lambda s: s.ram)
+
+    @property
+    def disk(self) -> int:
+        return sum(s.disk for s in self.stages) + max((s.temp_disk for s in self.stages), default=0)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for stage in self.stages:
+            out |= stage.metrics()
+        out["plan/peak_rss_mb"] = self.peak.ram / MiB
+        out["plan/ram_available_mb"] = self.ram_available / MiB
+        return out
+
+    def lines(self) -> list[str]:
+        """One line per stage, for the job's log beside the time estimate."""
+        out = [
+            f"memory plan (peak resident, this machine has {self.ram_available / GiB:.1f} GiB available; "
+            f"disk {self.disk / GiB:.1f} GiB of {self.disk_available / GiB:.0f} GiB free at {self.outputs}):"
+        ]
+        for s in self.stages:
+            disk = f", disk {s.disk / GiB:.2f} GiB" if s.disk else ""
+            temp = f" (+{s.temp_disk / GiB:.2f} GiB meanwhile)" if s.temp_disk else ""
+            out.append(f"  {s.name:<9} {s.ram / GiB:6.2f} GiB  {'; '.join(s.held)}{disk}{temp}")
+        return out
+
+    def problems(self, where: str) -> list[str]:
+        """Why the job cannot fit here (memory, disk), naming what would make it fit; [] if it can."""
+        problems = []
+        for stage in self.stages:
+            if stage.ram > self.ram_available:
+                hint = f" Settings that make it fit: {'; '.join(stage.fits_with)}." if stage.fits_with else ""
+                problems.append(
+                    f"{where}: the {stage.name} stage needs about {stage.ram / GiB:.1f} GiB of memory "
+                    f"({'; '.join(stage.held)}), and this machine has {self.ram_available / GiB:.1f} GiB "
+                    f"available: the job would be killed part-way.{hint}"
+                )
+        if self.disk > self.disk_available:
+            problems.append(
+                f"{where}: the job writes about {self.disk / GiB:.1f} GiB ({', '.join(f'{s.name} {s.disk / GiB:.1f}' for s in self.stages if s.disk)} "
+                f"GiB, and {max(s.temp_disk for s in self.stages) / GiB:.1f} GiB meanwhile) and {self.outputs} has "
+                f"{self.disk_available / GiB:.1f} GiB free. Free space there, or pass --outputs DIR on a larger disk."
+            )
+        return problems
+
+
+def available_ram() -> int:
+    """Memory a job started now can have: what the system calls available, plus what this process
+    already holds (the job runs in it)."""
+    import psutil
+
+    return psutil.virtual_memory().available + psutil.Process().memory_info().rss
+
+
+def free_disk(path: Path) -> int:
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _part(what: str, n: int) -> str:
+    return f"{what} {n / GiB:.2f}"
+
+
+def plan(
+    shape: Shape,
+    *,
+    compute: str,
+    saved: str,
+    produce: ProduceFootprint,
+    check_window: int,
+    estimate_window: int | None,
+    evaluation=None,  # quality.stage.Plan, or None
+    baseline_cached: bool = True,
+    bench=None,  # speed.bench.Plan, or None
+    outputs: Path,
+) -> Footprint:
+    """Each stage's peak memory and disk, from the shapes alone (see the module's docstring)."""
+    model_c = shape.weights(compute)
+    stages = []
+    held = [
+        ("runtime", RUNTIME),
+        (f"the base in {compute}", model_c),
+        ("a window", shape.window_activations(check_window)),
+    ]
+    if estimate_window:
+        held.append(("a calibration window", shape.window_activations(estimate_window)))
+    fits = (
+        []
+        if compute != "float32"
+        else ["--set model.compute_dtype=bfloat16 (half the memory; slower where bfloat16 is emulated)"]
+    )
+    converting = [("runtime", RUNTIME), *produce.prepare_held]  # before the base is loaded, not beside it
+    if sum(n for _, n in converting) > sum(n for _, n in held):
+        held = converting
+    stages.append(_stage("prepare", held, disk=produce.prepare_disk, fits_with=fits))
+    if evaluation is not None and not baseline_cached:
+        suite = evaluation.suite.suite
+        stored = shape.params * shape.stored_bytes
+        held = [
+            ("runtime", RUNTIME),
+            ("the base as stored", stored),
+            ("one layer in float32", shape.layer_params * 4),
+            ("a batch of windows", shape.window_activations(suite.window, suite.batch_size)),
+            ("the reference kept", _reference_bytes(shape, evaluation)),
+        ]
+        stages.append(_stage("baseline", held, fits_with=["evaluate.suite with a smaller batch_size or window"]))
+    base_held = [("runtime", RUNTIME)] + ([(f"the base in {compute}", model_c)] if produce.takes_model else [])
+    stages.append(
+        _stage(
+            "produce",
+            base_held + produce.held,
+            disk=produce.checkpoint,
+            temp_disk=produce.temp_disk,
+            fits_with=produce.fits_with + fits,
+        )
+    )
+    check = [
+        ("runtime", RUNTIME),
+        (f"the checkpoint de-quantized to {compute}", model_c),
+        ("a window", shape.window_activations(check_window)),
+    ]
+    stages.append(_stage("check", check, fits_with=fits))
+    if evaluation is not None:
+        suite = evaluation.suite.suite
+        held = [
+            ("runtime", RUNTIME),
+            (f"the candidate in {compute}", model_c),
+            ("the base's reference", _reference_bytes(shape, evaluation)),
+            ("a batch of windows", shape.window_activations(suite.window, suite.batch_size)),
+        ]
+        stages.append(_stage("evaluate", held, fits_with=["evaluate.suite with a smaller batch_size or window"] + fits))
+    if bench is not None:
+        stages.append(_bench_stage(shape, bench, produce.checkpoint, compute))
+    return Footprint(stages, available_ram(), free_disk(outputs), outputs)
+
+
+def _stage(name: str, held: list[tuple[str, int]], disk: int = 0, temp_disk: int = 0, fits_with=()) -> StagePlan:
+    return StagePlan(
+        name, sum(n for _, n in held), disk, temp_disk, [_part(w, n) for w, n in held if n], list(fits_with)
+    )
+
+
+def _reference_bytes(shape: Shape, evaluation) -> int:
+    """The base's final hidden states (float32) over the suite's texts and its output head."""
+    tokens = len(evaluation.token_ids) + len(evaluation.ood_ids or [])
+    return tokens * shape.hidden * 4 + shape.vocab * shape.hidden * 4
+
+
+def _bench_stage(shape: Shape, bench, checkpoint_bytes: int, compute: str) -> StagePlan:
+    engine, profile = bench.engine, bench.profile
+    if engine.kind != "server":  # in-process: one model at a time, de-quantized
+        held = [("runtime", RUNTIME), (f"one model in {compute}", shape.weights(compute))]
+        return _stage("bench", held)
+    longest = max([*profile.prompt_tokens, *profile.context_tokens, 0]) + profile.output_tokens + 64
+    kv = 2 * shape.layers * shape.kv_dim * 2  # bytes per token of a 16-bit KV cache
+    slots = max(profile.concurrency)
+    base = engine.server_memory(shape.params * 2, kv, longest, slots)
+    candidate = engine.server_memory(checkpoint_bytes, kv, longest, slots)
+    held = [
+        ("runtime", RUNTIME),
+        (f"the candidate's {engine.label} server", candidate),
+        (f"the base's {engine.label} server", base),
+    ]
+    return _stage("bench", held, fits_with=["a bench profile with fewer concurrent requests or shorter prompts"])
+
+
+def produce_footprint(backend, shape: Shape, loaded, compute: str) -> ProduceFootprint:
+    """The backend's own footprint of its produce step, or, for a backend that declares none, one
+    more copy of the model in the compute dtype beside what it takes (an over-estimate)."""
+    declared = getattr(backend, "footprint", None)
+    if declared is not None:
+        return declared(shape, loaded, compute)
+    return ProduceFootprint(
+        [("the method's own copy of the model", shape.weights(compute))],
+        shape.params * 2,
+        takes_model=backend.takes_model,
+    )
