@@ -42,7 +42,7 @@ from pydantic import (
 
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.files import canonical_sha
-from quantbench.core.settings import parse_yaml
+from quantbench.core.settings import parse_yaml, read_settings
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_TEXT = "builtin:python-docs"
@@ -512,7 +512,7 @@ class LoadedRecipe:
 
     def where(self, *loc: str) -> str:
         """`quantize.group_size (line 5)`: a field and its line in the recipe file, for messages."""
-        line = _yaml_line(parse_yaml(self.path.read_text(), str(self.path))[1], loc)
+        line = _yaml_line(parse_yaml(read_settings(self.path), str(self.path))[1], loc)
         return ".".join(loc) + (f" (line {line})" if line else "")
 
     @property
@@ -552,11 +552,7 @@ def load_named(directory: Path, name: str, schema: type[Settings], field: str, k
 
 def validate_file(path: Path, schema: type[Settings]) -> Settings:
     """A settings file validated by `schema`; every problem as `file: field: message`."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read: {exc.strerror}") from None
-    data, _ = parse_yaml(text, str(path))
+    data, _ = parse_yaml(read_settings(path), str(path))
     try:
         return schema.model_validate(data or {})
     except ValidationError as exc:
@@ -621,11 +617,7 @@ def load_recipe(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -
     """Load and validate one recipe file; raise RecipeError listing every problem found (the
     --set items that cannot apply and the schema's problems with the rest, together)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read: {exc.strerror}") from None
-    data, node = parse_yaml(text, str(path))
+    data, node = parse_yaml(read_settings(path), str(path))
     if data is None:
         data = {}
     if not isinstance(data, dict):
