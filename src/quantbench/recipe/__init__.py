@@ -491,7 +491,7 @@ class Recipe(Strict):
     # What the produce step may take on this machine, in minutes: the job estimates its produce time
     # before it starts (from a measured forward pass) and says so when the estimate is over;
     # `quantize --strict-budget` then refuses (exit 2). None: no budget.
-    budget_minutes: float | None = Field(None, gt=0)
+    budget_minutes: float | None = Field(None, gt=0, allow_inf_nan=False)  # .inf is no budget: leave it out
 
 
 # method name -> its settings class, e.g. "gptq" -> GPTQSpec
