@@ -222,3 +222,91 @@ def test_a_killed_run_is_reaped_by_a_command_on_another_experiment(workdir, caps
     [reaped] = runs()
     assert reaped.info.status == "FAILED" and "died without ending it" in reaped.data.tags["quantbench.error"]
     assert list((workdir / "outputs" / "r").iterdir()) == []
+
+
+@pytest.fixture
+def store(workdir, monkeypatch):
+    """A store of its own at MLFLOW_TRACKING_URI with one finished candidate run; its path and the run id."""
+    db = workdir / "store" / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    with Tracker().start_run("made", {"quantbench.role": "candidate"}) as run:
+        run.log_metrics({"model/size_mb": 1.0, "quality/kld_mean": 0.01})
+    return db, run.run_id
+
+
+def _copy(db, name: str):
+    """The store copied to NAME/mlflow.db, which MLflow opens anew (it keeps the engines it made for the original)."""
+    import shutil
+
+    copy = db.parent.parent / name / "mlflow.db"
+    copy.parent.mkdir()
+    shutil.copy(db, copy)
+    return copy
+
+
+@pytest.fixture
+def read_only(store, monkeypatch):
+    """The store as SQLite sees a file it may not write: every write fails with SQLITE_READONLY,
+    "attempt to write a readonly database", as on a file made immutable (`chattr +i`) or read-only
+    (`chmod a-w`, not root). chmod does not stop root and chattr needs a capability containers often
+    lack, so SQLite is told itself: PRAGMA query_only on every connection to this file."""
+    import os
+
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    db, run_id = store
+    copy = _copy(db, "read-only")
+
+    def connect(dbapi_connection, _record):
+        files = [os.path.realpath(row[2]) for row in dbapi_connection.execute("PRAGMA database_list") if row[2]]
+        if os.path.realpath(copy) in files:
+            dbapi_connection.execute("PRAGMA query_only = ON")
+
+    event.listen(Engine, "connect", connect)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{copy}")
+    yield copy, run_id
+    event.remove(Engine, "connect", connect)
+
+
+def test_a_store_that_cannot_be_written_is_bad_input_saying_what_to_do(read_only, workdir, tiny_model_dir, capsys):
+    """compare and quantize on a store SQLite may only read: exit 2 and one line naming the store,
+    what is wrong and what to do, not MLflow's and SQLAlchemy's tracebacks; no checkpoint left."""
+    from quantbench.cli import main
+    from tests.helpers import tiny_recipe, write_recipe
+
+    db, _ = read_only
+    said = (f"error: the tracking store {db} cannot be written (attempt to write a readonly database): make it "
+            f"writable (`chmod u+w {db}` and its directory; `chattr -i {db}` if it was made immutable), or point "
+            "MLFLOW_TRACKING_URI at another store\n")
+    assert main(["compare"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(said) and "Traceback" not in err and "[SQL:" not in err, err
+    write_recipe(workdir, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n"))
+    assert main(["quantize", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(said) and "Traceback" not in err and "[SQL:" not in err, err
+    assert not list(workdir.glob("outputs/**/config.json"))
+
+
+def test_a_damaged_store_is_bad_input_and_gc_never_calls_it_clean(store, workdir, monkeypatch, capsys):
+    """Garbage over the SQLite header: compare, gate and gc exit 2 with one line that says the store
+    is damaged and what to do; gc does not answer "nothing to collect" about a store it could not read."""
+    import yaml
+
+    from quantbench.cli import main
+
+    db, run_id = store
+    damaged = _copy(db, "damaged")
+    with open(damaged, "r+b") as fh:
+        fh.write(b"not a database " * 8)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{damaged}")
+    (workdir / "policies").mkdir()
+    (workdir / "policies" / "p.yaml").write_text(yaml.safe_dump({"stages": ["quantize"], "max": {"model/size_mb": 2}}))
+    said = (f"error: the tracking store {damaged} is damaged (file is not a database): restore it from a backup, or "
+            "point MLFLOW_TRACKING_URI at another store (moved aside, a new one is made in its place)\n")
+    for command in (["compare"], ["gate", run_id, "--policy", "p"], ["gc"], ["gc", "--all"]):
+        assert main(command) == 2, command
+        out, err = capsys.readouterr()
+        assert err.endswith(said) and "Traceback" not in err and "[SQL:" not in err, (command, err)
+        assert "nothing to collect" not in out

@@ -4,6 +4,10 @@ what a process that died left behind.
 Default store: MLflow's own default, `sqlite:///mlflow.db` in the working directory (the repo
 root under `make`), artifacts under `./mlruns`. `MLFLOW_TRACKING_URI` switches to a team server.
 
+A store this process cannot read or write (a SQLite file that is read-only, immutable or damaged, a
+path that cannot hold one) is bad input, not a crash: every MLflow call goes through `_Checked`,
+which says so in one line, naming the store and what to do (StoreError, exit 2).
+
 Every run records who owns it (`quantbench.owner`: host, pid and the process's start time). A run
 still RUNNING whose owner process is gone was killed without a chance to say so (SIGKILL, the OOM
 killer, a lost node): every command that opens the store marks such runs of this host FAILED, in
@@ -18,6 +22,7 @@ import logging
 import os
 import shutil
 import socket
+import sqlite3
 import time
 import traceback
 from contextlib import contextmanager
@@ -72,6 +77,89 @@ def shares_artifacts(artifact_uri: str) -> bool:
     return urlparse(artifact_uri).scheme not in ("", "file")
 
 
+class StoreError(UserError):
+    """The tracking store cannot be read or written: which store, what is wrong, what to do."""
+
+
+def _store_name(uri: str) -> str:
+    return uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else uri
+
+
+def _store_problem(exc: BaseException, uri: str) -> str | None:
+    """What is wrong with the store in words, when `exc` (or an error it was raised from) is SQLite
+    saying it cannot read or write the file; None for any other error (left as it is)."""
+    cause = _sqlite_cause(exc)
+    if cause is None:
+        return None
+    reason, name = str(cause), _store_name(uri)
+    elsewhere = "or point MLFLOW_TRACKING_URI at another store"
+    if "readonly" in reason:
+        return (
+            f"the tracking store {name} cannot be written ({reason}): make it writable (`chmod u+w {name}` and "
+            f"its directory; `chattr -i {name}` if it was made immutable), {elsewhere}"
+        )
+    if "not a database" in reason or "malformed" in reason:
+        return (
+            f"the tracking store {name} is damaged ({reason}): restore it from a backup, {elsewhere} (moved "
+            "aside, a new one is made in its place)"
+        )
+    if "unable to open" in reason:
+        return _unopenable(name, reason)
+    return None
+
+
+def _sqlite_cause(exc: BaseException) -> sqlite3.Error | None:
+    """The SQLite error `exc` is, or was raised from (MLflow wraps SQLAlchemy's, which wraps SQLite's)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, sqlite3.Error):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _unopenable(name: str, reason: str) -> str:
+    return (
+        f"the tracking store {name} cannot be opened ({reason}): it and its directory must be writable "
+        "(`chmod u+w`), or point MLFLOW_TRACKING_URI at another store"
+    )
+
+
+@contextmanager
+def _store_errors(uri: str):
+    """SQLite's "cannot read or write this file" as a StoreError; every other error as it is."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except Exception as exc:
+        problem = _store_problem(exc, uri)
+        if problem is None:
+            raise
+        raise StoreError(problem) from exc
+
+
+class _Checked:
+    """An MlflowClient whose every call says a store it cannot read or write as a StoreError
+    (MLflow answers one with a SQLAlchemy traceback of some 70 frames and the SQL it ran)."""
+
+    def __init__(self, client, uri: str):
+        self._client, self._uri = client, uri
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            with _store_errors(self._uri):
+                return attr(*args, **kwargs)
+
+        return call
+
+
 @contextmanager
 def _creation_lock(uri: str):
     """Two commands opening a fresh SQLite store at once race in MLflow's schema creation ("table
@@ -80,24 +168,35 @@ def _creation_lock(uri: str):
         yield
         return
     db = Path(uri.removeprefix("sqlite:///"))
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(db.with_name(db.name + ".lock")):
+    lock = FileLock(db.with_name(db.name + ".lock"))
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as exc:  # a directory that is a file, or one this user may not write in
+        raise StoreError(_unopenable(str(db), f"{exc.strerror}: {exc.filename}")) from exc
+    try:
         yield
+    finally:
+        lock.release()
 
 
 _ready: set[str] = set()
 
 
-def _client():
-    for noisy in ("alembic", "mlflow.store.db.utils"):
+def _client() -> _Checked:
+    for noisy in ("alembic",):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # MLflow logs every SQLAlchemy error with its traceback before raising it; the error reaches
+    # the caller anyway (a store fault said in one line by _Checked, anything else as it is)
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri()
     if uri in _ready:
-        return MlflowClient(uri)
-    with _creation_lock(uri):  # the client creates (or upgrades) the schema: one process at a time
-        client = MlflowClient(uri)
+        return _Checked(MlflowClient(uri), uri)
+    # the client creates (or upgrades) the schema: one process at a time
+    with _creation_lock(uri), _store_errors(uri):
+        client = _Checked(MlflowClient(uri), uri)
         client.search_experiments(max_results=1)
     _ready.add(uri)
     return client
@@ -414,6 +513,8 @@ class Tracker:
                 names = {found.experiment_id: found.name} if found is not None else {}
             mine = f"attributes.status = 'RUNNING' and tags.`{OWNER}` LIKE {quote(socket.gethostname() + ' %')}"
             running = self.client.search_runs(list(names), mine) if names else []
+        except StoreError:  # a store that cannot be read: said now (gc must not call it clean)
+            raise
         except Exception as exc:  # a store that cannot be searched now must not stop the command
             log.debug("reap: %s", exc)
             return done

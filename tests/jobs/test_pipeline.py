@@ -422,3 +422,17 @@ def test_a_base_that_is_itself_quantized_is_said_tagged_and_marked_in_compare(wo
     assert base_tags(models.resolve(str(quantized)), candidate_type(q)) == {
         "quantbench.base_quantized": "GGUF Q8_0", "quantbench.same_type_as_base": "true"}
     assert compare.base_mark({**base_tags(models.resolve(str(quantized)), "GGUF Q8_0")}) == " ‡"
+
+
+def test_an_unknown_profile_or_suite_is_said_beside_a_bad_target(workdir, capsys):
+    """bench and evaluate check their settings and their target together: both problems at once,
+    not the second only once the first is fixed."""
+    assert main(["bench", "no-such-dir", "--profile", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --profile: unknown profile 'nope'" in err
+    assert "error: 'no-such-dir' is neither a checkpoint directory, a .gguf file nor an MLflow run id" in err
+    assert main(["evaluate", "no-such-dir", "--suite", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --suite: unknown suite 'nope'" in err
+    assert "error: 'no-such-dir' is neither a checkpoint directory, a .gguf file nor an MLflow run id" in err
+    assert runs() == []

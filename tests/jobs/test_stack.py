@@ -48,11 +48,11 @@ def test_a_bad_stack_is_refused_with_every_problem_and_nothing_written(workdir, 
     err = capsys.readouterr().err
     where = "stacks/bad.yaml"
     for expected in (
-        f"{where}: steps.0 (start): the first step is the naive start: name its engine",
-        f"{where}: steps.1 (again): concurrency: 1 is what the steps before it already use",
-        f"{where}: steps.2.name: 'again' is also step 1's name",
-        f"{where}: steps.3 (empty): changes nothing; set one of engine, dtype, model, concurrency",
-        f"{where}: steps.4 (gguf): dtype float32: llama.cpp serves a model's own GGUF file",
+        f"{where}: steps.0 (start, line 9): the first step is the naive start: name its engine",
+        f"{where}: steps.1 (again, line 10): concurrency: 1 is what the steps before it already use",
+        f"{where}: steps.2.name (line 11): 'again' is also step 1's name",
+        f"{where}: steps.3 (empty, line 12): changes nothing; set one of engine, dtype, model, concurrency",
+        f"{where}: steps.4 (gguf, line 13): dtype float32: llama.cpp serves a model's own GGUF file",
     ):
         assert expected in err, err
     assert not (workdir / "mlflow.db").exists() or runs() == []
@@ -71,13 +71,14 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
     assert main(["stack", "src"]) == 2
     err = capsys.readouterr().err
     for expected in (
-        "steps.0 (start): source: the first step is the naive start; it names no earlier step's model",
-        "steps.2 (dir): source: names the model a recipe starts from; it needs model: recipe:NAME",
-        "steps.3 (fwd): source: 'later' is not an earlier step. Earlier steps: start, student, dir",
-        "steps.4 (basic): source: step 'start' serves the base model, which a recipe starts from anyway",
+        "steps.0 (start, line 9): source: the first step is the naive start; it names no earlier step's model",
+        "steps.2 (dir, line 11): source: names the model a recipe starts from; it needs model: recipe:NAME",
+        "steps.3 (fwd, line 12): source: 'later' is not an earlier step. Available: dir, start, student",
+        "steps.4 (basic, line 13): source: step 'start' serves the base model, which a recipe starts from anyway",
     ):
         assert expected in err, err
     # the same recipe on the base and on a student are two models; on the same source, one
+    write_recipe(workdir, "tiny-gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n"))
     write_stack(workdir, "ok", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
                 "  - {name: start, engine: hf}\n"
                 "  - {name: int4, model: recipe:tiny-gptq}\n"
@@ -87,7 +88,7 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
     with pytest.raises(stack.UserError) as refused:
         stack.load("ok")
     assert refused.value.problems == [
-        "stacks/ok.yaml: steps.4 (again): model: recipe:tiny-gptq is what the steps before it already use; "
+        "stacks/ok.yaml: steps.4 (again, line 13): model: recipe:tiny-gptq is what the steps before it already use; "
         "a step must add something"
     ]
     write_stack(workdir, "ok", (workdir / "stacks" / "ok.yaml").read_text().rsplit("  - {name: again", 1)[0])
@@ -99,18 +100,18 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
     write_stack(workdir, "drafts", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
                 "  - {name: start, engine: hf}\n"
                 "  - {name: in-process, draft: start}\n"
-                "  - {name: server, engine: llamacpp, draft: /a/dir}\n"
-                "  - {name: same, draft: /a/dir}\n"
+                f"  - {{name: server, engine: llamacpp, draft: {tiny_model_dir}}}\n"
+                f"  - {{name: same, draft: {tiny_model_dir}}}\n"
                 "  - {name: back, engine: hf}\n"            # the draft kept, on an engine that takes none
                 "  - {name: more, concurrency: 2}\n")  # fmt: skip
     with pytest.raises(stack.UserError) as refused:
         stack.load("drafts")
     assert refused.value.problems == [
-        "stacks/drafts.yaml: steps.3 (same): draft: /a/dir is what the steps before it already use; a step must add "
-        "something",
-        "stacks/drafts.yaml: steps.1 (in-process): draft: speculative decoding through in-process transformers "
+        f"stacks/drafts.yaml: steps.3 (same, line 12): draft: {tiny_model_dir} is what the steps before it already "
+        "use; a step must add something",
+        "stacks/drafts.yaml: steps.1 (in-process, line 10): draft: speculative decoding through in-process transformers "
         "generate: not offered through quantbench for this engine; a draft step needs engine vllm or llamacpp",
-        "stacks/drafts.yaml: steps.4 (back): draft: speculative decoding through in-process transformers "
+        "stacks/drafts.yaml: steps.4 (back, line 13): draft: speculative decoding through in-process transformers "
         "generate: not offered through quantbench for this engine; a draft step needs engine vllm or llamacpp",
     ]  # said where the draft meets such an engine, not again for the step after
     # a KV cache in a smaller type: only on an engine that takes that type
@@ -123,9 +124,9 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
         stack.load("kv")
     why = "; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...: its quality is scored with llama.cpp's tools)"
     assert refused.value.problems == [
-        "stacks/kv.yaml: steps.1 (kv-here): kv_cache q8_0: in-process transformers generate takes no KV-cache type "
+        "stacks/kv.yaml: steps.1 (kv-here, line 10): kv_cache q8_0: in-process transformers generate takes no KV-cache type "
         "through quantbench" + why,
-        "stacks/kv.yaml: steps.3 (kv-odd): kv_cache q9_0: llama.cpp takes f16, bf16, q8_0, q5_1, q5_0, iq4_nl, q4_1, "
+        "stacks/kv.yaml: steps.3 (kv-odd, line 12): kv_cache q9_0: llama.cpp takes f16, bf16, q8_0, q5_1, q5_0, iq4_nl, q4_1, "
         "q4_0" + why,
     ]
     # vLLM takes an FP8 KV cache in bench profiles; a stack could not score its quality
@@ -134,7 +135,7 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
                 "  - {name: vllm, engine: vllm, kv_cache: fp8}\n")  # fmt: skip
     with pytest.raises(stack.UserError) as refused:
         stack.load("kvv")
-    assert refused.value.problems == ["stacks/kvv.yaml: steps.1 (vllm): kv_cache fp8: vLLM takes fp8, fp8_e4m3, fp8_e5m2" + why]
+    assert refused.value.problems == ["stacks/kvv.yaml: steps.1 (vllm, line 10): kv_cache fp8: vLLM takes fp8, fp8_e4m3, fp8_e5m2" + why]
 
 
 def test_rate_and_prefix_cache_steps_need_a_server_and_a_shared_prefix(workdir, tiny_model_dir, capsys):
@@ -148,17 +149,17 @@ def test_rate_and_prefix_cache_steps_need_a_server_and_a_shared_prefix(workdir, 
     with pytest.raises(stack.UserError) as refused:
         stack.load("load")
     assert refused.value.problems == [
-        "stacks/load.yaml: steps.1 (arrivals): rate 2: requests arriving at a rate need a server; in-process "
+        "stacks/load.yaml: steps.1 (arrivals, line 10): rate 2: requests arriving at a rate need a server; in-process "
         "transformers generate runs in-process (one batched generate)",
-        "stacks/load.yaml: steps.2 (cached): prefix_cache: in-process transformers generate does not turn its prefix "
+        "stacks/load.yaml: steps.2 (cached, line 11): prefix_cache: in-process transformers generate does not turn its prefix "
         "cache on and off per request; a prefix_cache step needs engine vllm or llamacpp",
-        "stacks/load.yaml: steps.2 (cached): prefix_cache: the workload's prompts share no prefix, so there is nothing "
+        "stacks/load.yaml: steps.2 (cached, line 11): prefix_cache: the workload's prompts share no prefix, so there is nothing "
         "to reuse; set workload.prefix_tokens (e.g. 96 of 128: a system prompt)",
     ]  # each said once, where it meets the engine (not again for the steps after)
     write_stack(workdir, "long", f"base: {tiny_model_dir}\nworkload:\n  prompt_tokens: 16\n  prefix_tokens: 16\n"
                 "steps:\n  - {name: start, engine: hf}\n  - {name: more, concurrency: 2}\n")  # fmt: skip
     assert main(["stack", "long"]) == 2
-    assert "stacks/long.yaml: workload: Value error, prefix_tokens 16: the shared prefix is part of each prompt and " \
+    assert "stacks/long.yaml: workload (line 2): prefix_tokens 16: the shared prefix is part of each prompt and " \
            "must be shorter than prompt_tokens (16)" in capsys.readouterr().err  # fmt: skip
     # a rate keeps the slots of the concurrency before it; a later concurrency goes back to closed loop
     prefix = WORKLOAD.replace("prompt_tokens: 16", "prompt_tokens: 16\n  prefix_tokens: 12")
@@ -198,19 +199,56 @@ def test_schema_errors_and_unknown_references_name_the_file_and_field(workdir, t
                 "  - {name: start, engine: trt}\n  - {name: next, concurrency: 0}\n")  # fmt: skip
     assert main(["stack", "schema"]) == 2
     err = capsys.readouterr().err
-    assert "stacks/schema.yaml: workload.repetitions: Input should be greater than or equal to 3" in err
-    assert "stacks/schema.yaml: steps.0.engine: Value error, unknown engine 'trt'. Available: hf, transformers" in err
-    assert "stacks/schema.yaml: steps.1.concurrency: Input should be greater than 0" in err
+    assert "stacks/schema.yaml: workload.repetitions (line 3): Input should be greater than or equal to 3" in err
+    assert "stacks/schema.yaml: steps.0.engine (line 5): unknown engine 'trt'. Available: hf, transformers" in err
+    assert "stacks/schema.yaml: steps.1.concurrency (line 6): Input should be greater than 0" in err
     assert main(["stack", "nosuch"]) == 2
     assert "stack: unknown stack 'nosuch'" in capsys.readouterr().err
     write_stack(workdir, "refs", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n  - {{name: start, engine: hf}}\n"
                 "  - {name: a, model: run:0123456789abcdef0123456789abcdef}\n  - {name: b, model: recipe:nosuch}\n")  # fmt: skip
     assert main(["stack", "refs"]) == 2
     err = capsys.readouterr().err
-    assert "model run:0123456789abcdef0123456789abcdef: MLflow run '0123456789abcdef0123456789abcdef' does not exist" in err
-    assert "model recipe:nosuch:" in err and "nosuch" in err
+    # the store and the recipes are asked in the same pass
+    assert "steps.1 (a, line 10): model: MLflow run '0123456789abcdef0123456789abcdef' does not exist" in err
+    assert "steps.2 (b, line 11): model: unknown recipe 'nosuch'" in err
     assert not (workdir / "outputs").exists() and runs() == []
 
+
+
+def test_a_stack_file_is_checked_like_a_recipe_every_problem_with_its_line(workdir, tiny_model_dir, capsys):
+    """Schema errors do not hide the steps' checks; every problem has its line; the models and drafts
+    the steps name are resolved in the same pass (an unknown recipe, a draft that is no earlier step
+    nor a model, each with its close match); nothing is written."""
+    write_recipe(workdir, "tiny-gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n"))
+    write_stack(workdir, "all", f"base: {tiny_model_dir}\n"
+                "workload:\n  repetitions: 2\n"                      # line 3: schema
+                "steps:\n"
+                "  - {name: start, engine: hf}\n"
+                "  - {name: fast, concurrency: 0}\n"                 # line 6: schema (its step checks left out)
+                "  - {name: int4, model: recipe:tiny-gtpq}\n"        # line 7: no such recipe
+                "  - {name: spec, engine: llamacpp, draft: strat}\n"  # line 8: no such step or model
+                "  - {name: odd, model: ghost-dir}\n"                # line 9: no such directory
+                "  - name: empty\n"                                  # line 10: changes nothing
+                "    bogus: 1\n")  # fmt: skip
+    assert main(["stack", "all"]) == 2
+    err = capsys.readouterr().err
+    where = "error: stacks/all.yaml"
+    for expected in (
+        f"{where}: workload.repetitions (line 3): Input should be greater than or equal to 3 (got 2)",
+        f"{where}: steps.1.concurrency (line 6): Input should be greater than 0 (got 0)",
+        f"{where}: steps.5.bogus (line 11): unknown key 'bogus'. Available: concurrency, draft, dtype, engine, kv_cache, "
+        "model, name, prefix_cache, rate, source",
+        f"{where}: steps.2 (int4, line 7): model: unknown recipe 'tiny-gtpq' (no recipes/tiny-gtpq.yaml). Did you "
+        "mean 'tiny-gptq'? Available: tiny-gptq",
+        f"{where}: steps.3 (spec, line 8): draft: 'strat' is neither an earlier step's name, run:ID, recipe:NAME nor "
+        "a checkpoint directory. Did you mean 'start'? Available: fast, int4, start",
+        f"{where}: steps.4 (odd, line 9): model: 'ghost-dir' is neither run:ID, recipe:NAME nor a checkpoint "
+        "directory (no such path)",
+    ):
+        assert expected + "\n" in err, err
+    assert "steps.1 (fast" not in err  # a step with a schema problem is not also said to change nothing
+    assert "steps.5 (empty" not in err  # nor one whose key is unknown
+    assert not (workdir / "outputs").exists() and runs() == []
 
 @pytest.mark.slow  # a quantize job, then three steps measured in-process over 3 rounds
 def test_an_in_process_stack_runs_its_recipe_first_and_logs_the_ledger(workdir, tiny_model_dir, tiny128_model_dir,

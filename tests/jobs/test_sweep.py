@@ -19,7 +19,7 @@ from quantbench.cli import main
 from quantbench.tracking import owner_alive
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
-pytestmark = pytest.mark.slow  # child quantize processes, timeouts, kills
+SLOW = pytest.mark.slow  # child quantize processes, timeouts, kills (every test here but reading sweep files)
 
 
 def write_sweep(workdir: Path, name: str, body: dict) -> str:
@@ -50,6 +50,7 @@ def recipes(workdir, tiny_model_dir):
     assert sweep_children() == [], "a sweep job process was left behind"
 
 
+@SLOW
 def test_matrix_runs_then_resume_skips_what_is_done(workdir, recipes, capsys):
     name = write_sweep(workdir, "grid", {"recipes": ["fp8"], "matrix": {"base": "gptq", "overrides": {"calibration.samples": [4, 6]}},
                                          "retries": 0})
@@ -89,6 +90,7 @@ def test_matrix_runs_then_resume_skips_what_is_done(workdir, recipes, capsys):
     assert len(fp8_runs) == 2
 
 
+@SLOW
 def test_timeout_kills_retries_then_fails(workdir, recipes, capsys):
     name = write_sweep(workdir, "slow", {"recipes": ["fp8"], "timeout_s": 1, "retries": 1, "backoff_s": 0})
     started = time.monotonic()
@@ -101,6 +103,7 @@ def test_timeout_kills_retries_then_fails(workdir, recipes, capsys):
     assert all(r.info.status != "RUNNING" for r in runs())
 
 
+@SLOW
 def test_a_crash_then_success_on_retry(workdir, recipes, tiny_model_dir, capsys, tmp_path):
     import shutil
 
@@ -142,6 +145,7 @@ def test_a_crash_then_success_on_retry(workdir, recipes, tiny_model_dir, capsys,
     assert statuses == ["FAILED", "FINISHED"]  # the crash is recorded, not lost
 
 
+@SLOW
 def test_sweep_killed_mid_job_resumes_and_reaps_the_stale_run(workdir, recipes, tiny_model_dir, capsys):
     from tests.conftest import TINY_SUITE
 
@@ -184,17 +188,18 @@ def test_sweep_killed_mid_job_resumes_and_reaps_the_stale_run(workdir, recipes, 
     assert len(finished) == len(set(finished)) == 2  # one FINISHED run per recipe sha, none twice
 
 
+@SLOW
 def test_bad_sweep_files_report_every_problem(workdir, recipes, capsys):
     name = write_sweep(workdir, "bad", {"recipes": ["fp8", "fp9"], "matrix": {"base": "gptq", "overrides": {"quantize.grup_size": [32]}},
                                         "set": ["calibration.samples=4"]})
     assert main(["sweep", name]) == 2
     err = capsys.readouterr().err
-    assert "sweeps/bad.yaml: job fp9: unknown recipe 'fp9'" in err and "Did you mean 'fp8'?" in err
-    assert "sweeps/bad.yaml: job gptq[grup_size=32]: recipes/gptq.yaml: quantize.grup_size" in err
+    assert "sweeps/bad.yaml: job fp9 (line 8): unknown recipe 'fp9'" in err and "Did you mean 'fp8'?" in err
+    assert "sweeps/bad.yaml: job gptq[grup_size=32] (line 4): recipes/gptq.yaml: quantize.grup_size" in err
     assert "Did you mean 'group_size'?" in err
     write_sweep(workdir, "keys", {"recipes": ["fp8"], "retry": 3})
     assert main(["sweep", "keys"]) == 2
-    assert "sweeps/keys.yaml: retry: Extra inputs are not permitted" in capsys.readouterr().err
+    assert "sweeps/keys.yaml: retry (line 3): unknown key 'retry'. Did you mean 'retries'?" in capsys.readouterr().err
     write_sweep(workdir, "dup", {"recipes": ["fp8", "recipes/fp8.yaml"]})
     assert main(["sweep", "dup"]) == 2
     assert "is the same recipe as job fp8" in capsys.readouterr().err
@@ -203,6 +208,35 @@ def test_bad_sweep_files_report_every_problem(workdir, recipes, capsys):
     assert runs() == [] and not (workdir / "outputs").exists()
 
 
+
+def test_a_sweep_file_is_checked_like_a_recipe_every_problem_with_its_line(workdir, recipes, capsys):
+    """Schema errors do not hide the jobs' checks, and each problem has its line: a job's problem the
+    line of what made it (its recipes: entry, the matrix override or set: item it names)."""
+    (workdir / "sweeps").mkdir()
+    (workdir / "sweeps" / "bad.yaml").write_text(
+        "recipes:\n"
+        "  - fp8\n"
+        "  - fp9\n"                           # line 3: no such recipe
+        "matrix:\n"
+        "  base: gptq\n"
+        "  overrides:\n"
+        "    quantize.grup_size: [32]\n"      # line 7: no such key in the recipe
+        "retry: 3\n"                          # line 8: no such key in a sweep
+        "timeout_s: 0\n")                     # line 9: out of range
+    assert main(["sweep", "bad"]) == 2
+    err = capsys.readouterr().err
+    where = "error: sweeps/bad.yaml"
+    for expected in (
+        f"{where}: retry (line 8): unknown key 'retry'. Did you mean 'retries'? Available: ",
+        f"{where}: timeout_s (line 9): Input should be greater than 0 (got 0)",
+        f"{where}: job fp9 (line 3): unknown recipe 'fp9' (no recipes/fp9.yaml). Did you mean 'fp8'?",
+        f"{where}: job gptq[grup_size=32] (line 7): recipes/gptq.yaml: quantize.grup_size (--set quantize.grup_size=32): "
+        "unknown key 'grup_size'. Did you mean 'group_size'?",
+    ):
+        assert expected in err, err
+    assert runs() == [] and not (workdir / "outputs").exists()
+
+@SLOW
 def test_two_sweeps_at_once(workdir, recipes, capsys):
     """A sweep that another process is running is refused; another sweep runs beside it. The first
     is held where it is (its lock taken here, as a running sweep holds it) rather than raced: on a
@@ -228,6 +262,7 @@ def test_two_sweeps_at_once(workdir, recipes, capsys):
     assert all(r.info.status == "FINISHED" for r in runs())
 
 
+@SLOW
 def test_shipped_sweeps_validate(monkeypatch):
     from quantbench.jobs.sweep import load_sweep
 

@@ -208,3 +208,10 @@ def test_a_suite_or_profile_looked_for_where_there_are_none_says_where(tmp_path,
     (tmp_path / "suites" / "tiny.yaml").write_text("tokens: 640\n")
     with pytest.raises(UserError, match="Did you mean 'tiny'\\? Available: tiny"):
         load_suite("tin")
+
+
+@pytest.mark.parametrize("value", [".inf", ".nan"])
+def test_a_budget_that_is_not_a_finite_number_is_refused(tmp_path, value):
+    found = problems(tmp_path, f"quantize: {{method: fp8}}\nbudget_minutes: {value}\n")
+    assert found == [f"{tmp_path / 'r.yaml'}: budget_minutes (line 2): Input should be a finite number "
+                     f"(got {float(value.replace('.', '', 1))})"]

@@ -161,6 +161,17 @@ def test_bad_policies_name_the_file_and_field(workdir, scored_runs, capsys, poli
     assert f"policies/bad.yaml: {expected}" in err or (expected.startswith("Close") and expected in err), err
 
 
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "sub/release"])
+def test_a_policy_that_is_neither_a_name_nor_a_yaml_file_says_what_a_policy_is(workdir, capsys, name):
+    """Not a directory's contents guessed at (`../../etc/` holds no policy files): what --policy takes."""
+    write_policy(workdir, "release", {"max": {"quality/kld_mean": 1.0}})
+    assert main(["gate", "0" * 32, "--policy", name]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --policy: '{name}' is neither a policy's name (a file in policies/: release) nor a path to a .yaml "
+        "file\n"
+    )
+
 def test_unknown_run_unknown_policy_and_a_baseline_run(workdir, scored_runs, capsys):
     write_policy(workdir, "ok", {"max": {"quality/kld_mean": 1.0}})
     assert main(["gate", "0" * 32, "--policy", "ok"]) == 2

@@ -24,6 +24,40 @@ def test_a_corrupt_info_file_is_bad_input_naming_file_line_and_column(workdir, t
     assert runs() == []
 
 
+
+@pytest.mark.parametrize(
+    "content, base, expected",
+    [
+        ({"run_id": 5}, True, "run_id: expected a string (or null), got 5"),
+        ({"base_model": "builtin:x"}, False, "base_model: expected an object (or null), got \"builtin:x\""),
+        ({"base_model": {"source": ["a"]}, "weights_sha": {}}, False,
+         "base_model.source: expected a string (or null), got [\"a\"]"),
+        ([1, 2], True, "not a JSON object (got an array); quantbench writes this file with the checkpoint"),
+    ],
+)
+def test_an_info_file_of_the_wrong_types_is_bad_input_naming_field_and_type(workdir, tiny_model_dir, capsys, content,
+                                                                            base, expected):
+    """Valid JSON that is not what quantbench writes (edited by hand, written by another tool): both
+    stages that read it refuse it, exit 2, naming the file, the field and the type it must have."""
+    from quantbench.tracking import Tracker
+
+    with Tracker("elsewhere").start_run("a store to look the run id up in", {}):
+        pass
+    checkpoint = workdir / "ckpt"
+    shutil.copytree(tiny_model_dir, checkpoint)
+    info = checkpoint / "quantbench.json"
+    info.write_text(json.dumps(content))
+    (workdir / "suites").mkdir()
+    (workdir / "suites" / "default.yaml").write_text(TINY_SUITE)
+    for command in ("evaluate", "bench"):
+        assert main([command, str(checkpoint), *(["--base", str(tiny_model_dir)] if base else [])]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {info}: {expected}" in err, err
+        assert "Traceback" not in err
+    if isinstance(content, dict) and "weights_sha" in content:
+        assert f"error: {info}: weights_sha: expected a string (or null), got {{}}" in err  # every field at once
+    assert runs() == []
+
 def test_a_gguf_checkpoint_is_a_target_and_a_truncated_one_is_refused(tmp_path):
     """A `method: gguf` checkpoint holds a .gguf file, not safetensors: later stages (bench,
     evaluate, stack) take it; one whose file does not read as GGUF is bad input, named."""

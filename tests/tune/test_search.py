@@ -51,6 +51,18 @@ def tune_args(policy: str, *extra: str) -> list[str]:
     (["--policy", "loose", "--parallel", "0"], "--parallel: 0; at least 1 candidate at a time"),
     (["--policy", "loose", "--parallel", "2"], "--parallel 2 needs --ray: every candidate measures its speed"),
     (["--policy", "loose", "--remeasure-costs"], "--remeasure-costs: only a latency tune reads the cost table"),
+    (["--policy", "loose", "--sensitivity-windows", "0"], "--sensitivity-windows: 0; the sensitivity is measured on at "
+                                                         "least 1 held-back window"),
+    # the template is float32: a layer left unquantized stores 32 bits a weight
+    (["--policy", "loose", "--bits", "99"], "--bits 99: above 32.000, what the costliest of W4A16-G64, W4A16-G64-ASYM, "
+                                            "W4A16-G32, W4A16-G32-ASYM, W8A8, BF16 takes on every layer"),
+    (["--policy", "loose", "--bits", "5", "--schemes", "W4A16-G64"], "--bits 5: above 4.506, what the costliest of "
+                                                                     "W4A16-G64 takes on every layer"),
+    (["--policy", "loose", "--bits", "nan"], "--bits nan: not a finite number above 0"),
+    (["--policy", "loose", "--bits=-inf"], "--bits -inf: not a finite number above 0"),
+    (["--policy", "loose", "--max-size-mb", "inf"], "--max-size-mb inf: not a finite number above 0"),
+    (["--policy", "loose", "--latency-ms", "-5"], "--latency-ms -5: not a finite number above 0"),
+    (["--policy", "loose", "--latency-ms", "0"], "--latency-ms 0: not a finite number above 0"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(args, message, setup, tiny_model_dir, capsys):
     write_recipe(setup, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n"))
@@ -58,6 +70,24 @@ def test_bad_input_exits_2_and_writes_nothing(args, message, setup, tiny_model_d
     assert main(["tune", "--from", "tiny-rtn", *args]) == 2
     assert message in capsys.readouterr().err
     assert runs() == [] and not (setup / "outputs").exists()
+
+
+
+def test_an_interrupted_tune_leaves_no_lock_behind(setup, monkeypatch, capsys):
+    """Ctrl-C or SIGTERM while the tune holds its directory's lock: exit 130 and the lock file is
+    gone with the lock (the next run of the same tune, or `ls`, finds nothing left)."""
+    from quantbench.tune import search
+
+    held = []
+
+    def interrupted(plan, *rest):
+        held.append(sorted(p.name for p in plan.directory.iterdir()))
+        raise KeyboardInterrupt("signal 15")
+
+    monkeypatch.setattr(search, "_run", interrupted)
+    assert main(tune_args("loose")) == 130
+    assert held == [["lock"]]  # it was held while the tune ran
+    assert not list((setup / "outputs" / "tune").glob("*/lock"))
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -149,24 +149,60 @@ class PeakRSS:
         self._thread.join()
 
 
-def hold_lock(directory: Path, what: str, hint: str = "wait for it"):
-    """An exclusive lock on `directory`/lock holding this process's pid, for as long as the
-    returned handle is open; UserError naming the holder when another process has it."""
+class Lock:
+    """An exclusive lock (flock) on a file that holds its holder's pid, from `hold_lock` until
+    `close` (or the end of a `with` block): a finished or interrupted command removes the file, so
+    it leaves no lock behind; a killed one (SIGKILL) leaves the file, unlocked, for the next holder."""
+
+    def __init__(self, path: Path, handle):
+        self.path, self._handle = path, handle
+
+    def close(self) -> None:
+        if self._handle is None:
+            return
+        try:
+            # removed while still held: a process that opened the file meanwhile gets the lock only
+            # after this, finds the path no longer names its file, and locks the path anew (hold_lock)
+            self.path.unlink(missing_ok=True)
+        finally:
+            self._handle.close()  # releases the lock
+            self._handle = None
+
+    def __enter__(self) -> Lock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def hold_lock(directory: Path, what: str, hint: str = "wait for it") -> Lock:
+    """An exclusive lock on `directory`/lock holding this process's pid, until the returned Lock
+    is closed; UserError naming the holder when another process has it."""
     import fcntl
 
     from quantbench.core.errors import UserError
 
     directory.mkdir(parents=True, exist_ok=True)
-    handle = open(directory / "lock", "a+")  # not "w": that would erase the holder's pid before the check
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "?"
-        handle.close()
-        raise UserError(f"{what} is already running (pid {holder}, lock {directory / 'lock'}); {hint}") from None
+    path = directory / "lock"
+    while True:
+        handle = open(path, "a+")  # not "w": that would erase the holder's pid before the check
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            handle.close()
+            raise UserError(f"{what} is already running (pid {holder}, lock {path}); {hint}") from None
+        try:
+            held = os.stat(path)
+        except FileNotFoundError:
+            held = None
+        mine = os.fstat(handle.fileno())
+        if held is not None and (held.st_dev, held.st_ino) == (mine.st_dev, mine.st_ino):
+            break
+        handle.close()  # the file its last holder removed on release: lock the one at the path now
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
     handle.flush()
-    return handle
+    return Lock(path, handle)

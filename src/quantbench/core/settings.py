@@ -1,9 +1,11 @@
 """YAML settings text read safely: bounded in size and in alias expansion, a key given twice
 refused (YAML would silently keep the last), errors naming the file and line. Recipes, suites,
-profiles, policies, sweeps and model cards are all read through `parse_yaml`."""
+profiles, policies, sweeps, stacks and model cards are all read through `parse_yaml`, their files
+through `read_settings`."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -16,6 +18,21 @@ MAX_YAML_BYTES = 1_000_000
 
 
 MAX_YAML_VALUES = 50_000  # scalars, lists and mappings, counted with every alias expanded
+
+
+def read_settings(path: Path) -> str:
+    """A settings file's text, decoded as UTF-8 whatever the locale says; UserError naming the file
+    when it cannot be read or is not UTF-8 text (a file saved in Latin-1, or not text at all)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); save it as UTF-8"
+        ) from None
 
 
 def parse_yaml(text: str, where: str, unique_keys: bool = True) -> tuple[Any, yaml.Node | None]:

@@ -22,9 +22,11 @@ import logging
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from quantbench.core import environment, hardware
 from quantbench.core.errors import UserError, check_creatable_dir
@@ -905,6 +907,20 @@ def target_run(tracker: Tracker, tgt: Target, base: models.ResolvedModel, stage:
     )
 
 
+def _together(*checks: Callable[[], Any]) -> list[Any]:
+    """Each check's result; when any is bad input, every one's problems at once (a bad profile said
+    beside a bad target, not only after the target is fixed)."""
+    results, problems = [], []
+    for check in checks:
+        try:
+            results.append(check())
+        except UserError as exc:
+            problems += exc.problems
+    if problems:
+        raise UserError(problems)
+    return results
+
+
 def _open_target(target: str, base: str | None, experiment: str | None) -> tuple[Tracker, Target, models.ResolvedModel]:
     tracker = Tracker(experiment)
     tgt = resolve_target(target, tracker, base)
@@ -929,8 +945,9 @@ def evaluate(
 
     from quantbench.quality.suite import DEFAULT_SUITE, load_suite
 
-    loaded_suite = load_suite(suite or DEFAULT_SUITE)
-    tracker, tgt, base_model = _open_target(target, base, experiment)
+    loaded_suite, (tracker, tgt, base_model) = _together(
+        lambda: load_suite(suite or DEFAULT_SUITE), lambda: _open_target(target, base, experiment)
+    )
     tokenizer = AutoTokenizer.from_pretrained(tgt.checkpoint)
     plan = evaluate_stage.prepare(loaded_suite, tokenizer)
     engine_plan = evaluate_stage.prepare_engine(engine, tgt.checkpoint, plan) if engine else None
@@ -972,9 +989,11 @@ def bench(
 ) -> StageOutcome:
     from transformers import AutoTokenizer
 
-    from quantbench.speed.measure import DEFAULT_PROFILE
+    from quantbench.speed.measure import DEFAULT_PROFILE, load_profile
 
-    tracker, tgt, base_model = _open_target(target, base, experiment)
+    _, (tracker, tgt, base_model) = _together(
+        lambda: load_profile(profile or DEFAULT_PROFILE), lambda: _open_target(target, base, experiment)
+    )
     plan = bench_stage.prepare(
         profile or DEFAULT_PROFILE,
         AutoTokenizer.from_pretrained(tgt.checkpoint),

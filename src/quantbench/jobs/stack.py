@@ -52,10 +52,11 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from quantbench import engines
-from quantbench.core.errors import UserError
+from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.intervals import HIGH, LOW, ratio_interval
-from quantbench.recipe import DEFAULT_MODEL, Strict, load_named
-from quantbench.tracking import TAG, Tracker
+from quantbench.recipe import DEFAULT_MODEL, CheckedFile, Strict, check_file, named_path, resolve_recipe_path
+from quantbench.sources.checkpoint import RUN_ID
+from quantbench.tracking import TAG, Tracker, tracking_uri
 
 if TYPE_CHECKING:
     from quantbench.sources.models import ResolvedModel
@@ -188,33 +189,55 @@ def stacks_dir() -> Path:
     return Path(os.environ.get("QUANTBENCH_STACKS", "stacks"))
 
 
-def load(name: str) -> tuple[StackFile, list[Config]]:
-    """The stack file and each step's full configuration; every problem of the step list at once."""
+def load(name: str, tracker: Tracker | None = None) -> tuple[StackFile, list[Config]]:
+    """The stack file and each step's full configuration. Every problem at once, each with its line,
+    as a recipe's: the schema's, the step list's (a step with a schema problem left out of those) and
+    the models and drafts the steps name (an unknown recipe, a draft that is no earlier step nor a
+    model, with close matches; with `tracker`, a run id the store does not have)."""
     path = Path(name)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        from quantbench.recipe import validate_file
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        path = named_path(stacks_dir(), name, "stack", "stack")
+    checked = check_file(path, StackFile)
+    problems = list(checked.problems)
+    steps: list[Config] = []
+    if checked.settings is not None:
+        steps, found = configs(checked.settings, checked, tracker)
+        problems += found
+    if problems or checked.settings is None:
+        raise UserError(problems)
+    return checked.settings, steps
 
-        stack = validate_file(path, StackFile)
-        where = str(path)
-    else:
-        stack = load_named(stacks_dir(), name, StackFile, "stack", "stack")
-        where = str(stacks_dir() / f"{name}.yaml")
-    return stack, configs(stack, where)
 
+def configs(stack: StackFile, checked: CheckedFile, tracker: Tracker | None = None) -> tuple[list[Config], list[str]]:
+    """Each step's configuration (its changes over the steps before it) and the step list's problems."""
+    where = str(checked.path)
+    # steps and sections with a schema problem are at their defaults here: what would be said of them is of the
+    # defaults, not of what the file says
+    skip = {loc[1] for loc in checked.invalid if len(loc) > 1 and loc[0] == "steps" and isinstance(loc[1], int)}
+    workload_given = not any(loc[:1] == ("workload",) for loc in checked.invalid)
+    problems: list[str] = []
 
-def configs(stack: StackFile, where: str) -> list[Config]:
-    problems = []
+    def at(i: int, knob: str | None = None) -> str:
+        """`stacks/x.yaml: steps.2 (int4, line 7)`: a step, and the line of the knob said (or of the step)."""
+        line = (knob and checked.line("steps", i, knob)) or checked.line("steps", i)
+        return f"{where}: steps.{i} ({stack.steps[i].name}" + (f", line {line})" if line else ")")
+
+    def say(i: int, problem: str | None) -> None:
+        if problem is not None and i not in skip:
+            problems.append(problem)
+
     first = stack.steps[0]
     if first.engine is None:
-        problems.append(
-            f"{where}: steps.0 ({first.name}): the first step is the naive start: name its engine (e.g. hf)"
-        )
+        say(0, f"{at(0)}: the first step is the naive start: name its engine (e.g. hf)")
     for knob in ("source", "draft"):
         if getattr(first, knob) is not None:
-            problems.append(
-                f"{where}: steps.0 ({first.name}): {knob}: the first step is the naive start; it names no earlier "
-                "step's model (make it a step of its own)"
+            say(
+                0,
+                f"{at(0, knob)}: {knob}: the first step is the naive start; it names no earlier step's model (make it "
+                "a step of its own)",
             )
+    if first.model is not None:
+        say(0, _model_problem(at(0, "model"), "model", first.model, tracker))
     current = Config(
         first.engine or "hf",
         first.dtype or "auto",
@@ -225,42 +248,58 @@ def configs(stack: StackFile, where: str) -> list[Config]:
     )
     out = [current]
     seen = {first.name: 0}
+    names = [s.name for s in stack.steps]
     for i, step in enumerate(stack.steps[1:], start=1):
         if step.name in seen:
-            problems.append(f"{where}: steps.{i}.name: '{step.name}' is also step {seen[step.name]}'s name")
+            line = checked.line("steps", i, "name")
+            say(i, f"{where}: steps.{i}.name{f' (line {line})' if line else ''}: '{step.name}' is also step "
+                   f"{seen[step.name]}'s name")  # fmt: skip
         seen.setdefault(step.name, i)
+        earlier = [n for n, j in seen.items() if j < i]
         source = None
         if step.source is not None:
             if not (step.model or "").startswith("recipe:"):
-                problems.append(
-                    f"{where}: steps.{i} ({step.name}): source: names the model a recipe starts from; "
-                    "it needs model: recipe:NAME in the same step"
+                say(
+                    i,
+                    f"{at(i, 'source')}: source: names the model a recipe starts from; it needs model: recipe:NAME "
+                    "in the same step",
                 )
             elif step.source not in seen or seen[step.source] == i:
-                problems.append(
-                    f"{where}: steps.{i} ({step.name}): source: '{step.source}' is not an earlier step. "
-                    f"Earlier steps: {', '.join(n for n, j in seen.items() if j < i)}"
+                say(
+                    i,
+                    f"{at(i, 'source')}: source: '{step.source}' is not an earlier step."
+                    + did_you_mean(step.source, earlier),
                 )
             elif out[seen[step.source]].model is None:
-                problems.append(
-                    f"{where}: steps.{i} ({step.name}): source: step '{step.source}' serves the base model, "
-                    "which a recipe starts from anyway; leave source out"
+                say(
+                    i,
+                    f"{at(i, 'source')}: source: step '{step.source}' serves the base model, which a recipe starts "
+                    "from anyway; leave source out",
                 )
             else:
                 source = out[seen[step.source]].model_key
+        if step.model is not None:
+            say(i, _model_problem(at(i, "model"), "model", step.model, tracker))
         changes = {k: getattr(step, k) for k in KNOBS if getattr(step, k) is not None}
         if step.draft is not None:  # an earlier step's name stands for its model
-            changes["draft"] = out[seen[step.draft]].model_key or BASE if seen.get(step.draft, i) < i else step.draft
+            if seen.get(step.draft, i) < i:
+                changes["draft"] = out[seen[step.draft]].model_key or BASE
+            elif step.draft in names:
+                say(i, f"{at(i, 'draft')}: draft: '{step.draft}' is step {names.index(step.draft)}, not an earlier "
+                       "one: a draft is a model served before it")  # fmt: skip
+            else:
+                say(i, _model_problem(at(i, "draft"), "draft", step.draft, tracker, earlier))
         key = f"{step.model}@{source}" if source else step.model
         same = [
             k for k, v in changes.items() if (current.model_key == key if k == "model" else getattr(current, k) == v)
         ]
         if not changes:
-            problems.append(f"{where}: steps.{i} ({step.name}): changes nothing; set one of {', '.join(KNOBS)}")
+            say(i, f"{at(i)}: changes nothing; set one of {', '.join(KNOBS)}")
         elif len(same) == len(changes):
-            problems.append(
-                f"{where}: steps.{i} ({step.name}): {', '.join(f'{k}: {changes[k]}' for k in same)} is what the "
-                "steps before it already use; a step must add something"
+            say(
+                i,
+                f"{at(i, same[0])}: {', '.join(f'{k}: {changes[k]}' for k in same)} is what the steps before it "
+                "already use; a step must add something",
             )
         if "model" in changes:
             changes["source"] = source
@@ -271,43 +310,73 @@ def configs(stack: StackFile, where: str) -> list[Config]:
         engine = engines.get(config.engine)
         # each said once, where the knob meets an engine that cannot apply it (not again for each later step)
         refused = {k for k, no in refusals(config).items() if no and not (i and refusals(out[i - 1])[k])}
-        where_i = f"{where}: steps.{i} ({stack.steps[i].name})"
         if "draft" in refused:
-            problems.append(
-                f"{where_i}: draft: speculative decoding through {engine.label}: {engine.drafts}; a draft step "
-                "needs engine " + " or ".join(n for n in ENGINE_NAMES if engines.get(n).drafts is None)
+            say(
+                i,
+                f"{at(i, 'draft')}: draft: speculative decoding through {engine.label}: {engine.drafts}; a draft step "
+                "needs engine " + " or ".join(n for n in ENGINE_NAMES if engines.get(n).drafts is None),
             )
         if "kv_cache" in refused:
             offered = engine.kv_cache_types
-            problems.append(
-                f"{where_i}: kv_cache {config.kv_cache}: {engine.label} "
+            say(
+                i,
+                f"{at(i, 'kv_cache')}: kv_cache {config.kv_cache}: {engine.label} "
                 + (f"takes {', '.join(offered)}" if offered else "takes no KV-cache type through quantbench")
                 + "; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...: its quality is scored with "
-                "llama.cpp's tools)"
+                "llama.cpp's tools)",
             )
         if "rate" in refused:
-            problems.append(
-                f"{where_i}: rate {config.rate:g}: requests arriving at a rate need a server; {engine.label} "
-                "runs in-process (one batched generate)"
+            say(
+                i,
+                f"{at(i, 'rate')}: rate {config.rate:g}: requests arriving at a rate need a server; {engine.label} "
+                "runs in-process (one batched generate)",
             )
         if "prefix_cache" in refused:
-            problems.append(
-                f"{where_i}: prefix_cache: {engine.label} {engine.prefix_cache}; a prefix_cache step needs engine "
-                + " or ".join(n for n in ENGINE_NAMES if engines.get(n).prefix_cache is None)
+            say(
+                i,
+                f"{at(i, 'prefix_cache')}: prefix_cache: {engine.label} {engine.prefix_cache}; a prefix_cache step "
+                "needs engine " + " or ".join(n for n in ENGINE_NAMES if engines.get(n).prefix_cache is None),
             )
-        if stack.steps[i].prefix_cache and not stack.workload.prefix_tokens:
-            problems.append(
-                f"{where_i}: prefix_cache: the workload's prompts share no prefix, so there is nothing to reuse; "
-                "set workload.prefix_tokens (e.g. 96 of 128: a system prompt)"
+        if stack.steps[i].prefix_cache and not stack.workload.prefix_tokens and workload_given:
+            say(
+                i,
+                f"{at(i, 'prefix_cache')}: prefix_cache: the workload's prompts share no prefix, so there is nothing "
+                "to reuse; set workload.prefix_tokens (e.g. 96 of 128: a system prompt)",
             )
         if "dtype" in refused:
-            problems.append(
-                f"{where_i}: dtype {config.dtype}: llama.cpp serves a model's own GGUF file, the base model as an "
-                "F16 file; dtype applies to hf, transformers and vllm"
+            say(
+                i,
+                f"{at(i, 'dtype')}: dtype {config.dtype}: llama.cpp serves a model's own GGUF file, the base model as "
+                "an F16 file; dtype applies to hf, transformers and vllm",
             )
-    if problems:
-        raise UserError(problems)
-    return out
+    return out, problems
+
+
+def _model_problem(
+    where: str, knob: str, ref: str, tracker: Tracker | None, earlier: list[str] | None = None
+) -> str | None:
+    """What is wrong with a model a step names (`recipe:NAME`, `run:ID`, a checkpoint directory;
+    a draft also an earlier step's name, `earlier`): an unknown recipe, a path that is not there, a
+    run the store does not have (looked up with `tracker` only). None when nothing is."""
+    if ref.startswith("recipe:"):
+        try:
+            resolve_recipe_path(ref.removeprefix("recipe:"))
+        except UserError as exc:
+            return f"{where}: {knob}: {exc.problems[0]}"
+        return None
+    run_id = ref.removeprefix("run:")
+    if ref.startswith("run:") or (RUN_ID.fullmatch(ref) and not Path(ref).exists()):
+        if tracker is None or tracker.existing(run_id) is not None:
+            return None
+        return f"{where}: {knob}: MLflow run '{run_id}' does not exist at the tracking store ({tracking_uri()})"
+    if Path(ref).exists():
+        return None
+    if earlier is None:
+        return f"{where}: {knob}: '{ref}' is neither run:ID, recipe:NAME nor a checkpoint directory (no such path)"
+    return (
+        f"{where}: {knob}: '{ref}' is neither an earlier step's name, run:ID, recipe:NAME nor a checkpoint directory."
+        + did_you_mean(ref, earlier)
+    )
 
 
 def refusals(config: Config) -> dict[str, bool]:
@@ -354,7 +423,7 @@ def resolve_models(
     none; a directory as it is. Bad references are refused before any recipe runs; the recipes
     then run in step order (a student before the recipe that quantizes it)."""
     from quantbench.jobs import pipeline
-    from quantbench.recipe import load_recipe, resolve_recipe_path
+    from quantbench.recipe import load_recipe
     from quantbench.sources import models
     from quantbench.sources.checkpoint import check_loadable, resolve_target
 
@@ -1052,9 +1121,9 @@ def run(
 
     if best and not policy:
         raise UserError("--best: the fastest stack that passes what? Name the policy too (--policy release)")
-    stack, steps = load(name)
+    tracker = Tracker(experiment)  # the runs the steps name are looked up while the file is checked
+    stack, steps = load(name, tracker)
     loaded_policy = gate.load_policy(policy) if policy else None
-    tracker = Tracker(experiment)
     base, models_ = resolve_models(stack, steps, tracker, experiment, outputs)
     check_engines(stack, steps, models_)
     stack_name = Path(name).stem

@@ -35,11 +35,12 @@ from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.files import atomic_write
 from quantbench.jobs.executor import HISTORY, Executor, Job, Limits, Runner
 from quantbench.recipe import (
+    CheckedFile,
     ResourcesSpec,
     Strict,
+    check_file,
     load_recipe,
     resolve_recipe_path,
-    validate_file,
 )
 from quantbench.tracking import TAG, Tracker
 
@@ -80,32 +81,69 @@ def sweeps_dir() -> Path:
 
 
 def load_sweep(name_or_path: str) -> tuple[Path, Sweep, list[Job]]:
+    """The sweep file and its jobs. Every problem at once, each with its line, as a recipe's: the
+    schema's and every job's (its recipe's, with the overrides the sweep applies); a schema problem
+    hides none of the jobs' (they are made from the rest of the file)."""
     path = Path(name_or_path) if name_or_path.endswith((".yaml", ".yml")) else sweeps_dir() / f"{name_or_path}.yaml"
     if not path.is_file():
         available = sorted(p.stem for p in sweeps_dir().glob("*.yaml"))
         raise UserError(f"unknown sweep '{name_or_path}' (no {path})." + did_you_mean(path.stem, available))
-    sweep = validate_file(path, Sweep)
-    specs: list[tuple[str, str, list[str]]] = []  # (job id, recipe name or path, overrides)
-    for name in sweep.recipes:
-        specs.append((Path(name).stem, name, list(sweep.set)))
+    checked = check_file(path, Sweep)
+    problems = list(checked.problems)
+    jobs: list[Job] = []
+    if checked.settings is not None:
+        jobs, found = _jobs(checked.settings, checked)
+        problems += found
+    if problems or checked.settings is None:
+        raise UserError(problems)
+    return path, checked.settings, jobs
+
+
+def _jobs(sweep: Sweep, checked: CheckedFile) -> tuple[list[Job], list[str]]:
+    """Every job of the sweep, validated, and their problems: `job ID (line N): ...`, the line of
+    what made it (its recipes: entry, or the matrix override or set: item a problem names)."""
+    path = checked.path
+    specs: list[tuple[str, str, list[str], tuple]] = []  # (job id, recipe name or path, overrides, where in the file)
+    for i, name in enumerate(sweep.recipes):
+        specs.append((Path(name).stem, name, list(sweep.set), ("recipes", i)))
     if sweep.matrix is not None:
         keys = list(sweep.matrix.overrides)
         for values in itertools.product(*(sweep.matrix.overrides[k] for k in keys)):
             items = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in zip(keys, values)]
             label = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values))
-            specs.append((f"{Path(sweep.matrix.base).stem}[{label}]", sweep.matrix.base, [*sweep.set, *items]))
+            base = sweep.matrix.base
+            specs.append((f"{Path(base).stem}[{label}]", base, [*sweep.set, *items], ("matrix", "base")))
+    invalid = {loc[0] for loc in checked.invalid if loc}
     if not specs:
-        raise UserError(f"{path}: no jobs: give recipes: and/or matrix:")
-    problems, jobs, seen = [], [], {}
-    for job_id, recipe, overrides in specs:
+        # recipes: or matrix: with a problem of its own (said) may be what held the jobs
+        said = invalid & {"recipes", "matrix"}
+        return [], ([] if said else [f"{path}: no jobs: give recipes: and/or matrix:"])
+
+    def line_of(problem: str, origin: tuple) -> int | None:
+        for key in sweep.matrix.overrides if sweep.matrix is not None and origin[0] == "matrix" else ():
+            if f"--set {key}=" in problem:
+                return checked.line("matrix", "overrides", key)
+        for i, item in enumerate(sweep.set):
+            if f"--set {item}" in problem:
+                return checked.line("set", i)
+        return checked.line(*origin)
+
+    def job(job_id: str, line: int | None) -> str:
+        return f"{path}: job {job_id}" + (f" (line {line})" if line else "")
+
+    problems: list[str] = []
+    jobs: list[Job] = []
+    seen: dict[str, str] = {}
+    for job_id, recipe, overrides, origin in specs:
         try:
             loaded = load_recipe(resolve_recipe_path(recipe), tuple(overrides))
         except UserError as exc:
-            problems += [f"{path}: job {job_id}: {p}" for p in exc.problems]
+            problems += [f"{job(job_id, line_of(p, origin))}: {p}" for p in exc.problems]
             continue
         if loaded.sha in seen:
             problems.append(
-                f"{path}: job {job_id} is the same recipe as job {seen[loaded.sha]} (sha {loaded.sha[:12]})"
+                f"{job(job_id, checked.line(*origin))} is the same recipe as job {seen[loaded.sha]} "
+                f"(sha {loaded.sha[:12]})"
             )
             continue
         seen[loaded.sha] = job_id
@@ -119,9 +157,7 @@ def load_sweep(name_or_path: str) -> tuple[Path, Sweep, list[Job]]:
                 resources=loaded.resources(sweep.resources),
             )
         )
-    if problems:
-        raise UserError(problems)
-    return path, sweep, jobs
+    return jobs, problems
 
 
 # ---------------------------------------------------------------------------------------------

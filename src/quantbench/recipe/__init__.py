@@ -22,6 +22,7 @@ from typing import (
     Annotated,
     Any,
     ClassVar,
+    Generic,
     Literal,
     TypeVar,
     Union,
@@ -42,7 +43,7 @@ from pydantic import (
 
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.files import canonical_sha
-from quantbench.core.settings import parse_yaml
+from quantbench.core.settings import parse_yaml, read_settings
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_TEXT = "builtin:python-docs"
@@ -490,7 +491,7 @@ class Recipe(Strict):
     # What the produce step may take on this machine, in minutes: the job estimates its produce time
     # before it starts (from a measured forward pass) and says so when the estimate is over;
     # `quantize --strict-budget` then refuses (exit 2). None: no budget.
-    budget_minutes: float | None = Field(None, gt=0)
+    budget_minutes: float | None = Field(None, gt=0, allow_inf_nan=False)  # .inf is no budget: leave it out
 
 
 # method name -> its settings class, e.g. "gptq" -> GPTQSpec
@@ -512,7 +513,7 @@ class LoadedRecipe:
 
     def where(self, *loc: str) -> str:
         """`quantize.group_size (line 5)`: a field and its line in the recipe file, for messages."""
-        line = _yaml_line(parse_yaml(self.path.read_text(), str(self.path))[1], loc)
+        line = _yaml_line(parse_yaml(read_settings(self.path), str(self.path))[1], loc)
         return ".".join(loc) + (f" (line {line})" if line else "")
 
     @property
@@ -537,6 +538,11 @@ Settings = TypeVar("Settings", bound=BaseModel)
 
 def load_named(directory: Path, name: str, schema: type[Settings], field: str, kind: str) -> Settings:
     """A small settings file by name (suites/NAME.yaml, profiles/NAME.yaml), validated by `schema`."""
+    return validate_file(named_path(directory, name, field, kind), schema)
+
+
+def named_path(directory: Path, name: str, field: str, kind: str) -> Path:
+    """directory/NAME.yaml; UserError naming the close matches (or where they are looked for) when there is none."""
     path = directory / f"{name}.yaml"
     if not path.is_file():
         available = sorted(p.stem for p in directory.glob("*.yaml"))
@@ -547,22 +553,71 @@ def load_named(directory: Path, name: str, schema: type[Settings], field: str, k
                 f"or point QUANTBENCH_{directory.name.upper()} at the directory that holds them"
             )
         raise UserError(f"{field}: unknown {kind} '{name}' (no {path})." + did_you_mean(name, available))
-    return validate_file(path, schema)
+    return path
 
 
 def validate_file(path: Path, schema: type[Settings]) -> Settings:
     """A settings file validated by `schema`; every problem as `file: field: message`."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read: {exc.strerror}") from None
-    data, _ = parse_yaml(text, str(path))
+    data, _ = parse_yaml(read_settings(path), str(path))
     try:
         return schema.model_validate(data or {})
     except ValidationError as exc:
         raise UserError(
             [f"{path}: {'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg']}" for e in exc.errors()]
         ) from None
+
+
+@dataclass
+class CheckedFile(Generic[Settings]):
+    """A settings file checked by a schema as a recipe is: every problem with its line. `settings`
+    is the file validated without the fields that have a problem (None when it cannot be), so the
+    checks that follow the schema's (a stack's steps, a sweep's jobs) still run and say theirs."""
+
+    path: Path
+    node: yaml.Node | None
+    settings: Settings | None
+    problems: list[str]
+    invalid: list[tuple]  # where the schema's problems are, e.g. ("steps", 1, "concurrency")
+
+    def line(self, *loc: str | int) -> int | None:
+        return _yaml_line(self.node, loc)
+
+
+def check_file(path: Path, schema: type[Settings]) -> CheckedFile[Settings]:
+    """Read and check a settings file (a stack, a sweep); problems as `file: field (line N): message`."""
+    data, node = parse_yaml(read_settings(path), str(path))
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        return CheckedFile(
+            path, node, None, [f"{path}: must be a mapping of settings, got {type(data).__name__}"], [()]
+        )
+    try:
+        return CheckedFile(path, node, schema.model_validate(data), [], [])
+    except ValidationError as exc:
+        problems = [f"{path}: {line}" for line in _explain(exc, data, node, schema=schema)]
+        invalid = [tuple(e["loc"]) for e in exc.errors()]
+        return CheckedFile(path, node, _without(schema, data, invalid), problems, invalid)
+
+
+def _without(schema: type[Settings], data: dict, invalid: list[tuple]) -> Settings | None:
+    """`data` validated with every field that has a problem removed (left at its default); None
+    when that is not enough (a required field, or a problem that is not one field's)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for loc in invalid:
+        parent: Any = data
+        for part in loc[:-1]:
+            ok = isinstance(parent, dict) and part in parent or isinstance(parent, list) and part < len(parent)
+            parent = parent[part] if ok else None
+        if not loc or not isinstance(parent, dict):
+            return None
+        parent.pop(loc[-1], None)
+    try:
+        return schema.model_validate(data)
+    except ValidationError:
+        return None
 
 
 def short(value: Any) -> str:
@@ -621,11 +676,7 @@ def load_recipe(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -
     """Load and validate one recipe file; raise RecipeError listing every problem found (the
     --set items that cannot apply and the schema's problems with the rest, together)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read: {exc.strerror}") from None
-    data, node = parse_yaml(text, str(path))
+    data, node = parse_yaml(read_settings(path), str(path))
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -682,7 +733,11 @@ def _apply_override(data: dict, item: str) -> tuple[str, ...]:
 
 
 def _explain(
-    exc: ValidationError, data: dict, node: yaml.Node | None, applied: list[tuple[tuple[str, ...], str]] = ()
+    exc: ValidationError,
+    data: dict,
+    node: yaml.Node | None,
+    applied: list[tuple[tuple[str, ...], str]] = (),
+    schema: type[BaseModel] | None = None,
 ) -> list[str]:
     """One line per problem: the field, where it was written (a line of the file, or the --set
     item that set it) and what is wrong."""
@@ -696,7 +751,7 @@ def _explain(
         by = [item for path, item in applied if keys[: len(path)] == path or path[: len(keys)] == keys]
         line = None if by else _yaml_line(node, loc)
         where = f" (--set {by[-1]})" if by else f" (line {line})" if line else ""
-        lines.append(f"{field}{where}: {_message(err, loc, data)}")
+        lines.append(f"{field}{where}: {_message(err, loc, data, schema or Recipe)}")
     return lines
 
 
@@ -729,10 +784,10 @@ def _yaml_line(node: yaml.Node | None, loc: tuple) -> int | None:
     return line
 
 
-def _message(err: dict, loc: tuple, data: dict) -> str:
+def _message(err: dict, loc: tuple, data: dict, schema: type[BaseModel]) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        allowed = _allowed_keys(loc[:-1], data)
+        allowed = _allowed_keys(loc[:-1], data, schema)
         return f"unknown key '{loc[-1]}'." + did_you_mean(str(loc[-1]), allowed)
     if kind == "union_tag_invalid":
         tag = err["ctx"]["tag"]
@@ -749,16 +804,21 @@ def _message(err: dict, loc: tuple, data: dict) -> str:
     return f"{err['msg']} (got {short(err['input'])})" if "input" in err and kind != "missing" else err["msg"]
 
 
-def _allowed_keys(loc: tuple, data: dict) -> list[str]:
+def _allowed_keys(loc: tuple, data: dict, schema: type[BaseModel]) -> list[str]:
     """The field names of the schema section at `loc`, for 'did you mean'."""
-    cls: Any = Recipe
+    cls: Any = schema
     value: Any = data
     for part in loc:
+        if isinstance(part, int):  # an item of a list section (a stack's steps): its class is the list's
+            value = value[part] if isinstance(value, list) and part < len(value) else None
+            continue
         field = cls.model_fields.get(str(part))
         value = value.get(part) if isinstance(value, dict) else None
         if field is None:
             return []
         cls = field.annotation
+        if get_origin(cls) is list:
+            cls = get_args(cls)[0]
         if get_origin(cls) in (Union, UnionType):
             sections = [a for a in get_args(cls) if isinstance(a, type) and issubclass(a, BaseModel)]
             if len(sections) == 1:  # an optional section (`evaluate: EvaluateSpec | None`)

@@ -136,6 +136,13 @@ def load_policy(name_or_path: str) -> LoadedPolicy:
     path = Path(name_or_path) if name_or_path.endswith((".yaml", ".yml")) else policies_dir() / f"{name_or_path}.yaml"
     if name_or_path.endswith((".yaml", ".yml")) and not path.is_file():
         raise UserError(f"{path}: policy file does not exist")
+    if path.parent != policies_dir() and not name_or_path.endswith((".yaml", ".yml")):
+        # a name with a directory in it (../../etc/passwd) would be looked for as NAME.yaml in that directory
+        available = ", ".join(sorted(p.stem for p in policies_dir().glob("*.yaml"))) or "none here"
+        raise UserError(
+            f"--policy: '{name_or_path}' is neither a policy's name (a file in {policies_dir()}/: {available}) nor "
+            "a path to a .yaml file"
+        )
     policy = load_named(path.parent, path.stem, Policy, "--policy", "policy")
     problems = []
     for key, threshold in policy.recovery.items():

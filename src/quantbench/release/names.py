@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import difflib
 
+from quantbench.core.errors import UserError
+from quantbench.core.settings import parse_yaml, read_settings
 from quantbench.metrics import (
     CONCURRENT,
     FIXED,
@@ -18,16 +20,14 @@ from quantbench.metrics import (
 
 def known_tasks() -> set[str]:
     """The offline tasks plus every task named in the suites directory's files."""
-    import yaml
-
     from quantbench.quality.suite import suites_dir
     from quantbench.quality.tasks import OFFLINE_TASKS
 
     tasks = set(OFFLINE_TASKS)
     for path in suites_dir().glob("*.yaml"):
         try:
-            tasks.update((yaml.safe_load(path.read_text()) or {}).get("tasks") or [])
-        except (yaml.YAMLError, AttributeError, TypeError):
+            tasks.update((parse_yaml(read_settings(path), str(path))[0] or {}).get("tasks") or [])
+        except (UserError, AttributeError, TypeError):
             continue  # a broken suite is reported where it is used
     return tasks
 

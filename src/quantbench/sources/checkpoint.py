@@ -39,6 +39,35 @@ FORMAT_PACKAGES = {
     "gguf": "gguf",
 }
 ARTIFACT = "checkpoint"  # the run's artifact directory that holds the checkpoint
+# What the quantize pipeline writes into quantbench.json, with the JSON type each field has (null
+# too: not recorded). Later stages read some of them; a file edited by hand or written by another
+# tool is checked once here, not met as a TypeError deep in a stage.
+INFO_FIELDS: dict[str, type] = {
+    "run_id": str,
+    "recipe": str,
+    "recipe_sha": str,
+    "method": str,
+    "scheme": str,
+    "format": str,
+    "loaders": str,
+    "kv_cache": str,
+    "base_model": dict,
+    "base_model.source": str,
+    "base_model.name": str,
+    "base_model.fingerprint": str,
+    "base_model.license": str,
+    "parent_run": str,
+    "weights_sha": str,
+}
+JSON_TYPES = {
+    str: "a string",
+    dict: "an object",
+    list: "an array",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+}
+RESTORE = "quantbench writes this file with the checkpoint: restore it, or remove it and name the base with --base"
 
 
 def read_info(path: Path) -> dict:
@@ -52,11 +81,23 @@ def read_info(path: Path) -> dict:
         raise UserError(f"{info}: cannot read: {exc}") from None
     except json.JSONDecodeError as exc:
         raise UserError(
-            f"{info}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); quantbench "
-            "writes this file with the checkpoint: restore it, or remove it and name the base with --base"
+            f"{info}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); {RESTORE}"
         ) from None
     if not isinstance(data, dict):
-        raise UserError(f"{info}: not a JSON object")
+        raise UserError(f"{info}: not a JSON object (got {JSON_TYPES.get(type(data), 'null')}); {RESTORE}")
+    problems = []
+    for key, kind in INFO_FIELDS.items():
+        *parents, leaf = key.split(".")
+        section = data
+        for part in parents:
+            section = section.get(part) if isinstance(section, dict) else None
+        value = section.get(leaf) if isinstance(section, dict) else None
+        if value is not None and not isinstance(value, kind):
+            problems.append(
+                f"{info}: {key}: expected {JSON_TYPES[kind]} (or null), got {json.dumps(value)[:80]}; {RESTORE}"
+            )
+    if problems:
+        raise UserError(problems)
     return data
 
 
@@ -98,7 +139,7 @@ def _resolve(target: str, tracker, base: str | None) -> Target:
         run_id = info.get("run_id")
         if run_id and tracker.existing(run_id) is None:
             run_id = None  # made against another tracking store: later stages log into a new run
-        source = base or info.get("base_model", {}).get("source")
+        source = base or (info.get("base_model") or {}).get("source")
         if not source:
             raise UserError(f"'{target}' was not written by quantbench: name its base model with --base SOURCE")
         return Target(path, run_id, source, info)

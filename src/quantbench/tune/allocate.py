@@ -174,13 +174,21 @@ def check_fits(stuck: dict[str, int], scheme_names: list[str], model: str = "thi
     )
 
 
-def check_bits(bits_per_weight: float, cheapest_bits: float, params: int, names: list[str]) -> None:
+def check_bits(
+    bits_per_weight: float, cheapest_bits: float, params: int, names: list[str], costliest_bits: float | None = None
+) -> None:
     """`--bits B` against the fewest stored bits schemes `names` allow on these `params` weights
-    (checked before a tune measures anything, and again on its allocation problem)."""
+    (checked before a tune measures anything, and again on its allocation problem), and against
+    the most (`costliest_bits`): a budget above it buys nothing and names a size no mix has."""
     if bits_per_weight * params < cheapest_bits - 1e-6:
         raise UserError(
             f"--bits {bits_per_weight:g}: below {cheapest_bits / params:.3f}, what the cheapest of "
             f"{', '.join(names)} takes on every layer (scales included); raise it or add a cheaper scheme"
+        )
+    if costliest_bits is not None and bits_per_weight * params > costliest_bits + 1e-6:
+        raise UserError(
+            f"--bits {bits_per_weight:g}: above {costliest_bits / params:.3f}, what the costliest of "
+            f"{', '.join(names)} takes on every layer (scales included); lower it or add a costlier scheme"
         )
 
 

@@ -144,6 +144,7 @@ class Plan:
 def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     from transformers import AutoConfig, AutoTokenizer
 
+    _check_numbers(request)
     policy = gate.load_policy(request.policy)
     if request.engine not in (None, "vllm", "llamacpp"):
         raise UserError(f"--engine: '{request.engine}'; a tune chooses types for vllm or llamacpp")
@@ -293,19 +294,42 @@ def _fixed_bytes(path: Path, shapes: dict, dtype_bits: int) -> float:
     return (sum(seen.values()) - quantizable) * dtype_bits / 8
 
 
+def _check_numbers(request: Request) -> None:
+    """The numbers given on the command line, all at once, before anything is loaded or a run opens:
+    argparse takes nan, inf and negative floats, which a search would only meet deep inside."""
+    problems = []
+    for flag, value in (
+        ("--bits", request.bits),
+        ("--max-size-mb", request.max_size_mb),
+        ("--latency-ms", request.latency_ms),
+    ):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            problems.append(f"{flag} {value:g}: not a finite number above 0")
+    if request.sensitivity.windows < sensitivity.MIN_WINDOWS:
+        problems.append(
+            f"--sensitivity-windows: {request.sensitivity.windows}; the sensitivity is measured on at least "
+            f"{sensitivity.MIN_WINDOWS} held-back window"
+        )
+    if problems:
+        raise UserError(problems)
+
+
 def _check_budget(
     request: Request, names: list[str], shapes: dict, unquantized: set[str], dtype_bits: int, fixed_bytes: float
 ) -> None:
-    cheapest = sum(
-        min(
-            schemes.any_scheme(x).bits(i, o, dtype_bits, b) * i * o
-            for x in (["BF16"] if n in unquantized else names)
-            if schemes.any_scheme(x).fits(i)
+    def stored(pick) -> float:  # the stored bits of every layer under the cheapest (or costliest) scheme that fits it
+        return sum(
+            pick(
+                schemes.any_scheme(x).bits(i, o, dtype_bits, b) * i * o
+                for x in (["BF16"] if n in unquantized else names)
+                if schemes.any_scheme(x).fits(i)
+            )
+            for n, (i, o, b) in shapes.items()
         )
-        for n, (i, o, b) in shapes.items()
-    )
+
+    cheapest = stored(min)
     if request.bits is not None:
-        allocate.check_bits(request.bits, cheapest, sum(i * o for i, o, _ in shapes.values()), names)
+        allocate.check_bits(request.bits, cheapest, sum(i * o for i, o, _ in shapes.values()), names, stored(max))
     if request.max_size_mb is not None:
         allocate.check_size(request.max_size_mb, cheapest, fixed_bytes, names)
 

@@ -54,10 +54,15 @@ ARTIFACT = "sensitivity/sensitivity.json"
 Method = Literal["kld", "fisher"]
 
 
+# the fewest held-back windows either measure can be taken on: the Fisher proxy sums one backward
+# pass per window, the measured KLD averages over windows (and finds the units on the first)
+MIN_WINDOWS = 1
+
+
 @dataclass(frozen=True)
 class Settings:
     method: Method = "fisher"
-    windows: int = 4  # held-back calibration windows
+    windows: int = 4  # held-back calibration windows, at least MIN_WINDOWS
     seq_len: int = 256
     seed: int = 1
     # float32: in bfloat16 any perturbation of a weight re-rounds everything after it, a KLD floor
