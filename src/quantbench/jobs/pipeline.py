@@ -1003,6 +1003,7 @@ def bench(
         checkpoint=tgt.checkpoint,
         base_path=base_model.path,
     )
+    _plan_bench(plan, tgt.checkpoint, base_model)
     with target_run(tracker, tgt, base_model, "bench") as run:
         result = _bench(run, tgt.checkpoint, base_model, plan)
     engine = {
@@ -1011,6 +1012,23 @@ def bench(
         "why": result.report["why"],
     }
     return StageOutcome(run.run_id, tgt.checkpoint, result.metrics, bench=result, extra=engine)
+
+
+def _plan_bench(plan: bench_stage.Plan, checkpoint: Path, base: models.ResolvedModel) -> None:
+    """The bench's memory, planned from the base's shapes and the checkpoint's size: servers that do
+    not fit together are measured one after the other; refused (exit 2) when one alone does not fit."""
+    from transformers import AutoConfig
+
+    shape = Shape.from_config(AutoConfig.from_pretrained(base.path))
+    stage = footprint.bench_stage(
+        shape, plan, int(weights_size_mb(checkpoint) * 2**20), "bfloat16", footprint.available_ram()
+    )
+    log.info("bench memory plan: %.2f GiB (%s)", stage.ram / 2**30, "; ".join(stage.held))
+    if stage.ram > footprint.available_ram():
+        raise UserError(
+            f"the bench needs about {stage.ram / 2**30:.1f} GiB ({'; '.join(stage.held)}) and this machine has "
+            f"{footprint.available_ram() / 2**30:.1f} GiB available. {'; '.join(stage.fits_with)}"
+        )
 
 
 def speculative(
