@@ -38,7 +38,7 @@ def test_tied_embeddings_are_counted_once_and_experts_all():
     untied = Shape.from_config(config("llama", **{**ladder.RUNGS["llama-3.2-1b"].config, "tie_word_embeddings": False}))
     assert untied.params - tied.params == 49152 * 2048
     moe = Shape.from_config(config("mixtral", **ladder.RUNGS["moe-8x"].config))
-    dense = Shape.from_config(config("llama", **{**ladder.RUNGS["moe-8x"].config}))
+    dense = Shape.from_config(config("llama", **ladder.RUNGS["moe-8x"].config))
     router = 2048 * 8
     assert moe.experts == 8
     assert moe.params - dense.params == 8 * (7 * 3 * 2048 * 1024 + router)  # 7 more experts and a router a layer
