@@ -194,6 +194,7 @@ class PerplexityCheck:
     # both framings on the first OTHER_FRAMING_WINDOWS windows (check_base_perplexity); None: not measured
     ppl_with_bos: float | None = None
     ppl_without_bos: float | None = None  # (a tokenizer without a BOS token has only this one)
+    seconds_per_token: float | None = None  # the main pass's time on this machine (a cost estimate's basis)
 
     def describe(self) -> str:
         other = self.ppl_without_bos if self.bos else self.ppl_with_bos
@@ -266,9 +267,13 @@ def check_base_perplexity(
     from quantbench.core.measures import perplexity
     from quantbench.sources import data
 
+    import time
+
     use_bos = wants_bos and bos_token_id is not None
     ids = data.framed(text_ids, window, bos_token_id if use_bos else None)[:tokens]
+    started = time.perf_counter()
     used = check_perplexity(model, ids, calibration_ids, window, vocab_size)
+    used.seconds_per_token = (time.perf_counter() - started) / max(1, len(ids))
     used.bos = use_bos
     if bos_token_id is None:
         used.ppl_without_bos = used.ppl
