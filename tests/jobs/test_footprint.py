@@ -37,13 +37,13 @@ def test_tied_embeddings_are_counted_once_and_experts_all():
     tied = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.2-1b"].config))
     untied = Shape.from_config(config("llama", **{**ladder.RUNGS["llama-3.2-1b"].config, "tie_word_embeddings": False}))
     assert untied.params - tied.params == 49152 * 2048
-    moe = Shape.from_config(config("mixtral", **ladder.RUNGS["moe-8x"].config))
-    dense = Shape.from_config(config("llama", **ladder.RUNGS["moe-8x"].config))
-    router = 2048 * 8
-    assert moe.experts == 8
-    assert moe.params - dense.params == 8 * (7 * 3 * 2048 * 1024 + router)  # 7 more experts and a router a layer
+    moe = Shape.from_config(config("olmoe", **ladder.RUNGS["moe-8x"].config))
+    one = Shape.from_config(config("olmoe", **{**ladder.RUNGS["moe-8x"].config, "num_experts": 1}))
+    assert moe.experts == 8 and one.experts == 1
+    hidden, inter, layers = 2048, 1024, 8
+    assert moe.params - one.params == layers * (7 * 3 * hidden * inter + 7 * hidden)  # 7 more experts; router rows
     # the experts are quantized (transformers keeps them as stacked 3-D tensors), the router is not
-    assert moe.quantized_params - dense.quantized_params == 8 * 7 * 3 * 2048 * 1024
+    assert moe.quantized_params - one.quantized_params == layers * 7 * 3 * hidden * inter
 
 
 def test_qwen_and_gemma_shapes():

@@ -31,7 +31,7 @@ VOCAB = 49152  # the default model's tokenizer
 class Rung:
     name: str
     like: str  # the published model whose shapes these are
-    architecture: str  # LlamaForCausalLM | MixtralForCausalLM
+    architecture: str  # LlamaForCausalLM | OlmoeForCausalLM
     config: dict = field(default_factory=dict)
 
 
@@ -57,17 +57,20 @@ RUNGS = {
         Rung("llama-3.2-1b", "meta-llama/Llama-3.2-1B", "LlamaForCausalLM", _llama(2048, 16, 32, 8, 8192, True)),
         Rung("llama-3.2-3b", "meta-llama/Llama-3.2-3B", "LlamaForCausalLM", _llama(3072, 28, 24, 8, 8192, True)),
         Rung("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "LlamaForCausalLM", _llama(4096, 32, 32, 8, 14336, False)),
-        # a mixture of experts small enough for a 2-core machine: Mixtral's layout (8 experts, 2 per
-        # token), OLMoE-1B-7B's widths per expert, half its depth
+        # a mixture of experts small enough for a 2-core machine: OLMoE-1B-7B's widths (64 experts of
+        # 1024, 8 per token) with 8 experts, 2 per token, half its depth. Not Mixtral's layout: with
+        # llm-compressor 0.14 and transformers 5.17 its compressed checkpoint reloads with every
+        # expert missing (its experts are saved under names transformers does not map back).
         Rung(
             "moe-8x",
-            "Mixtral layout, 8 experts of OLMoE-1B-7B's widths",
-            "MixtralForCausalLM",
+            "allenai/OLMoE-1B-7B-0924, 8 experts of 64, 8 layers of 16",
+            "OlmoeForCausalLM",
             {
-                **_llama(2048, 8, 16, 8, 1024, False),
-                "num_local_experts": 8,
+                **_llama(2048, 8, 16, 16, 1024, False),
+                "num_experts": 8,
                 "num_experts_per_tok": 2,
                 "router_aux_loss_coef": 0.0,
+                "clip_qkv": None,
             },
         ),
     )
@@ -112,7 +115,7 @@ def build(name: str, tokenizer_dir: Path) -> Path:
 def _config(rung: Rung):
     from transformers import AutoConfig
 
-    model_type = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}[rung.architecture]
+    model_type = {"LlamaForCausalLM": "llama", "OlmoeForCausalLM": "olmoe"}[rung.architecture]
     config = AutoConfig.for_model(model_type, **rung.config, bos_token_id=1, eos_token_id=2)
     config.architectures = [rung.architecture]
     config.dtype = "bfloat16"
