@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import importlib.util
 import json
 import platform
@@ -138,13 +139,15 @@ class Device:
         return info
 
 
-def timed(device: Device, fn):
-    """(result, wall seconds, peak device MB) of fn()."""
+@contextmanager
+def timed(device: Device):
+    """Wall seconds and peak device MB of the block, in the dict it yields ("s", "mb") once it ends."""
+    took: dict = {}
     device.reset_peak()
     start = time.perf_counter()
-    out = fn()
+    yield took
     device.sync()
-    return out, time.perf_counter() - start, device.peak_mb()
+    took["s"], took["mb"] = time.perf_counter() - start, device.peak_mb()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,17 +166,17 @@ def score_recipe(name: str, overrides: list[str], base, tokenizer, plan, refs, d
         calibration = data.recipe_windows(tokenizer, text, cal)
     compute = spec.model.computes_in()
     model = load_model(base.path, dtype=getattr(torch, compute))
-    _, quantize_s, quantize_mb = timed(device, lambda: backend.quantize(model, calibration))
-    dest = work / f"{name}{'-gpu-budget' if overrides else ''}"
+    with timed(device) as quantized:
+        backend.quantize(model, calibration)
+    dest = work / (name + ("-" + hashlib.sha256(" ".join(overrides).encode()).hexdigest()[:8] if overrides else ""))
     backend.save(model, tokenizer, dest, spec.model.dtype)
     del model
     device.free()
     reloaded = load_model(dest, dtype=getattr(torch, hardware.compute_dtype_of(dest)), device_map=device.name).eval()
     suite = plan.suite.suite
     boot = plan.bootstrap
-    comparison, score_s, _ = timed(
-        device, lambda: compare(reloaded, plan.token_ids, suite.window, refs[0], suite.batch_size)
-    )
+    with timed(device) as scored:
+        comparison = compare(reloaded, plan.token_ids, suite.window, refs[0], suite.batch_size)
     metrics = comparison.metrics() | comparison.intervals(refs[0].nll, boot)
     if plan.ood_ids is not None:
         ood = compare(reloaded, plan.ood_ids, suite.window, refs[1], suite.batch_size)
@@ -185,9 +188,9 @@ def score_recipe(name: str, overrides: list[str], base, tokenizer, plan, refs, d
         "overrides": overrides,
         "calibration": f"{len(calibration)} x {spec.calibration.seq_len}" if calibration else "none",
         "compute_dtype": compute,
-        "quantize_s": round(quantize_s, 2),
-        "quantize_peak_mb": quantize_mb,
-        "score_s": round(score_s, 2),
+        "quantize_s": round(quantized["s"], 2),
+        "quantize_peak_mb": quantized["mb"],
+        "score_s": round(scored["s"], 2),
         "size_mb": round(weights_size_mb(dest), 1),
         "metrics": {k: v for k, v in metrics.items() if k.split(".ci_")[0] in METRICS},
     }
@@ -262,11 +265,14 @@ def scale(device: Device, layers: int, awq_layers: int, awq_samples: int, awq_se
         "FP8_DYNAMIC": FP8Spec(method="fp8", scheme="FP8_DYNAMIC"),
     }
     for label, spec in specs.items():
-        model, build_s, _ = timed(device, lambda: random_llama(device, layers))
+        with timed(device) as built:
+            model = random_llama(device, layers)
         params = sum(p.numel() for p in model.parameters())
         backend = make_backend(spec)
-        _, wall, peak = timed(device, lambda: backend.quantize(model, None))
-        out[label] = {"build_s": round(build_s, 1), "wall_s": round(wall, 1), "peak_mb": peak, "params": params}
+        with timed(device) as quantized:
+            backend.quantize(model, None)
+        wall, peak = quantized["s"], quantized["mb"]
+        out[label] = {"build_s": round(built["s"], 1), "wall_s": round(wall, 1), "peak_mb": peak, "params": params}
         print(f"   {label}: {params / 1e9:.2f} B parameters, {wall:.1f} s, peak {peak or 0:.0f} MB", flush=True)
         del model, backend
         device.free()
@@ -274,7 +280,9 @@ def scale(device: Device, layers: int, awq_layers: int, awq_samples: int, awq_se
     spec = AWQSpec(method="awq", group_size=128, n_grid=awq_grid)
     gen = torch.Generator().manual_seed(0)
     windows = torch.randint(0, LLAMA_8B["vocab_size"], (awq_samples, awq_seq_len), generator=gen).tolist()
-    _, wall, peak = timed(device, lambda: make_backend(spec).quantize(model, windows))
+    with timed(device) as quantized:
+        make_backend(spec).quantize(model, windows)
+    wall, peak = quantized["s"], quantized["mb"]
     per_layer = wall / awq_layers
     budget = 256 * 512 / (awq_samples * awq_seq_len)  # the GPU budget of awq-int4, in tokens, over this run's
     out["AWQ W4A16"] = {
@@ -317,7 +325,7 @@ def table(rows: list[dict], agreed: list[dict], scaled: dict | None, engine: str
     cpu = {a["recipe"]: a for a in agreed if a["metric"] == "quality/kld_mean"}
     for r in rows:
         m = r["metrics"]
-        name = r["recipe"] + (" (GPU budget)" if r["overrides"] else "")
+        name = r["recipe"] + (" (GPU budget)" if any(o in GPU_BUDGET.get(r["recipe"], []) for o in r["overrides"]) else "")
         lo, hi = m.get("quality/kld_mean" + LOW, float("nan")), m.get("quality/kld_mean" + HIGH, float("nan"))
         interval = f"[{lo:.4f}, {hi:.4f}]"
         a = cpu.get(r["recipe"]) if not r["overrides"] else None
@@ -344,13 +352,27 @@ def table(rows: list[dict], agreed: list[dict], scaled: dict | None, engine: str
     return "\n".join(lines)
 
 
+def overrides_for(recipe: str, items: list[str]) -> list[str]:
+    """The --set items that apply to `recipe`: KEY=VALUE, and RECIPE:KEY=VALUE naming it."""
+    out = []
+    for item in items:
+        name, sep, rest = item.partition(":")
+        if not sep or "=" in name:
+            out.append(item)
+        elif name == recipe:
+            out.append(rest)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--recipes", nargs="+", default=["awq-int4", "fp8-dynamic"])
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct", help="the base model (a model source)")
     parser.add_argument("--suite", default="offline")
-    parser.add_argument("--set", action="append", default=[], dest="overrides", help="recipe override, every recipe")
+    parser.add_argument(
+        "--set", action="append", default=[], dest="overrides", help="KEY=VALUE for every recipe, RECIPE:KEY=VALUE for one"
+    )
     parser.add_argument("--gpu-budget", choices=["auto", "yes", "no"], default="auto", help="auto: on a GPU")
     parser.add_argument("--figures", type=Path, default=FIGURES, help="the CPU run's figures to agree with")
     parser.add_argument("--write-figures", type=Path, help="write this run's figures as the CPU figures")
@@ -382,9 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(base.path)
     with steps(f"the base model's reference distributions (suite {args.suite}, float32, {device.name})"):
         plan, refs = base_references(base, tokenizer, device, args.suite)
-    runs = [(name, list(args.overrides)) for name in args.recipes]
+    runs = [(name, overrides_for(name, args.overrides)) for name in args.recipes]
     if args.gpu_budget == "yes" or (args.gpu_budget == "auto" and device.cuda):
-        runs += [(name, list(args.overrides) + GPU_BUDGET[name]) for name in args.recipes if name in GPU_BUDGET]
+        runs += [(name, overrides_for(name, args.overrides) + GPU_BUDGET[name]) for name in args.recipes if name in GPU_BUDGET]
     for name, overrides in runs:
         label = name + (" with " + " ".join(overrides) if overrides else "")
         with steps(f"quantize {label}, reload, score on {device.name}"):
@@ -417,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.write_figures:
         args.write_figures.parent.mkdir(parents=True, exist_ok=True)
-        args.write_figures.write_text(json.dumps({k: summary[k] for k in ("date", "environment", "model", "suite", "recipes", "seconds")}, indent=1) + "\n")
+        kept = {k: summary[k] for k in ("date", "environment", "model", "suite", "recipes", "seconds")}
+        args.write_figures.write_text(json.dumps(kept, indent=1) + "\n")
         print(f"wrote {args.write_figures}")
     print()
     print(table(rows, agreed, scaled, engine))

@@ -53,5 +53,7 @@ def run(args) -> int:
     else:
         print(wheelhouse.report(plan))
         if not args.plan_only:
-            print(f"\nin {args.dest}/ (wheels/, model/, plan.json); carry it and run: bash bench/gpu_check.sh --offline DIR")
+            print(
+                f"\nin {args.dest}/ (wheels/, model/, plan.json); carry it and run: bash bench/gpu_check.sh --offline DIR"
+            )
     return 0

@@ -187,7 +187,9 @@ def make_plan(node: Node, pins: dict[str, str], declared: list[str] | None = Non
         raise UserError(problems)
     model = {canonicalize_name(n): version for n, (version, _) in MODEL.items()}
     declared_names = {canonicalize_name(n) for n in declared or []}
-    not_needed = {n: why for n, why in NOT_NEEDED.items() if not declared_names or canonicalize_name(n) in declared_names}
+    not_needed = {
+        n: why for n, why in NOT_NEEDED.items() if not declared_names or canonicalize_name(n) in declared_names
+    }
     why = {n: NEEDS[n] for n in taken if n in NEEDS} | {
         canonicalize_name(n): w for n, w in NEEDS.items() if canonicalize_name(n) in taken
     }
@@ -242,7 +244,9 @@ def unmet_requirements(requirements: dict[str, list[str]], available: dict[str, 
             except InvalidVersion:
                 ok = True  # a direct URL or odd version: pip would not judge it either
             if not ok:
-                out.append(f"{owner} requires {req}: the node has {have} (used as it is; the offline check ran with it)")
+                out.append(
+                    f"{owner} requires {req}: the node has {have} (used as it is; the offline check ran with it)"
+                )
     return out
 
 
@@ -272,7 +276,9 @@ def download(plan: Plan, dest: Path, *, pip: list[str] | None = None) -> None:
     wheels = _wheels(dest, plan)
     stale = [w.name for w in sorted((dest / "wheels").glob("*.whl")) if w not in wheels]
     if stale:
-        raise UserError(f"{dest / 'wheels'}: wheels the plan does not take (left from another plan?): {', '.join(stale)}")
+        raise UserError(
+            f"{dest / 'wheels'}: wheels the plan does not take (left from another plan?): {', '.join(stale)}"
+        )
     plan.sizes = {w.name: w.stat().st_size for w in [*wheels, *sorted((dest / "model").glob("*.whl"))]}
     available = {**plan.taken, **_node_packages(plan)}
     requirements = {w.name.split("-")[0]: wheel_requirements(w) for w in wheels}
