@@ -342,8 +342,10 @@ def _stored(wheel: Path) -> bytes:
     out = io.BytesIO()
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
         for item in src.infolist():
-            item.compress_type = zipfile.ZIP_STORED
-            dst.writestr(item, src.read(item.filename))
+            data = src.read(item)  # before the copy of its entry says "stored"
+            entry = zipfile.ZipInfo(item.filename, item.date_time)
+            entry.external_attr, entry.compress_type = item.external_attr, zipfile.ZIP_STORED
+            dst.writestr(entry, data)
     return out.getvalue()
 
 
