@@ -38,7 +38,7 @@ from quantbench.core.intervals import HIGH, LOW
 from quantbench.core.measures import compare, reference
 from quantbench.quality import stage as evaluate_stage
 from quantbench.quality.suite import load_suite
-from quantbench.quantize import make_backend
+from quantbench.quantize.llmcompressor import LLMCompressorBackend
 from quantbench.recipe import AWQSpec, FP8Spec, RTNSpec, load_recipe, resolve_recipe_path
 from quantbench.sources import data, models
 from quantbench.sources.checkpoint import load_model, weights_size_mb
@@ -158,7 +158,7 @@ def score_recipe(name: str, overrides: list[str], base, tokenizer, plan, refs, d
     """Quantize the base with recipes/<name>.yaml (+ overrides), save, reload on the device, score."""
     loaded = load_recipe(resolve_recipe_path(name, ROOT / "recipes"), overrides)
     spec = loaded.recipe
-    backend = make_backend(spec.quantize)
+    backend = LLMCompressorBackend(spec.quantize)
     calibration = None
     if backend.calibrates:
         cal = spec.calibration
@@ -268,7 +268,7 @@ def scale(device: Device, layers: int, awq_layers: int, awq_samples: int, awq_se
         with timed(device) as built:
             model = random_llama(device, layers)
         params = sum(p.numel() for p in model.parameters())
-        backend = make_backend(spec)
+        backend = LLMCompressorBackend(spec)
         with timed(device) as quantized:
             backend.quantize(model, None)
         wall, peak = quantized["s"], quantized["mb"]
@@ -281,7 +281,7 @@ def scale(device: Device, layers: int, awq_layers: int, awq_samples: int, awq_se
     gen = torch.Generator().manual_seed(0)
     windows = torch.randint(0, LLAMA_8B["vocab_size"], (awq_samples, awq_seq_len), generator=gen).tolist()
     with timed(device) as quantized:
-        make_backend(spec).quantize(model, windows)
+        LLMCompressorBackend(spec).quantize(model, windows)
     wall, peak = quantized["s"], quantized["mb"]
     per_layer = wall / awq_layers
     budget = 256 * 512 / (awq_samples * awq_seq_len)  # the GPU budget of awq-int4, in tokens, over this run's
