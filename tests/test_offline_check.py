@@ -26,8 +26,13 @@ NODE_TORCH, NODE_TRANSFORMERS = "2.11.0", "5.17.0"  # the lower end of the range
 
 
 def node_python() -> str:
-    """The node's Python (3.12) where this machine has one, else this one: the mechanics are the same."""
-    return shutil.which("python3.12") or sys.executable
+    """The node's Python (3.12) where this machine has one that runs (a pyenv shim may not, for the
+    Python pyenv has selected), else this one: the mechanics are the same."""
+    candidates = [shutil.which("python3.12"), *sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))]
+    for candidate in filter(None, candidates):
+        if subprocess.run([str(candidate), "-c", "import venv"], capture_output=True).returncode == 0:
+            return str(candidate)
+    return sys.executable
 
 
 def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:

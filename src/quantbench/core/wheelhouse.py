@@ -81,8 +81,8 @@ NOT_NEEDED: dict[str, str] = {
 # Declared requirements of carried wheels that are never imported on the check's path
 UNUSED_REQUIREMENTS: dict[str, str] = {
     "auto-round": "llm-compressor's AutoRound modifier only (imported when a recipe names autoround)",
-    "nvidia-ml-py": "llm-compressor imports pynvml only for its GPU memory report, inside a try",
-    "pillow": "llm-compressor's multimodal data only",
+    "nvidia-ml-py": "declared by llm-compressor 0.14, imported nowhere in it or compressed-tensors (pynvml)",
+    "pillow": "llm-compressor's Kimi vision processing only",
     "aiohttp": "datasets' remote files (offline: none)",
     "httpx": "datasets' and the hub's network clients (offline: no calls)",
     "hf-xet": "the hub's downloads (offline: none)",
