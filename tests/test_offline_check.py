@@ -90,11 +90,11 @@ def test_offline_check_on_an_older_torch(node, tmp_path):
                             capture_output=True, text=True)  # fmt: skip
     assert no_gpu.returncode == 2 and "no CUDA GPU" in no_gpu.stderr
     trimmed = ["--set", "awq-int4:calibration.samples=2", "--set", "awq-int4:calibration.seq_len=64",
-               "--set", "awq-int4:quantize.n_grid=2"]  # fmt: skip
+               "--set", "awq-int4:quantize.n_grid=3"]  # fmt: skip  (llm-compressor 0.14 divides by n_grid - 2)
     check = subprocess.run(
         ["bash", "bench/gpu_check.sh", "--offline", str(house), "--device", "cpu", "--suite", "tiny",
          "--recipes", "fp8-dynamic", "awq-int4", *trimmed, "--figures", str(tmp_path / "none.json"),
-         "--scale-layers", "1", "--awq-layers", "1", "--awq-calibration", "2x32", "--awq-grid", "2"],
+         "--scale-layers", "1", "--awq-layers", "1", "--awq-calibration", "2x32", "--awq-grid", "3"],
         cwd=ROOT, env=offline, capture_output=True, text=True,
     )  # fmt: skip
     assert check.returncode == 0, check.stdout[-6000:] + check.stderr[-6000:]
