@@ -32,6 +32,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from quantbench.core import environment, hardware
 from quantbench.core.intervals import HIGH, LOW
@@ -243,10 +244,14 @@ def agreement(rows: list[dict], figures: dict) -> list[dict]:
 # 3. scale: Llama-3.1-8B's shape, random weights, built on the device
 
 
-def random_llama(device: Device, layers: int):
+def random_llama(device: Device, layers: int, where: Path):
+    """Built on the device in bfloat16; its config saved in `where`, which llm-compressor's oneshot
+    reads back (`config.name_or_path`) before it quantizes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**{**LLAMA_8B, "num_hidden_layers": layers})
+    config.save_pretrained(where)
+    config.name_or_path = str(where)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -257,7 +262,9 @@ def random_llama(device: Device, layers: int):
     return model.eval()
 
 
-def scale(device: Device, layers: int, awq_layers: int, awq_samples: int, awq_seq_len: int, awq_grid: int) -> dict:
+def scale(
+    device: Device, layers: int, awq_layers: int, awq_samples: int, awq_seq_len: int, awq_grid: int, work: Path
+) -> dict:
     """Wall time and peak device memory of three schemes on an 8B-shaped model, through quantbench's backend."""
     out: dict = {"layers": layers, "shape": "Llama-3.1-8B (random weights)"}
     specs = {
@@ -266,7 +273,7 @@ def scale(device: Device, layers: int, awq_layers: int, awq_samples: int, awq_se
     }
     for label, spec in specs.items():
         with timed(device) as built:
-            model = random_llama(device, layers)
+            model = random_llama(device, layers, work / f"llama-8b-shape-{layers}")
         params = sum(p.numel() for p in model.parameters())
         backend = LLMCompressorBackend(spec)
         with timed(device) as quantized:
@@ -276,7 +283,7 @@ def scale(device: Device, layers: int, awq_layers: int, awq_samples: int, awq_se
         print(f"   {label}: {params / 1e9:.2f} B parameters, {wall:.1f} s, peak {peak or 0:.0f} MB", flush=True)
         del model, backend
         device.free()
-    model = random_llama(device, awq_layers)
+    model = random_llama(device, awq_layers, work / f"llama-8b-shape-{awq_layers}")
     spec = AWQSpec(method="awq", group_size=128, n_grid=awq_grid)
     gen = torch.Generator().manual_seed(0)
     windows = torch.randint(0, LLAMA_8B["vocab_size"], (awq_samples, awq_seq_len), generator=gen).tolist()
@@ -325,7 +332,9 @@ def table(rows: list[dict], agreed: list[dict], scaled: dict | None, engine: str
     cpu = {a["recipe"]: a for a in agreed if a["metric"] == "quality/kld_mean"}
     for r in rows:
         m = r["metrics"]
-        name = r["recipe"] + (" (GPU budget)" if any(o in GPU_BUDGET.get(r["recipe"], []) for o in r["overrides"]) else "")
+        name = r["recipe"] + (
+            " (GPU budget)" if any(o in GPU_BUDGET.get(r["recipe"], []) for o in r["overrides"]) else ""
+        )
         lo, hi = m.get("quality/kld_mean" + LOW, float("nan")), m.get("quality/kld_mean" + HIGH, float("nan"))
         interval = f"[{lo:.4f}, {hi:.4f}]"
         a = cpu.get(r["recipe"]) if not r["overrides"] else None
@@ -367,11 +376,15 @@ def overrides_for(recipe: str, items: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--recipes", nargs="+", default=["awq-int4", "fp8-dynamic"])
+    parser.add_argument("--recipes", nargs="*", default=["awq-int4", "fp8-dynamic"], help="none: no default-model step")
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct", help="the base model (a model source)")
     parser.add_argument("--suite", default="offline")
     parser.add_argument(
-        "--set", action="append", default=[], dest="overrides", help="KEY=VALUE for every recipe, RECIPE:KEY=VALUE for one"
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        help="KEY=VALUE for every recipe, RECIPE:KEY=VALUE for one",
     )
     parser.add_argument("--gpu-budget", choices=["auto", "yes", "no"], default="auto", help="auto: on a GPU")
     parser.add_argument("--figures", type=Path, default=FIGURES, help="the CPU run's figures to agree with")
@@ -397,16 +410,19 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = tempfile.TemporaryDirectory(prefix="gpu-check-") if args.work is None else None
     work = args.work or Path(work_dir.name)
     rows: list[dict] = []
-    with steps("the base model"):
-        base = models.resolve(args.model)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(base.path)
-    with steps(f"the base model's reference distributions (suite {args.suite}, float32, {device.name})"):
-        plan, refs = base_references(base, tokenizer, device, args.suite)
     runs = [(name, overrides_for(name, args.overrides)) for name in args.recipes]
     if args.gpu_budget == "yes" or (args.gpu_budget == "auto" and device.cuda):
-        runs += [(name, overrides_for(name, args.overrides) + GPU_BUDGET[name]) for name in args.recipes if name in GPU_BUDGET]
+        runs += [
+            (name, overrides_for(name, args.overrides) + GPU_BUDGET[name])
+            for name in args.recipes
+            if name in GPU_BUDGET
+        ]
+    if runs:
+        with steps("the base model"):
+            base = models.resolve(args.model)
+            tokenizer = AutoTokenizer.from_pretrained(base.path)
+        with steps(f"the base model's reference distributions (suite {args.suite}, float32, {device.name})"):
+            plan, refs = base_references(base, tokenizer, device, args.suite)
     for name, overrides in runs:
         label = name + (" with " + " ".join(overrides) if overrides else "")
         with steps(f"quantize {label}, reload, score on {device.name}"):
@@ -421,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.scale_layers:
         samples, seq_len = (int(x) for x in args.awq_calibration.split("x"))
         with steps(f"scale: Llama-3.1-8B's shape on {device.name}"):
-            scaled = scale(device, args.scale_layers, args.awq_layers, samples, seq_len, args.awq_grid)
+            scaled = scale(device, args.scale_layers, args.awq_layers, samples, seq_len, args.awq_grid, work)
     with steps("speed"):
         engine = speed_engine()
     summary = {
