@@ -252,6 +252,14 @@ def random_llama(device: Device, layers: int, where: Path):
     config = LlamaConfig(**{**LLAMA_8B, "num_hidden_layers": layers})
     config.save_pretrained(where)
     config.name_or_path = str(where)
+    # oneshot with a dataset also loads a processor from there; the windows are token ids already, so a
+    # one-word tokenizer stands in for Llama-3.1's (which is not carried)
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    stand_in = Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=stand_in, unk_token="<unk>").save_pretrained(where)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
