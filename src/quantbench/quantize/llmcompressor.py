@@ -5,6 +5,8 @@ config_groups entry per scheme, the recipe's own scheme last on every other Line
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import sys
 from contextlib import contextmanager, redirect_stdout
@@ -204,11 +206,15 @@ class LLMCompressorBackend:
         kwargs = {}
         if self.calibrates:
             from datasets import Dataset
+            from datasets.table import InMemoryTable
 
+            columns = {"input_ids": calibration, "attention_mask": [[1] * len(row) for row in calibration]}
+            # A fingerprint of our own, from the ids: without one, datasets 5.2 hashes the whole table,
+            # which fails on Python 3.12 ("Can't pickle <class 'MonthDayNano'>", any dill from 0.3.8
+            # to 0.4.1, pyarrow 22 or 25: tests/test_offline_check.py, docs/offline.md)
+            fingerprint = hashlib.sha256(json.dumps(calibration).encode()).hexdigest()[:16]
             kwargs = {
-                "dataset": Dataset.from_dict(
-                    {"input_ids": calibration, "attention_mask": [[1] * len(row) for row in calibration]}
-                ),
+                "dataset": Dataset(InMemoryTable.from_pydict(columns), fingerprint=fingerprint),
                 "num_calibration_samples": len(calibration),
                 "max_seq_length": max(len(row) for row in calibration),
                 # The windows are already chosen and ordered by calibration.seed. llm-compressor's
