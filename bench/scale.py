@@ -1,7 +1,7 @@
 """The size ladder: what a job costs as the model grows, measured stage by stage.
 
 Random-weight models of real architectures' shapes (quantbench.sources.ladder: Llama-3.2-1B,
-Llama-3.2-3B, Llama-3.1-8B, an OLMoE-layout mixture of experts), built once into the cache, each
+Llama-3.2-3B, Llama-3.1-8B, a Qwen3-MoE-layout mixture of experts), built once into the cache, each
 through the recipes below by `quantbench quantize` in a process of its own (one job at a time: the
 8B rung needs most of a 24 GiB machine). Every job logs each stage's wall time, peak resident
 memory of its process tree, disk written and temporary disk (`stage/<name>/...`) beside the memory

@@ -37,10 +37,10 @@ def test_tied_embeddings_are_counted_once_and_experts_all():
     tied = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.2-1b"].config))
     untied = Shape.from_config(config("llama", **{**ladder.RUNGS["llama-3.2-1b"].config, "tie_word_embeddings": False}))
     assert untied.params - tied.params == 49152 * 2048
-    moe = Shape.from_config(config("olmoe", **ladder.RUNGS["moe-8x"].config))
-    one = Shape.from_config(config("olmoe", **{**ladder.RUNGS["moe-8x"].config, "num_experts": 1}))
-    assert moe.experts == 8 and one.experts == 1
-    hidden, inter, layers = 2048, 1024, 8
+    moe = Shape.from_config(config("qwen3_moe", **ladder.RUNGS["moe-8x"].config))
+    one = Shape.from_config(config("qwen3_moe", **{**ladder.RUNGS["moe-8x"].config, "num_experts": 1}))
+    assert moe.experts == 8 and one.experts == 1 and moe.intermediate == 6144 and moe.kv_dim == 4 * 128
+    hidden, inter, layers = 2048, 768, 8
     assert moe.params - one.params == layers * (7 * 3 * hidden * inter + 7 * hidden)  # 7 more experts; router rows
     # the experts are quantized (transformers keeps them as stacked 3-D tensors), the router is not
     assert moe.quantized_params - one.quantized_params == layers * 7 * 3 * hidden * inter

@@ -132,7 +132,7 @@ class LLMCompressorBackend:
             # llm-compressor's session keeps the model it compressed (and its modifiers' state): let
             # it go, or the reload check loads the checkpoint beside a second copy of the model
             reset_session()
-        return Produced(card=calibration_card(inputs))
+        return Produced(card="\n".join([calibration_card(inputs), *experts_card(inputs, self.calibrates)]))
 
     def modifiers(self) -> list:
         """The llm-compressor recipe for this spec, as modifier objects."""
@@ -239,6 +239,21 @@ class LLMCompressorBackend:
             model.to(saved)
         model.save_pretrained(dest, save_compressed=True)
         tokenizer.save_pretrained(dest)
+
+
+def experts_card(inputs: Inputs, calibrates: bool) -> list[str]:
+    """For a mixture of experts, how many calibration tokens each expert saw: every one of them
+    (llm-compressor's `moe_calibrate_all_experts`, its default, routes every token through every
+    expert while calibrating, so an expert the router seldom picks is not quantized from a handful)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(inputs.base.path)
+    text = getattr(config, "text_config", config)
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0
+    if experts <= 1 or not calibrates or not inputs.calibration:
+        return []
+    tokens = sum(len(row) for row in inputs.calibration)
+    return [f"- Experts: all {experts} experts of every layer calibrated on all {tokens:,} calibration tokens"]
 
 
 def carry_autoround_zero_points(model) -> int:

@@ -31,7 +31,7 @@ VOCAB = 49152  # the default model's tokenizer
 class Rung:
     name: str
     like: str  # the published model whose shapes these are
-    architecture: str  # LlamaForCausalLM | OlmoeForCausalLM
+    architecture: str  # LlamaForCausalLM | Qwen3MoeForCausalLM
     config: dict = field(default_factory=dict)
 
 
@@ -57,20 +57,22 @@ RUNGS = {
         Rung("llama-3.2-1b", "meta-llama/Llama-3.2-1B", "LlamaForCausalLM", _llama(2048, 16, 32, 8, 8192, True)),
         Rung("llama-3.2-3b", "meta-llama/Llama-3.2-3B", "LlamaForCausalLM", _llama(3072, 28, 24, 8, 8192, True)),
         Rung("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "LlamaForCausalLM", _llama(4096, 32, 32, 8, 14336, False)),
-        # a mixture of experts small enough for a 2-core machine: OLMoE-1B-7B's widths (64 experts of
-        # 1024, 8 per token) with 8 experts, 2 per token, half its depth. Not Mixtral's layout: with
-        # llm-compressor 0.14 and transformers 5.17 its compressed checkpoint reloads with every
-        # expert missing (its experts are saved under names transformers does not map back).
+        # a mixture of experts small enough for a 2-core machine: Qwen3-30B-A3B's widths (128 experts of
+        # 768, 8 per token, 48 layers) with 8 experts, 2 per token, 8 layers. A layout that every part of
+        # the chain maps: not Mixtral's (with llm-compressor 0.14 and transformers 5.17 its compressed
+        # experts reload at random), not OLMoE's (transformers cannot read it from a GGUF file).
         Rung(
             "moe-8x",
-            "allenai/OLMoE-1B-7B-0924, 8 experts of 64, 8 layers of 16",
-            "OlmoeForCausalLM",
+            "Qwen/Qwen3-30B-A3B, 8 experts of 128, 8 layers of 48",
+            "Qwen3MoeForCausalLM",
             {
-                **_llama(2048, 8, 16, 16, 1024, False),
+                **_llama(2048, 8, 32, 4, 6144, False),
+                "head_dim": 128,
                 "num_experts": 8,
                 "num_experts_per_tok": 2,
+                "moe_intermediate_size": 768,
+                "norm_topk_prob": True,
                 "router_aux_loss_coef": 0.0,
-                "clip_qkv": None,
             },
         ),
     )
@@ -115,7 +117,7 @@ def build(name: str, tokenizer_dir: Path) -> Path:
 def _config(rung: Rung):
     from transformers import AutoConfig
 
-    model_type = {"LlamaForCausalLM": "llama", "OlmoeForCausalLM": "olmoe"}[rung.architecture]
+    model_type = {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}[rung.architecture]
     config = AutoConfig.for_model(model_type, **rung.config, bos_token_id=1, eos_token_id=2)
     config.architectures = [rung.architecture]
     config.dtype = "bfloat16"
