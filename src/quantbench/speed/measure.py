@@ -36,6 +36,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, ValidationInfo, field_va
 
 from quantbench.core.errors import UserError
 from quantbench.core.intervals import pct
+from quantbench.core.logs import terminal
 from quantbench.core.processes import PeakRSS
 from quantbench.recipe import Strict, load_named
 
@@ -363,7 +364,7 @@ def bench_pair(measurers: dict, token_ids: list[int], profile: Profile, sweep: S
     samples: dict[str, dict[str, list[float]]] = {"candidate": {}, "base": {}}
     total = (profile.warmup + profile.repetitions) * 2
     warm: dict[str, dict[str, float]] = {}
-    with tqdm(total=total, desc="bench", unit="run") as bar:
+    with tqdm(total=total, desc="bench", unit="run", file=terminal()) as bar:
         for rep in range(profile.warmup + profile.repetitions):
             if sweep is not None and profile.sweep and rep == profile.warmup:
                 sweep.rates = sweep_rates(
