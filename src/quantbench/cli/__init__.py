@@ -22,6 +22,7 @@ from quantbench.cli import (
     tune,
     ui,
     validate,
+    wheelhouse,
 )
 from quantbench.core.errors import UserError
 
@@ -45,6 +46,7 @@ examples:
   quantbench recipes                                list the shipped recipes
   quantbench gc                                     end runs left RUNNING by a killed process, remove their leftovers
   quantbench ui                                     MLflow UI on http://127.0.0.1:5000
+  quantbench wheelhouse                             the wheels an offline GPU node lacks, packed to carry
 
 exit codes: 0 ok, 1 the job failed (see its log) or the gate failed, 2 bad input (nothing was written),
   130 interrupted (Ctrl-C, SIGTERM: the run is marked KILLED, a quantize job leaves no checkpoint)
@@ -68,6 +70,7 @@ COMMANDS = {
     "doctor": doctor,
     "gc": gc,
     "ui": ui,
+    "wheelhouse": wheelhouse,
 }
 
 

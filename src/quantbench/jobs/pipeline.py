@@ -246,6 +246,8 @@ def prepare(
             dtype=compute_dtype, loader=loader, enforce=spec.check.base_ppl_bound,
         )  # fmt: skip
     produce_estimate = _estimate(loaded, base, backend, calibration, eval_ids, compute_dtype, strict_budget, loader)
+    if evaluation is not None and check.seconds_per_token:
+        _say_evaluation_cost(evaluation, check.seconds_per_token, footprint, spec.evaluate.suite)
     model = loader.model if backend.takes_model else None
     loader.release()
     return Job(
@@ -264,6 +266,33 @@ def prepare(
         check.ppl,
         footprint,
     )
+
+
+# lm-eval's items of the offline suite: a context and a continuation, ~100 tokens each, scored once
+# per choice; a quality pass's token costs what the base check's did
+TASK_ITEM_TOKENS = 128
+
+
+def _say_evaluation_cost(evaluation, seconds_per_token: float, planned: Footprint, suite: str) -> None:
+    """How long the evaluate stage will take here, from the base check's measured time per token:
+    the suite's texts and task items for the candidate, and for the base when its baseline is new."""
+    spec = evaluation.suite.suite
+    items = sum(
+        min(evaluation.task_counts.get(t, 0), spec.task_limit or evaluation.task_counts.get(t, 0)) for t in spec.tasks
+    )
+    tokens = len(evaluation.token_ids) + len(evaluation.ood_ids or []) + items * TASK_ITEM_TOKENS
+    models_ = 1 + any(s.name == "baseline" for s in planned.stages)
+    minutes = models_ * tokens * seconds_per_token / 60
+    log.info(
+        "evaluate: ~%.0f min here with suite %s (%d tokens of text and %d task items per model, %s)",
+        minutes,
+        suite,
+        len(evaluation.token_ids) + len(evaluation.ood_ids or []),
+        items,
+        "the base's baseline to score too" if models_ == 2 else "the base's baseline reused",
+    )
+    if minutes > 30 and suite != "large":
+        log.info("evaluate: a suite sized for large models takes a fraction of that: --set evaluate.suite=large")
 
 
 class _BaseLoader:
@@ -1038,6 +1067,7 @@ def bench(
         checkpoint=tgt.checkpoint,
         base_path=base_model.path,
     )
+    _plan_bench(plan, tgt.checkpoint, base_model)
     with target_run(tracker, tgt, base_model, "bench") as run, _run_log(run, tgt.checkpoint):
         result = _bench(run, tgt.checkpoint, base_model, plan)
         _log_metrics(result.metrics)
@@ -1068,6 +1098,23 @@ def _run_log(run, checkpoint: Path):
     finally:
         if path.exists():
             run.log_artifact(path)
+
+
+def _plan_bench(plan: bench_stage.Plan, checkpoint: Path, base: models.ResolvedModel) -> None:
+    """The bench's memory, planned from the base's shapes and the checkpoint's size: servers that do
+    not fit together are measured one after the other; refused (exit 2) when one alone does not fit."""
+    from transformers import AutoConfig
+
+    shape = Shape.from_config(AutoConfig.from_pretrained(base.path))
+    stage = footprint.bench_stage(
+        shape, plan, int(weights_size_mb(checkpoint) * 2**20), "bfloat16", footprint.available_ram()
+    )
+    log.info("bench memory plan: %.2f GiB (%s)", stage.ram / 2**30, "; ".join(stage.held))
+    if stage.ram > footprint.available_ram():
+        raise UserError(
+            f"the bench needs about {stage.ram / 2**30:.1f} GiB ({'; '.join(stage.held)}) and this machine has "
+            f"{footprint.available_ram() / 2**30:.1f} GiB available. {'; '.join(stage.fits_with)}"
+        )
 
 
 def speculative(

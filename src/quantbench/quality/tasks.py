@@ -163,6 +163,8 @@ def check_tasks(tasks: list[str], suite_dir: Path) -> None:
     """Unknown tasks (with close matches) and tasks whose data needs the hub while offline."""
     from quantbench.core.paths import hub_reachable
 
+    if not tasks:  # a suite of quality passes alone (suites/offline.yaml) needs no lm-eval
+        return
     known = set(_task_manager(str(suite_dir)).all_tasks)
     problems = []
     online = None

@@ -5,6 +5,8 @@ config_groups entry per scheme, the recipe's own scheme last on every other Line
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import sys
 from contextlib import contextmanager, redirect_stdout
@@ -148,7 +150,7 @@ class LLMCompressorBackend:
             # llm-compressor's session keeps the model it compressed (and its modifiers' state): let
             # it go, or the reload check loads the checkpoint beside a second copy of the model
             reset_session()
-        return Produced(card=calibration_card(inputs))
+        return Produced(card="\n".join([calibration_card(inputs), *experts_card(inputs, self.calibrates)]))
 
     def modifiers(self) -> list:
         """The llm-compressor recipe for this spec, as modifier objects."""
@@ -222,11 +224,15 @@ class LLMCompressorBackend:
         kwargs = {}
         if self.calibrates:
             from datasets import Dataset
+            from datasets.table import InMemoryTable
 
+            columns = {"input_ids": calibration, "attention_mask": [[1] * len(row) for row in calibration]}
+            # A fingerprint of our own, from the ids: without one, datasets 5.2 hashes the whole table,
+            # which fails on Python 3.12 ("Can't pickle <class 'MonthDayNano'>", any dill from 0.3.8
+            # to 0.4.1, pyarrow 22 or 25: tests/test_offline_check.py, docs/offline.md)
+            fingerprint = hashlib.sha256(json.dumps(calibration).encode()).hexdigest()[:16]
             kwargs = {
-                "dataset": Dataset.from_dict(
-                    {"input_ids": calibration, "attention_mask": [[1] * len(row) for row in calibration]}
-                ),
+                "dataset": Dataset(InMemoryTable.from_pydict(columns), fingerprint=fingerprint),
                 "num_calibration_samples": len(calibration),
                 "max_seq_length": max(len(row) for row in calibration),
                 # The windows are already chosen and ordered by calibration.seed. llm-compressor's
@@ -251,6 +257,21 @@ class LLMCompressorBackend:
             model.to(saved)
         model.save_pretrained(dest, save_compressed=True)
         tokenizer.save_pretrained(dest)
+
+
+def experts_card(inputs: Inputs, calibrates: bool) -> list[str]:
+    """For a mixture of experts, how many calibration tokens each expert saw: every one of them
+    (llm-compressor's `moe_calibrate_all_experts`, its default, routes every token through every
+    expert while calibrating, so an expert the router seldom picks is not quantized from a handful)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(inputs.base.path)
+    text = getattr(config, "text_config", config)
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0
+    if experts <= 1 or not calibrates or not inputs.calibration:
+        return []
+    tokens = sum(len(row) for row in inputs.calibration)
+    return [f"- Experts: all {experts} experts of every layer calibrated on all {tokens:,} calibration tokens"]
 
 
 def carry_autoround_zero_points(model) -> int:

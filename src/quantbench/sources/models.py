@@ -309,14 +309,31 @@ def _quantized(path: Path) -> str | None:
     return _gguf_quantized(gguf) if gguf is not None else None
 
 
-def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.source") -> None:
-    """De-quantize a GGUF to an fp32 safetensors checkpoint; written aside, checked against the GGUF
-    (verify.verify_copy: same token ids, special tokens, logits), renamed into place when sane."""
+def conversion_dtype(gguf: Path):
+    """float32 (every de-quantized value exactly) where a float32 copy takes under half the memory
+    available; bfloat16 otherwise (an 8B GGUF is 30 GiB in float32: the conversion would be killed;
+    its values then rounded to bfloat16's 8 bits of mantissa)."""
     import torch
+    from gguf import GGUFReader
+
+    params = sum(int(t.n_elements) for t in GGUFReader(gguf).tensors)
+    return torch.float32 if 4 * params <= available_memory() // 2 else torch.bfloat16
+
+
+def available_memory() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.source") -> None:
+    """De-quantize a GGUF to a float32 safetensors checkpoint (bfloat16 for one too large for float32
+    here: conversion_dtype); written aside, checked against the GGUF
+    (verify.verify_copy: same token ids, special tokens, logits), renamed into place when sane."""
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
 
-    from quantbench.sources.verify import gguf_tokenizer, verify_copy
+    from quantbench.sources.verify import copy_ids, gguf_tokenizer, reference_logits, verify_copy
 
     log.info("converting %s to a safetensors checkpoint in %s (once)", gguf, dest)
     fields = GGUFReader(gguf).fields
@@ -325,9 +342,10 @@ def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.sourc
         for key in ("general.name", "general.license", "general.organization")
         if key in fields
     }
+    dtype = conversion_dtype(gguf)
     try:
         tokenizer = gguf_tokenizer(gguf)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     except (ValueError, IndexError, KeyError, OverflowError, TypeError) as exc:
         raise UserError(
             f"{field}: transformers cannot load {gguf} ({type(exc).__name__}: "
@@ -344,7 +362,9 @@ def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.sourc
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        problems = verify_copy(tmp, tokenizer, model)
+        reference = reference_logits(model.eval(), copy_ids(tokenizer))
+        del model  # one copy at a time: the saved one is loaded to be checked against these logits
+        problems = verify_copy(tmp, tokenizer, reference)
         if problems:
             raise UserError(
                 [f"{field}: the checkpoint converted from {gguf} does not reproduce it: {p}" for p in problems]
@@ -357,6 +377,7 @@ def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.sourc
             "organization": meta.get("general.organization"),
             "license": meta.get("general.license") or "unknown",
             "fingerprint": fingerprint(tmp),
+            "dtype": str(dtype).removeprefix("torch."),
             "conversion": CONVERSION,
         }
         (tmp / SOURCE_INFO).write_text(json.dumps(info, indent=2))

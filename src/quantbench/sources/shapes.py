@@ -29,25 +29,21 @@ class Shape:
 
     @classmethod
     def from_config(cls, config, stored: str | None = None) -> Shape:
-        import torch
 
         from quantbench.sources.checkpoint import skeleton
 
         model = skeleton(config)
         params = {id(p): p.numel() for p in model.parameters()}
-        head = model.get_output_embeddings()
-        head_ids = {id(p) for p in head.parameters()} if head is not None else set()
-        quantized = sum(
-            m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) not in head_ids
-        )
         layers = getattr(getattr(model, "model", model), "layers", None) or []
-        layer_params, hessians = 0, 0
+        # what a recipe quantizes: the weight matrices of the decoder layers (Linear layers, and the
+        # stacked experts of a mixture of experts, which transformers 5 keeps as 3-D tensors), not the
+        # embeddings or the head. A GPTQ Hessian is in_features² (the last dimension) per matrix, per expert.
+        quantized, layer_params, hessians = 0, 0, 0
         for layer in layers:
+            matrices = [p for name, p in layer.named_parameters() if p.dim() >= 2 and not _router(name)]
+            quantized += sum(p.numel() for p in matrices)
             layer_params = max(layer_params, sum(p.numel() for p in layer.parameters()))
-            hessians = max(
-                hessians,
-                sum(4 * m.in_features**2 for m in layer.modules() if isinstance(m, torch.nn.Linear)),
-            )
+            hessians = max(hessians, sum(4 * p.shape[-1] ** 2 * (p.shape[0] if p.dim() == 3 else 1) for p in matrices))
         text = getattr(config, "text_config", config)
         heads = getattr(text, "num_attention_heads", 1)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -57,7 +53,7 @@ class Shape:
             getattr(text, "intermediate_size", 0) or 0,
             getattr(text, "moe_intermediate_size", 0) or 0,
         )
-        saved = stored or str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", "") or "bfloat16")
+        saved = stored or str(getattr(config, "dtype", None) or "bfloat16")
         return cls(
             params=sum(params.values()),
             quantized_params=quantized,
@@ -79,3 +75,8 @@ class Shape:
         """A forward pass over `batch` windows of `tokens` with logits scored in float32: the logits,
         their log-softmax and what is gathered from them, and the widest hidden activations."""
         return batch * tokens * (3 * self.vocab * 4 + 6 * max(self.hidden, self.intermediate) * 4)
+
+
+def _router(name: str) -> bool:
+    """A mixture of experts' router (`mlp.gate`, `block_sparse_moe.gate`): tiny, left unquantized."""
+    return name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "router.weight"))

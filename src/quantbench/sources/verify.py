@@ -108,31 +108,41 @@ def compare_special_tokens(tokenizer, config) -> str | None:
     return "; ".join(problems) or None
 
 
+def reference_logits(model, token_ids: list[int], window: int = 64, windows: int = 3) -> list:
+    """A model's float32 logits on up to `windows` windows of `token_ids` (what compare_logits checks
+    a copy against; computed first, so the model can be let go before its copy is loaded)."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for k in range(max(1, min(windows, len(token_ids) // window))):
+            ids = torch.tensor([token_ids[k * window : (k + 1) * window]])
+            out.append(model(input_ids=ids).logits.float())
+    return out
+
+
 def compare_logits(
-    reference_model,
+    reference,
     candidate_model,
     token_ids: list[int],
     window: int = 64,
     windows: int = 3,
     rtol: float = LOGITS_RTOL,
 ) -> str | None:
-    """Logits of both models on up to `windows` windows of `token_ids`, centred per position (softmax
-    ignores a shift); None if they differ by at most `rtol` of the reference's largest centred logit
-    (the same meaning for a real model and a random tiny one)."""
-    import torch
-
+    """Logits of both on up to `windows` windows of `token_ids` (`reference`: a model, or its
+    reference_logits), centred per position (softmax ignores a shift); None if they differ by at most
+    `rtol` of the reference's largest centred logit (the same meaning for a real model and a random
+    tiny one)."""
+    wanted = reference if isinstance(reference, list) else reference_logits(reference, token_ids, window, windows)
+    got = reference_logits(candidate_model, token_ids, window, windows)
     worst = scale = 0.0
-    with torch.inference_mode():
-        for k in range(max(1, min(windows, len(token_ids) // window))):
-            ids = torch.tensor([token_ids[k * window : (k + 1) * window]])
-            a = reference_model(input_ids=ids).logits.float()
-            b = candidate_model(input_ids=ids).logits.float()
-            if a.shape != b.shape:
-                return f"the saved model's output has shape {tuple(b.shape)}, the source's {tuple(a.shape)}"
-            a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
-            diff = (a - b).abs().max().item()
-            worst = max(worst, diff if math.isfinite(diff) else math.inf)
-            scale = max(scale, a.abs().max().item())
+    for a, b in zip(wanted, got):
+        if a.shape != b.shape:
+            return f"the saved model's output has shape {tuple(b.shape)}, the source's {tuple(a.shape)}"
+        a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
+        diff = (a - b).abs().max().item()
+        worst = max(worst, diff if math.isfinite(diff) else math.inf)
+        scale = max(scale, a.abs().max().item())
     if worst > rtol * scale:
         return (
             f"the saved model's logits differ from the source's by up to {worst:.3g} ({worst / max(scale, 1e-30):.3g} "
@@ -142,23 +152,31 @@ def compare_logits(
 
 
 def verify_copy(dest: Path, ref_tokenizer, ref_model, text: str = SAMPLE_TEXT) -> list[str]:
-    """Reload `dest` from disk and compare it with the objects it was written from; [] when faithful."""
-    import torch
+    """Reload `dest` from disk (in the dtype it was saved in) and compare it with what it was written
+    from (`ref_model`: the model, or its reference_logits on `copy_ids(ref_tokenizer, text)`, so a large
+    model need not be in memory beside its copy); [] when faithful."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(dest)
-    model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
+    ids = copy_ids(ref_tokenizer, text)
+    reference = ref_model if isinstance(ref_model, list) else reference_logits(ref_model.eval(), ids)
+    model = AutoModelForCausalLM.from_pretrained(dest, dtype="auto").eval()
     problems = [
         p
         for p in (compare_tokenizers(ref_tokenizer, tokenizer, text), compare_special_tokens(tokenizer, model.config))
         if p
     ]
-    ids = ref_tokenizer(text)["input_ids"]
-    while len(ids) < 3 * 64:
-        ids = ids + ids
-    if problem := compare_logits(ref_model.eval(), model, ids):
+    if problem := compare_logits(reference, model, ids):
         problems.append(problem)
     return problems
+
+
+def copy_ids(tokenizer, text: str = SAMPLE_TEXT) -> list[int]:
+    """The token ids a converted copy's logits are compared on (three windows of 64)."""
+    ids = tokenizer(text)["input_ids"]
+    while len(ids) < 3 * 64:
+        ids = ids + ids
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +194,7 @@ class PerplexityCheck:
     # both framings on the first OTHER_FRAMING_WINDOWS windows (check_base_perplexity); None: not measured
     ppl_with_bos: float | None = None
     ppl_without_bos: float | None = None  # (a tokenizer without a BOS token has only this one)
+    seconds_per_token: float | None = None  # the main pass's time on this machine (a cost estimate's basis)
 
     def describe(self) -> str:
         other = self.ppl_without_bos if self.bos else self.ppl_with_bos
@@ -248,9 +267,13 @@ def check_base_perplexity(
     from quantbench.core.measures import perplexity
     from quantbench.sources import data
 
+    import time
+
     use_bos = wants_bos and bos_token_id is not None
     ids = data.framed(text_ids, window, bos_token_id if use_bos else None)[:tokens]
+    started = time.perf_counter()
     used = check_perplexity(model, ids, calibration_ids, window, vocab_size)
+    used.seconds_per_token = (time.perf_counter() - started) / max(1, len(ids))
     used.bos = use_bos
     if bos_token_id is None:
         used.ppl_without_bos = used.ppl

@@ -20,7 +20,7 @@ import logging
 import re
 import statistics
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -59,6 +59,9 @@ class Plan:
     endpoints: tuple[str, str] | None = None  # backend openai: (checkpoint's, base model's)
     requested: str = "hf"  # what the user asked for: auto, serve or an engine's name
     why: str = ""  # why this engine
+    # servers that do not fit in memory together (the job's memory plan): the candidate's measured
+    # and stopped, then the base's (bench_pair's one_at_a_time)
+    one_at_a_time: bool = False
 
     @property
     def backend(self) -> str:
@@ -191,6 +194,9 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
         "profile": plan.profile_name,
         "profile_settings": plan.profile.model_dump(mode="json"),
         "hardware": environment.describe(),
+        "order": "one model, then the other (their servers do not fit in memory together)"
+        if plan.one_at_a_time
+        else "interleaved",
     }
     base_dtype = plan.profile.base_dtype if plan.backend == "hf" else plan.profile.serve_dtype
     tags = {
@@ -207,7 +213,7 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
     watch = BusyWatch()
     try:
         with watch, _measurers(plan, checkpoint, base, logs, sweep, served) as measurers:
-            result = bench_pair(measurers, plan.token_ids, plan.profile, sweep)
+            result = bench_pair(measurers, plan.token_ids, plan.profile, sweep, plan.one_at_a_time)
             scored = _long_context_quality(plan, served)
     except PartialBench as exc:
         tags |= _served_dtypes(plan, logs)
@@ -318,6 +324,9 @@ def _long_context_quality(plan: Plan, served: dict[str, tuple[str, str]]) -> dic
     profile = plan.profile
     if not (profile.context_tokens and served and plan.engine.quality == "prompt_logprobs"):
         return {}
+    if plan.one_at_a_time:
+        log.info("bench: no quality at long context: the two servers never ran together (not enough memory)")
+        return {}
     from quantbench.engines.server import EndpointError
     from quantbench.speed.serving import long_context_quality
 
@@ -404,6 +413,19 @@ def _measurers(
             slots=max(profile.concurrency),
             prefix_tokens=profile.prefix.tokens if profile.prefix else 0,
         )
+        if plan.one_at_a_time:
+            with _OneServerAtATime(
+                {
+                    "candidate": (checkpoint, replace(settings, kv_cache=profile.kv_cache)),
+                    "base": (base.path, settings),
+                },
+                directory,
+                engine,
+                lambda url, name, pid: openai_measurer(url, name, tokenizer, profile, pid, engine, sweep, texts),
+                served,
+            ) as servers:
+                yield servers.measurers()
+            return
         with (
             model_server(
                 checkpoint, directory / "candidate.log", engine, replace(settings, kv_cache=profile.kv_cache)
@@ -418,6 +440,49 @@ def _measurers(
             }
     finally:
         logs.extend(sorted(directory.glob("*.log")))
+
+
+class _OneServerAtATime:
+    """Servers started when their model is first measured, the other one stopped first: one model's
+    server in memory at a time (bench_pair measures every repetition of one model, then the other's)."""
+
+    def __init__(self, models: dict, directory: Path, engine, measurer, served: dict | None):
+        self.models, self.directory, self.engine = models, directory, engine
+        self.make_measurer, self.served = measurer, served
+        self.running: str | None = None
+        self.stack: ExitStack | None = None
+        self.current = None
+
+    def __enter__(self) -> _OneServerAtATime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.stack is not None:
+            self.stack.close()
+        self.stack, self.running, self.current = None, None, None
+        if self.served is not None:
+            self.served.clear()
+
+    def _switch(self, name: str):
+        from quantbench.engines.server import model_server
+
+        if self.running != name:
+            self._stop()
+            path, settings = self.models[name]
+            self.stack = ExitStack()
+            url, model, pid = self.stack.enter_context(
+                model_server(path, self.directory / f"{name}.log", self.engine, settings)
+            )
+            self.running, self.current = name, self.make_measurer(url, model, pid)
+            if self.served is not None:
+                self.served[name] = (url, model)
+        return self.current
+
+    def measurers(self) -> dict:
+        return {name: (lambda sets, rep, name=name: self._switch(name)(sets, rep)) for name in self.models}
 
 
 # ---------------------------------------------------------------------------------------------

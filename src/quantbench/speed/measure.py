@@ -350,9 +350,18 @@ def hf_measurer(load, profile: Profile):
     return run
 
 
-def bench_pair(measurers: dict, token_ids: list[int], profile: Profile, sweep: SweepRates | None = None) -> SpeedResult:
+def bench_pair(
+    measurers: dict,
+    token_ids: list[int],
+    profile: Profile,
+    sweep: SweepRates | None = None,
+    one_at_a_time: bool = False,
+) -> SpeedResult:
     """Measure "candidate" and "base" with `profile`, interleaved A B A B; the warm-up dropped.
-    With a sweep, its rates are set after the warm-up from its synchronous and throughput runs."""
+    With a sweep, its rates are set after the warm-up from its synchronous and throughput runs.
+    `one_at_a_time`: every repetition of the candidate, then every one of the base (A A A B B B):
+    for models whose servers do not fit in memory together; repetition i of each is still paired,
+    but drift between the two halves is no longer shared (said in bench.json)."""
     from tqdm import tqdm
 
     # servers: every repetition its own prompts (`prompts_per_repetition`); in-process, a batch of the
@@ -364,33 +373,36 @@ def bench_pair(measurers: dict, token_ids: list[int], profile: Profile, sweep: S
     samples: dict[str, dict[str, list[float]]] = {"candidate": {}, "base": {}}
     total = (profile.warmup + profile.repetitions) * 2
     warm: dict[str, dict[str, float]] = {}
+    if one_at_a_time:
+        order = [(rep, name) for name in ("candidate", "base") for rep in range(reps)]
+    else:
+        order = [(rep, name) for rep in range(reps) for name in ("candidate", "base")]  # A B A B
     with tqdm(total=total, desc="bench", unit="run", file=terminal()) as bar:
-        for rep in range(profile.warmup + profile.repetitions):
-            if sweep is not None and profile.sweep and rep == profile.warmup:
+        for rep, name in order:
+            if sweep is not None and profile.sweep and rep == profile.warmup and name == "candidate":
                 sweep.rates = sweep_rates(
                     min(w["c1/requests_s"] for w in warm.values()),
                     max(w[f"c{profile.sweep.requests}/requests_s"] for w in warm.values()),
                     profile.sweep.rates,
                 )
-            for name in ("candidate", "base"):  # A B A B
-                try:
-                    values = measurers[name](prompt_sets, rep)
-                except RepetitionFailed as exc:
-                    unfinished = {
-                        "model": name,
-                        "repetition": rep,
-                        "warmup": rep < profile.warmup,
-                        "measured": exc.measured,
-                    }
-                    raise PartialBench(exc, samples, unfinished) from exc
-                except Exception as exc:
-                    raise PartialBench(exc, samples) from exc
-                if rep >= profile.warmup:
-                    for key, value in values.items():
-                        samples[name].setdefault(key, []).append(value)
-                else:
-                    warm[name] = values
-                bar.update(1)
+            try:
+                values = measurers[name](prompt_sets, rep)
+            except RepetitionFailed as exc:
+                unfinished = {
+                    "model": name,
+                    "repetition": rep,
+                    "warmup": rep < profile.warmup,
+                    "measured": exc.measured,
+                }
+                raise PartialBench(exc, samples, unfinished) from exc
+            except Exception as exc:
+                raise PartialBench(exc, samples) from exc
+            if rep >= profile.warmup:
+                for key, value in values.items():
+                    samples[name].setdefault(key, []).append(value)
+            else:
+                warm[name] = values
+            bar.update(1)
     metrics = {}
     for name, prefix in (("candidate", "speed/"), ("base", "base_speed/")):
         metrics.update({prefix + k: v for k, v in summarize(samples[name], profile).items()})

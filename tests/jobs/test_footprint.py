@@ -1,0 +1,110 @@
+"""The memory plan (jobs/footprint.py): its arithmetic on configs of several architectures, read
+without loading a weight, and a job that cannot fit refused before anything is written."""
+
+import pytest
+
+from quantbench.cli import main
+from quantbench.jobs import footprint
+from quantbench.quantize import ProduceFootprint
+from quantbench.sources import ladder
+from quantbench.sources.shapes import GiB, Shape
+from tests.helpers import runs, tiny_recipe, write_recipe
+
+
+def config(kind: str, **values):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(kind, **values)
+
+
+def test_a_llama_8b_shape_counted_from_its_config():
+    """Llama-3.1-8B's layer shapes with a 49,152-token vocabulary, untied: every count by hand."""
+    shape = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.1-8b"].config))
+    hidden, layers, inter, vocab, kv = 4096, 32, 14336, 49152, 8 * 128
+    attention = hidden * hidden * 2 + hidden * kv * 2  # q, o; k, v
+    mlp = 3 * hidden * inter
+    per_layer = attention + mlp + 2 * hidden  # and two norms
+    assert shape.layer_params == per_layer
+    assert shape.params == layers * per_layer + 2 * vocab * hidden + hidden  # embeddings, head, final norm
+    assert shape.quantized_params == layers * (attention + mlp)  # Linear layers, not the head
+    assert (shape.hidden, shape.intermediate, shape.layers, shape.vocab, shape.kv_dim) == (hidden, inter, 32, vocab, kv)
+    assert shape.hessian_bytes == 4 * (4 * hidden**2 + 2 * hidden**2 + inter**2)  # q,k,v,o + gate,up read hidden; down inter
+    assert shape.weights("bfloat16") == 2 * shape.params and shape.weights("float32") == 4 * shape.params
+    assert shape.params / 1e9 == pytest.approx(7.38, abs=0.01)
+
+
+def test_tied_embeddings_are_counted_once_and_experts_all():
+    tied = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.2-1b"].config))
+    untied = Shape.from_config(config("llama", **{**ladder.RUNGS["llama-3.2-1b"].config, "tie_word_embeddings": False}))
+    assert untied.params - tied.params == 49152 * 2048
+    moe = Shape.from_config(config("qwen3_moe", **ladder.RUNGS["moe-8x"].config))
+    one = Shape.from_config(config("qwen3_moe", **{**ladder.RUNGS["moe-8x"].config, "num_experts": 1}))
+    assert moe.experts == 8 and one.experts == 1 and moe.intermediate == 6144 and moe.kv_dim == 4 * 128
+    hidden, inter, layers = 2048, 768, 8
+    assert moe.params - one.params == layers * (7 * 3 * hidden * inter + 7 * hidden)  # 7 more experts; router rows
+    # the experts are quantized (transformers keeps them as stacked 3-D tensors), the router is not
+    assert moe.quantized_params - one.quantized_params == layers * 7 * 3 * hidden * inter
+
+
+def test_qwen_and_gemma_shapes():
+    """Other families: biases on q/k/v (Qwen2), a head size that is not hidden / heads (Gemma)."""
+    qwen = Shape.from_config(config("qwen2", hidden_size=896, num_hidden_layers=2, num_attention_heads=14,
+                                    num_key_value_heads=2, intermediate_size=4864, vocab_size=1000,
+                                    tie_word_embeddings=True))
+    assert qwen.kv_dim == 2 * 64 and qwen.params == sum(
+        [1000 * 896, 896, 2 * (896 * 896 * 2 + 896 * 128 * 2 + 896 + 2 * 128 + 3 * 896 * 4864 + 2 * 896)])
+    gemma = Shape.from_config(config("gemma2", hidden_size=640, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=1, head_dim=256, intermediate_size=2048, vocab_size=1000))
+    assert gemma.kv_dim == 256  # head_dim from the config, not 640 / 4
+
+
+def plan(shape, produce, **kw):
+    return footprint.plan(shape, compute=kw.pop("compute", "bfloat16"), saved="bfloat16", produce=produce,
+                          check_window=512, estimate_window=None, outputs=kw.pop("outputs"), **kw)
+
+
+def test_the_plan_adds_what_each_stage_holds(tmp_path):
+    shape = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.1-8b"].config))
+    checkpoint = int(shape.params * 1.0)
+    produce = ProduceFootprint([("compressed", checkpoint)], checkpoint)
+    found = plan(shape, produce, outputs=tmp_path)
+    stages = {s.name: s for s in found.stages}
+    assert list(stages) == ["prepare", "produce", "check"]
+    window = shape.window_activations(512)
+    assert stages["prepare"].ram == footprint.RUNTIME + 2 * shape.params + window
+    assert stages["produce"].ram == footprint.RUNTIME + 2 * shape.params + checkpoint
+    assert stages["check"].ram == footprint.RUNTIME + checkpoint + 2 * shape.params + window
+    assert stages["produce"].disk == checkpoint
+    # a quantizer that reads files holds no loaded model; in float32 the model is twice as big
+    files = plan(shape, ProduceFootprint([("llama.cpp", 5)], 10, takes_model=False), outputs=tmp_path)
+    assert {s.name: s.ram for s in files.stages}["produce"] == footprint.RUNTIME + 5
+    wide = plan(shape, produce, compute="float32", outputs=tmp_path)
+    assert {s.name: s.ram for s in wide.stages}["prepare"] == footprint.RUNTIME + 4 * shape.params + window
+    assert "compute_dtype=bfloat16" in " ".join(wide.stages[0].fits_with)
+    metrics = found.metrics()
+    assert metrics["plan/produce/peak_rss_mb"] == stages["produce"].ram / 2**20
+    assert metrics["plan/peak_rss_mb"] == max(s.ram for s in found.stages) / 2**20
+
+
+def test_memory_cap_and_its_bad_values(monkeypatch):
+    monkeypatch.setenv(footprint.MEMORY_VAR, "1.5")
+    assert footprint.available_ram() == int(1.5 * GiB)
+    for bad in ("lots", "0", "-2", "nan", "inf"):
+        monkeypatch.setenv(footprint.MEMORY_VAR, bad)
+        with pytest.raises(Exception, match="QUANTBENCH_MEMORY_GIB"):
+            footprint.available_ram()
+
+
+def test_a_job_that_cannot_fit_is_refused_before_anything_is_written(workdir, tiny_model_dir, capsys, monkeypatch):
+    """The plan says which stage, what it holds, what the machine has, and what would make it fit;
+    exit 2, no run, no output directory. Here the job may use 0.2 GiB (QUANTBENCH_MEMORY_GIB)."""
+    monkeypatch.setenv(footprint.MEMORY_VAR, "0.2")
+    write_recipe(workdir, "big", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n"))
+    assert main(["quantize", "big"]) == 2
+    err = capsys.readouterr().err
+    assert "error: recipes/big.yaml: the prepare stage needs about" in err
+    assert "and this machine has 0.2 GiB available: the job would be killed part-way." in err
+    assert "the produce stage needs about" in err and "fewer calibration windows (--set calibration.samples=N)" in err
+    assert runs() == [] and not (workdir / "outputs").exists()
+    monkeypatch.setenv(footprint.MEMORY_VAR, "8")
+    assert main(["quantize", "big"]) == 0
