@@ -89,7 +89,7 @@ if [ -n "$OFFLINE" ]; then
   "$PYTHON" bench/gpu_check.py "${OFFLINE_ARGS[@]}"
   code=$?
   set -e
-  echo "gpu_check: offline check ended with exit $code after $(( $(date +%s) - T0 )) s"
+  echo "gpu_check: offline check ended with exit $code after $(( $(date +%s) - T0 )) s" >&2  # stdout ends with the JSON line
   exit $code
 fi
 

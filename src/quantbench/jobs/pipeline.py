@@ -851,6 +851,7 @@ def _candidate_tags(job: Job) -> dict[str, str]:
         TAG + "loaders": job.backend.loaders(),
         TAG + "kv_cache": getattr(q, "kv_cache", None) or "none",
         TAG + "compute_dtype": job.produce_dtype,
+        TAG + "device": hardware.device_class(),  # the class its times hold for (bench/results_table.py)
         TAG + "license": job.base.license,
         TAG + "bos": data.bos_tag(job.tokenizer, data.bos_id(job.tokenizer)),  # what every window starts with
         **{TAG + k: v for k, v in environment.describe().items()},
