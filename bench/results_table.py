@@ -8,7 +8,8 @@ docs/results.md, between its markers, leaving the dated history below untouched.
     python bench/results_table.py [--store URI ...] [--suite default] [--write]
 
 A store is a tracking URI (sqlite:///path/mlflow.db, a directory of runs, postgresql://...);
-default: $MLFLOW_TRACKING_URI, else ./mlruns. The last line is a JSON object.
+default: $MLFLOW_TRACKING_URI, else the repository's sqlite:///mlflow.db (what `make` uses). The last
+line is a JSON object.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def main() -> int:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--write", action="store_true", help=f"replace the table at the top of {RESULTS.relative_to(REPO)}")
     args = ap.parse_args()
-    stores = args.store or [os.environ.get("MLFLOW_TRACKING_URI") or str(REPO / "mlruns")]
+    stores = args.store or [os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO / 'mlflow.db'}"]
 
     newest: dict[tuple[str, str], object] = {}
     names = set(shipped())
