@@ -4,8 +4,8 @@ a fresh virtual environment with an older torch and transformers preinstalled, a
 the CPU when no GPU is there: PyPI has no CPU build of torch for Linux x86-64), a wheelhouse planned
 against that environment's own freeze list and downloaded for its Python, installed offline into a
 private directory (`--no-index --no-deps --target`), and the check's CPU-possible steps run there
-(`--device cpu`, budgets trimmed). ~6-8 min on 2 cores with pip's cache warm; a cold cache downloads
-~1.7 GB (torch 2.11 and its CUDA libraries) once."""
+(`--device cpu`, budgets trimmed). ~6-8 min on 2 cores, and ~1.7 GB downloaded (torch 2.11 and its CUDA
+libraries, past pip's cache: disk is short on CI machines)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,13 +43,24 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory) -> tuple[Path, str]:
-    """A venv standing in for the node: its python and its freeze list."""
+def node(tmp_path_factory) -> Iterator[tuple[Path, str]]:
+    """A venv standing in for the node: its python and its freeze list. ~3.5 GB on disk (torch's CUDA
+    libraries), removed after the test; pip's cache is not used for it (another ~1.7 GB). vLLM's own
+    environment, which the run may be creating beside this (tests/conftest.py), is waited for first:
+    both at once filled a CI machine's disk."""
+    from filelock import FileLock
+
+    from quantbench.engines import vllm_env
+
+    with FileLock(vllm_env.env_dir().parent / f"{vllm_env.env_dir().name}.lock"):
+        pass
     venv = tmp_path_factory.mktemp("node") / "venv"
     run([node_python(), "-m", "venv", str(venv)])
     python = str(venv / "bin" / "python")
-    run([python, "-m", "pip", "install", "--quiet", f"torch=={NODE_TORCH}", f"transformers=={NODE_TRANSFORMERS}"])
-    return venv, run([python, "-m", "pip", "list", "--format=freeze"]).stdout
+    run([python, "-m", "pip", "install", "--quiet", "--no-cache-dir", f"torch=={NODE_TORCH}",
+         f"transformers=={NODE_TRANSFORMERS}"])  # fmt: skip
+    yield venv, run([python, "-m", "pip", "list", "--format=freeze"]).stdout
+    shutil.rmtree(venv, ignore_errors=True)
 
 
 def test_offline_check_on_an_older_torch(node, tmp_path):

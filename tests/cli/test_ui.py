@@ -51,9 +51,9 @@ def ui(scored_runs, tmp_path):
         log.close()
 
 
-def scroll_until_visible(page, anchor: str, text: str) -> None:
-    """The compare view's metric table is a virtualized grid: only rows near its scroll position exist."""
-    grid = page.get_by_text(anchor, exact=True).first.evaluate_handle("e => e.closest('.ReactVirtualized__Grid')")
+def scroll_until_visible(page, grid, text: str) -> None:
+    """The compare view's metric table is a virtualized grid (`grid`, its element): only rows near its
+    scroll position exist, so the grid is scrolled from the top until `text` shows."""
     for step in range(80):
         found = page.get_by_text(text, exact=True)
         if found.count() and found.first.is_visible():
@@ -110,8 +110,9 @@ def test_ui_binds_loopback_and_shows_the_runs_metrics(ui, scored_runs, tmp_path)
         # the grid lists the metrics by name and renders rows as it scrolls: the first name is there at once
         first = min(set(run.data.metrics) | set(client.get_run(scored_runs["fp8"]).data.metrics))
         expect(page.get_by_text(first, exact=True).first).to_be_visible(timeout=30_000)
-        for key in ("model/compression_ratio", "quality/kld_mean", "speed/decode_tok_s"):
-            scroll_until_visible(page, anchor=first, text=key)
+        grid = page.get_by_text(first, exact=True).first.evaluate_handle("e => e.closest('.ReactVirtualized__Grid')")
+        for key in ("model/compression_ratio", "quality/kld_mean", "speed/decode_tok_s"):  # the first row scrolls away
+            scroll_until_visible(page, grid, key)
         page.get_by_text("speed/decode_tok_s", exact=True).first.scroll_into_view_if_needed()
         page.screenshot(path=str(ARTIFACTS / "mlflow-ui-compare.png"))
         browser.close()

@@ -161,14 +161,49 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for_running_candidate(proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
+def hold_a_running_candidate(proc: subprocess.Popen, timeout: float = 180) -> int:
+    """A candidate's job process stopped (SIGSTOP) mid-run, checked after the stop (its run RUNNING, its
+    checkpoint not yet in place): its pid. A tiny model's run can reach its end between a look and a
+    stop (a signal is then held back until the run has ended FINISHED); that job is let go, the next taken."""
+    deadline, let_go = time.monotonic() + timeout, set()
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
-        if any(r.info.status == "RUNNING" and r.data.tags.get("quantbench.role") == "candidate" for r in runs()):
-            return
-        time.sleep(0.5)
-    raise AssertionError("no candidate run started")
+        for r in runs():
+            if r.info.status != "RUNNING" or r.data.tags.get("quantbench.role") != "candidate" or r.info.run_id in let_go:
+                continue
+            pid = int(r.data.tags["quantbench.owner"].split()[1])
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                now = next(x for x in runs() if x.info.run_id == r.info.run_id)
+            except Exception as exc:  # stopped while it held the store's write lock: let it on, look again
+                assert "database is locked" in str(exc), exc
+                os.kill(pid, signal.SIGCONT)
+                break
+            if now.info.status == "RUNNING" and "quantbench.checkpoint" not in now.data.tags:
+                return pid
+            os.kill(pid, signal.SIGCONT)
+            let_go.add(r.info.run_id)
+        time.sleep(0.3)
+    raise AssertionError("no candidate run held while RUNNING")
+
+
+def resume_once_signalled(pid: int, timeout: float = 60) -> None:
+    """SIGCONT to a stopped job once a SIGTERM is pending for it (its tune's, or PR_SET_PDEATHSIG's when
+    its tune died), so it meets the signal mid-run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return  # gone (SIGKILL)
+        pending = {k: int(v, 16) for k, v in (line.split(":\t") for line in status.splitlines() if line[:6] in ("SigPnd", "ShdPnd"))}
+        if any(mask & (1 << (signal.SIGTERM - 1)) for mask in pending.values()):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGCONT)
+        raise AssertionError(f"no SIGTERM reached job {pid} in {timeout} s")
+    os.kill(pid, signal.SIGCONT)
 
 
 @pytest.mark.slow
@@ -176,25 +211,25 @@ def test_interrupted_then_resumed_search_measures_names_and_reuses(setup, capsys
     """SIGTERM, then SIGKILL, mid-candidate: nothing left RUNNING; re-run, the tune resumes under the
     same parent run, measures its candidates, answers, and a further re-run measures nothing."""
     proc = start(setup, "mid")
-    wait_for_running_candidate(proc)
+    job = hold_a_running_candidate(proc)
     proc.send_signal(signal.SIGTERM)
+    resume_once_signalled(job)  # the SIGTERM the tune passes on reaches it mid-run
     assert proc.wait(timeout=120) == 130
     assert "interrupted" in proc.stderr.read().decode()
     by_role = {}
     for r in runs():
         by_role.setdefault(r.data.tags.get("quantbench.role"), []).append(r)
-    # the candidate running at the signal is KILLED; on a loaded machine an earlier one may have finished first
+    # the candidate running at the signal is KILLED; an earlier one may have finished first
     assert [r.info.status for r in by_role["tune"]] == ["KILLED"]
     assert sorted(r.info.status for r in by_role["candidate"]) in (["KILLED"], ["FINISHED", "KILLED"])
     assert [r.info.status for r in by_role["sensitivity"]] == ["FINISHED"]
     assert not list((setup / "outputs").glob("tiny-rtn-mixed-*/*/config.json"))  # no checkpoint left
 
     proc = start(setup, "mid")  # again, and this time SIGKILL: the job dies with it, the next command reaps
-    wait_for_running_candidate(proc)
-    owners = [int(r.data.tags["quantbench.owner"].split()[1]) for r in runs()
-              if r.info.status == "RUNNING" and r.data.tags.get("quantbench.role") == "candidate"]
+    owners = [hold_a_running_candidate(proc)]
     proc.kill()
     proc.wait(timeout=60)
+    resume_once_signalled(owners[0])
     # the candidate's process dies with its tune (it may be ending its run KILLED itself, or gc reaps it:
     # on a loaded CI machine writing the status took over a minute once)
     deadline = time.monotonic() + 120
