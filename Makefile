@@ -23,7 +23,8 @@ SUITE  ?= default
 PROFILE ?= cpu-smoke
 BACKEND ?= auto
 POLICY ?= release
-MODEL  ?= builtin:smollm2-135m-instruct
+MODEL  ?=
+DEFAULT_MODEL := builtin:smollm2-135m-instruct
 SWEEP  ?=
 STACK  ?= cpu
 DRAFT  ?=
@@ -34,8 +35,8 @@ NOTEBOOK_OUT ?= outputs/notebooks
 .PHONY: setup vllm llamacpp wheelhouse doctor quantize evaluate bench compare noise gate sweep stack tune notebook validate recipes lint test test-fast gc ui benchmarks clean help
 
 help:
-	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml"
-	@echo "make evaluate RUN=<run id>      score a checkpoint against its base model (SUITE=default)"
+	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml (MODEL=<dir, .gguf or hub id> for another)"
+	@echo "make evaluate RUN=<run id>      score a checkpoint against its base model (SUITE=default; MODEL= names the base)"
 	@echo "make bench RUN=<run id>         speed against the base model through vLLM where it serves the format (PROFILE=cpu-smoke BACKEND=auto|vllm|transformers|hf)"
 	@echo "make bench DRAFT=<run id>       speculative decoding: the draft's base model (e.g. its teacher) with it as draft"
 	@echo "make compare                    every candidate in one table + Pareto plot (outputs/compare/)"
@@ -93,25 +94,25 @@ doctor: $(STAMP)
 	$(BIN)/quantbench doctor $(ARGS)
 
 quantize: $(STAMP)
-	$(BIN)/quantbench quantize $(RECIPE) $(ARGS)
+	$(BIN)/quantbench quantize $(RECIPE) $(if $(MODEL),--set model.source=$(MODEL)) $(ARGS)
 
 evaluate: $(STAMP)
 	@test -n "$(RUN)" || { echo "usage: make evaluate RUN=<mlflow run id | checkpoint dir> [SUITE=default]"; exit 2; }
-	$(BIN)/quantbench evaluate $(RUN) --suite $(SUITE) $(ARGS)
+	$(BIN)/quantbench evaluate $(RUN) --suite $(SUITE) $(if $(MODEL),--base $(MODEL)) $(ARGS)
 
 bench: $(STAMP)
 ifneq ($(DRAFT),)
 	$(BIN)/quantbench bench --draft $(DRAFT) $(RUN) --profile $(PROFILE) $(ARGS)
 else
 	@test -n "$(RUN)" || { echo "usage: make bench RUN=<mlflow run id | checkpoint dir> [PROFILE=cpu-smoke] | make bench DRAFT=<run id>"; exit 2; }
-	$(BIN)/quantbench bench $(RUN) --profile $(PROFILE) --backend $(BACKEND) $(ARGS)
+	$(BIN)/quantbench bench $(RUN) --profile $(PROFILE) --backend $(BACKEND) $(if $(MODEL),--base $(MODEL)) $(ARGS)
 endif
 
 compare: $(STAMP)
 	$(BIN)/quantbench compare $(ARGS)
 
 noise: $(STAMP)
-	$(BIN)/quantbench noise $(MODEL) --suite $(SUITE) --profile $(PROFILE) $(ARGS)
+	$(BIN)/quantbench noise $(or $(MODEL),$(DEFAULT_MODEL)) --suite $(SUITE) --profile $(PROFILE) $(ARGS)
 
 gate: $(STAMP)
 	@test -n "$(RUN)" || { echo "usage: make gate RUN=<mlflow run id> [POLICY=release]"; exit 2; }

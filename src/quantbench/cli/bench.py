@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from quantbench import engines
-from quantbench.cli.common import common, run_stage, print_json
+from quantbench.cli.common import common, print_json, run_stage, verdict_json, verdict_text
 from quantbench.core.errors import UserError
 
 
@@ -15,7 +15,9 @@ def add_parser(sub) -> None:
         parents=[common("experiment", "base", "json")],
         help="measure speed against the base model (TTFT, tok/s, latency, throughput, memory)",
         description="Measure a checkpoint and its base model with a profile (profiles/NAME.yaml), interleaved, "
-        "and log speed/<metric> and speedup/<metric> (above 1 is faster). A run id logs into that run.\n\n"
+        "and log speed/<metric> and speedup/<metric> (above 1 is faster). A run id logs into that run. Ends with the "
+        "run's verdict (decode and TTFT speedups with their intervals, the engine and CPU class, quality and size "
+        "from the run, what the release policy would say); every metric is in the run's log file and --json.\n\n"
         "Speculative decoding: `quantbench bench --draft <run id | checkpoint> [TARGET]` generates with TARGET "
         "(default: the draft's base model, e.g. the teacher of a distilled student) and the draft proposing tokens "
         "(transformers assisted generation), against TARGET alone; logs speed/spec_acceptance and "
@@ -80,7 +82,7 @@ def run(args) -> int:
         )
         if result is None:
             return 1
-        print(report.bench_table(result.metrics))
         print(report.bench_engine(result.bench))
+        print(verdict_text(result.verdict))
     print(f"mlflow run: {result.run_id}")
-    return print_json(args, result.summary())
+    return print_json(args, result.summary() | verdict_json(result.verdict))

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from quantbench.core.errors import UserError
-from quantbench.core.logs import debugging, log_path_of, one_line
+from quantbench.core.logs import debugging, log_path_of, one_line, quiet
 
 log = logging.getLogger("quantbench")
 
@@ -43,7 +43,9 @@ def run_stage(name: str, fn, *args, **kwargs) -> Any | None:
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
     try:
-        return fn(*args, **kwargs)
+        # libraries' own output (bars, warnings, prints) to the run's log file, ours to the terminal
+        with quiet():
+            return fn(*args, **kwargs)
     except UserError:
         raise
     except Exception as exc:  # the run is already marked FAILED (or KILLED) with the traceback
@@ -58,6 +60,29 @@ def run_stage(name: str, fn, *args, **kwargs) -> Any | None:
             hint = f"traceback in {where}" if where else "--debug prints the traceback"
             log.error("%s failed: %s (%s)", name, one_line(exc), hint)
         return None
+
+
+def settled(run_id: str, **kwargs):
+    """The run's verdict written into it (release/verdict.settle); None, with a warning, when it
+    could not be: the command that scored has done its work either way."""
+    from quantbench.release import verdict
+
+    try:
+        return verdict.settle(run_id, **kwargs)
+    except UserError:
+        raise
+    except Exception as exc:
+        log.warning("the verdict was not written into run %s: %s", run_id, one_line(exc))
+        return None
+
+
+def verdict_text(found, gated: bool = False) -> str:
+    """The verdict's screen (release/verdict.py), or a line saying why there is none."""
+    return found.text(gated) if found is not None else "verdict: not written (the warning above says why)"
+
+
+def verdict_json(found) -> dict:
+    return {"verdict": found.as_json()} if found is not None else {}
 
 
 def print_json(args, summary: dict) -> int:

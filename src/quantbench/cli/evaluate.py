@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from quantbench import engines
-from quantbench.cli.common import common, run_stage, print_json
+from quantbench.cli.common import common, print_json, run_stage, verdict_json, verdict_text
 
 
 def add_parser(sub) -> None:
@@ -13,8 +13,11 @@ def add_parser(sub) -> None:
         help="score a checkpoint against its base model (ppl, KLD, agreement, tasks, flips)",
         description="Score a checkpoint against its base model with a suite (suites/NAME.yaml): perplexity, "
         "KL divergence and top-1 agreement on held-out text, lm-eval tasks, answer flips, recovery. The base "
-        "model is scored once per (model, suite) in a baseline run and reused. A run id logs into that run. "
-        'With --json the last line is {"run_id", "checkpoint", "baseline_run", "baseline_reused", "metrics"}.',
+        "model is scored once per (model, suite) in a baseline run and reused. A run id logs into that run. Ends "
+        "with the run's verdict (quality, size, speed where measured, what the release policy would say); every "
+        "metric is in the run's log file and --json. "
+        'With --json the last line is {"run_id", "checkpoint", "baseline_run", "baseline_reused", "metrics", '
+        '"verdict"}.',
     )
     e.add_argument(
         "target",
@@ -46,11 +49,9 @@ def run(args) -> int:
     )
     if result is None:
         return 1
-    print(
-        report.evaluation_table(result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes)
-    )
     if result.engine_tasks is not None:
         print(report.engine_table(result.engine_tasks.metrics, result.evaluation.metrics))
+    print(verdict_text(result.verdict))
     reused = " (reused)" if result.evaluation.baseline_reused else " (scored now)"
     print(f"mlflow run: {result.run_id}   baseline run: {result.evaluation.baseline_run}{reused}")
-    return print_json(args, result.summary())
+    return print_json(args, result.summary() | verdict_json(result.verdict))

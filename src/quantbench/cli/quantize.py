@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quantbench.cli.common import common, run_stage, print_json
+from quantbench.cli.common import common, print_json, run_stage, verdict_json, verdict_text
 
 
 def add_parser(sub) -> None:
@@ -12,8 +12,11 @@ def add_parser(sub) -> None:
         help="run a recipe: quantize, save, reload-check, evaluate, bench, track",
         description="Quantize the recipe's model, save a checkpoint under OUTPUTS/<recipe>/<run id>/, "
         "reload it from disk to check it, run the recipe's evaluate: and bench: sections, and record everything "
-        "in one MLflow run. The checkpoint is moved into place only when every stage finished. "
-        'With --json the last line is {"run_id", "checkpoint", "log", "metrics"}.',
+        "in one MLflow run. The checkpoint is moved into place only when every stage finished. It ends with the "
+        "verdict: the headline quality figures with their 95% intervals, size, speed where measured, and what the "
+        "release policy (policies/release.yaml) would say, without registering anything; the same table becomes the "
+        "run's description in MLflow. Every metric is in the run's log file and --json. "
+        'With --json the last line is {"run_id", "checkpoint", "log", "metrics", "verdict"}.',
     )
     q.add_argument("recipe", help="a recipe name (recipes/NAME.yaml) or a path to a .yaml file")
     q.add_argument(
@@ -47,16 +50,10 @@ def run(args) -> int:
     )
     if result is None:
         return 1
-    if result.evaluation is not None:
-        print(
-            report.evaluation_table(
-                result.evaluation.metrics, result.evaluation.baseline_metrics, result.evaluation.notes
-            )
-        )
+    # one screen: the verdict; every metric is in the run's log file and --json
     if result.bench is not None:
-        print(report.bench_table(result.bench.metrics))
         print(report.bench_engine(result.bench))
+    print(verdict_text(result.verdict))
     print(f"checkpoint: {result.checkpoint}")
     print(f"mlflow run: {result.run_id}   log: {result.log}")
-    print(report.metric_lines(result.metrics))
-    return print_json(args, result.summary())
+    return print_json(args, result.summary() | verdict_json(result.verdict))

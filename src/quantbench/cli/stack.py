@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from quantbench.cli.common import common, run_stage, print_json
+from quantbench.cli.common import common, print_json, run_stage, verdict_text
 
 
 def add_parser(sub) -> None:
@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
         "throughput, its multiplier over the step before [95% interval], the cumulative multiplier over the start, "
         "and the quality of its model against the base (from the model's own run). A step naming recipe:NAME runs "
         "that recipe first when the experiment has no run of it. One parent MLflow run (stack.json, stack.md, "
-        "stack_waterfall.png) with a child run per step. Exit 0 all steps measured, 1 a step failed, 2 bad input "
+        "stack_waterfall.png) with a child run per step. Ends with the verdict of the last step's model (quality, size, "
+        "what the policy, default release, says of it). Exit 0 all steps measured, 1 a step failed, 2 bad input "
         "(nothing started). See docs/stack.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  quantbench stack cpu                  stacks/cpu.yaml: hf fp32 -> llama.cpp -> Q4_0 -> "
@@ -52,6 +53,11 @@ def run(args) -> int:
     if result is None:
         return 1
     print(stack.table(result.report))
+    from quantbench.release import verdict
+
+    model_run = verdict.stack_model_run(result.run_id, experiment=args.experiment)
+    if model_run:  # the quality, size and policy of the model the stack ends with (its speed is the ledger's)
+        print(verdict_text(verdict.of_run(model_run, policy=args.policy, experiment=args.experiment)))
     print(f"mlflow run: {result.run_id}")
     if result.failed:
         print(f"failed steps: {', '.join(result.failed)} (their runs hold the error)", file=sys.stderr)

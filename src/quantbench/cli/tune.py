@@ -3,7 +3,7 @@ budget, verified."""
 
 from __future__ import annotations
 
-from quantbench.cli.common import common, run_stage, print_json
+from quantbench.cli.common import common, print_json, run_stage, verdict_text
 
 
 def add_parser(sub) -> None:
@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
         "that choice as a recipe and run it like any quantize job (reload check, evaluate, bench) as a child of a "
         "tune run. Without --bits / --max-size-mb the budget is searched (bisection on the measured quality checks) "
         "for the smallest checkpoint that passes. The answer is gated with the policy (a pass moves its alias). "
-        "Re-running resumes. Outputs under OUTPUTS/tune/<policy>-<id>/. Exit 0 a candidate passes, 1 none does, "
+        "Re-running resumes. Outputs under OUTPUTS/tune/<policy>-<id>/. Ends with the chosen candidate's verdict. Exit 0 a candidate passes, 1 none does, "
         '2 bad input, 130 interrupted. With --json the last line is {"parent_run", "best_run", "recipe", "passed", '
         '"frontier", ...}.',
     )
@@ -140,5 +140,9 @@ def run(args) -> int:
     if result is None:
         return 1
     print(tune.text(result))
+    if result.get("best_run"):  # the answer's verdict under the tune's policy (its gate already ran)
+        from quantbench.release import verdict
+
+        print(verdict_text(verdict.of_run(result["best_run"], policy=args.policy, experiment=args.experiment), True))
     print_json(args, result)
     return 0 if result["passed"] else 1

@@ -180,6 +180,15 @@ def compute_dtype_of(checkpoint: Path, requested: str = "auto") -> str:
     return compute_dtype(requested, saved)
 
 
+def device_class() -> str:
+    """What a speed figure holds for, in a few words: the GPU, or the CPU's class and core count
+    ("CPU AVX512-BF16, 2 cores"): the class decides which kernels run natively."""
+    gpu = cuda_gpu()
+    if gpu:
+        return "GPU " + gpu.split(" (UUID")[0].split(": ", 1)[-1]
+    return f"CPU {cpu().klass}, {len(os.sched_getaffinity(0))} cores"
+
+
 def device_line() -> str:
     """The device a job computes on, for its log: the GPU, or the CPU's class and what it computes natively."""
     if cuda():

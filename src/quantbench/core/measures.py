@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from quantbench.core.logs import terminal
+
 
 @torch.inference_mode()
 def perplexity(model, token_ids: list[int], window: int, batch_size: int = 1) -> float:
@@ -103,7 +105,7 @@ def _forward(model, token_ids: list[int], window: int, batch_size: int, desc: st
 
     ids = _windows(token_ids, window)
     device = next(model.parameters()).device
-    for start in tqdm(range(0, len(ids), batch_size), desc=desc, unit="batch", leave=False):
+    for start in tqdm(range(0, len(ids), batch_size), desc=desc, unit="batch", leave=False, file=terminal()):
         batch = ids[start : start + batch_size].to(device)
         out = model(input_ids=batch, output_hidden_states=hidden)
         logits = out.logits[:, :-1].float()

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from quantbench.core.logs import terminal
 from quantbench.core.processes import stop_group
 from quantbench.tracking import ENV_PARENT, ENV_TAGS, TAG, Tracker
 
@@ -370,7 +371,7 @@ def _where(handle: Handle) -> dict:
 def _say(line: str) -> None:
     from tqdm import tqdm
 
-    tqdm.write(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr)
+    tqdm.write(f"{time.strftime('%H:%M:%S')} {line}", file=terminal())
 
 
 def safe_name(job_id: str) -> str:

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantbench.core import environment, hardware
+from quantbench.core import environment, hardware, paths
 from quantbench.core.errors import UserError, check_creatable_dir
+from quantbench.core.logs import DETAIL, log_file, one_line
 from quantbench.core.resources import StageCost, StageMeter
 from quantbench.jobs import footprint
 from quantbench.jobs.footprint import Footprint
@@ -43,6 +44,8 @@ from quantbench.recipe import (
     resolve_recipe_path,
 )
 from quantbench.release import card
+from quantbench.release.verdict import Verdict
+from quantbench.release.verdict import settle as settle_verdict
 from quantbench.sources import data, models
 from quantbench.sources.shapes import Shape
 from quantbench.sources.checkpoint import (
@@ -62,6 +65,7 @@ from quantbench.speed import bench as bench_stage
 from quantbench.tracking import STAGING, TAG, Tracker, inherited_tags
 
 log = logging.getLogger(__name__)
+detail = logging.getLogger(DETAIL)  # the run's log file only: the terminal ends with the verdict
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
@@ -110,6 +114,7 @@ class JobResult:
     sample: str
     evaluation: evaluate_stage.Evaluation | None = None
     bench: bench_stage.BenchResult | None = None
+    verdict: Verdict | None = None
 
     def summary(self) -> dict:
         """The JSON summary `quantbench quantize --json` prints."""
@@ -132,7 +137,24 @@ def quantize(
     with StageMeter("prepare") as meter:
         job = prepare(recipe, overrides, experiment=experiment, outputs=outputs, strict_budget=strict_budget)
     job.prepare_cost = meter.cost
-    return execute(job, outputs=outputs, experiment=experiment)
+    result = execute(job, outputs=outputs, experiment=experiment)
+    result.verdict = settle(result.run_id, experiment)
+    return result
+
+
+def settle(run_id: str, experiment: str | None) -> Verdict | None:
+    """The run's verdict (release/verdict.py), written into the run once it has ended: its
+    description in MLflow and its report artifact. A job that finished is not failed for it."""
+    try:
+        return settle_verdict(run_id, experiment=experiment)
+    except Exception as exc:
+        log.warning("the verdict was not written into run %s: %s", run_id, one_line(exc))
+        return None
+
+
+def _log_metrics(metrics: dict[str, float]) -> None:
+    """Every metric, into the run's log file (the terminal shows the verdict; --json has them too)."""
+    detail.info("metrics:\n%s", "\n".join(f"  {k:48s} {v:.6g}" for k, v in sorted(metrics.items())))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,8 +227,15 @@ def prepare(
             )
     compute_dtype = spec.model.computes_in()
     footprint = _plan(loaded, base, backend, compute_dtype, evaluation, bench, outputs, experiment)
+    peak = footprint.peak
+    log.info(
+        "memory plan: peak %.2f GiB (%s) of %.1f GiB available; every stage's in the log",
+        peak.ram / 2**30,
+        peak.name,
+        footprint.ram_available / 2**30,
+    )
     for line in footprint.lines():
-        log.info("%s", line)
+        detail.info("%s", line)
     problems = footprint.problems(where)
     if problems:
         raise UserError(problems)
@@ -487,7 +516,7 @@ def check_base(
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        log.info(
+        detail.info(
             "scoring the base model %s once: perplexity on held-out text (in %s) against a unigram model",
             base.name,
             dtype,
@@ -516,7 +545,7 @@ def check_base(
         "version": 3,  # 3: the other BOS framing on OTHER_FRAMING_WINDOWS windows; the dtype in the key
     }
     result = verify.cached_check(key, compute)
-    log.info(
+    detail.info(
         "base model %s: perplexity %.4g; on its first windows %s with BOS, %.4g without; the check used the windows "
         "%s BOS (its tokenizer %s)",
         base.name,
@@ -556,8 +585,6 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
     """The job's run: the base scored (its baseline, when the suite has none yet), produce, reload
     check, evaluate, bench, each measured (`stage/<name>/...`) beside the plan (`plan/<name>/...`);
     one copy of the model at a time. The checkpoint is renamed into place only at the end."""
-    from quantbench.core.logs import log_file
-
     spec, loaded = job.loaded.recipe, job.loaded
     tracker = Tracker(experiment)
     with tracker.start_run(f"{loaded.name} · {models.short_name(spec.model.source)}", _candidate_tags(job)) as run:
@@ -566,6 +593,7 @@ def execute(job: Job, *, outputs: Path, experiment: str | None) -> JobResult:
         try:
             with log_file(where.log):
                 result = _stages(job, run, tracker, where, costs)
+                _log_metrics(result.metrics | costs.metrics())
         except BaseException:
             shutil.rmtree(where.staging, ignore_errors=True)
             raise
@@ -647,8 +675,11 @@ def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> Jo
     run.log_params(loaded.resolved)
     if job.footprint is not None:
         run.log_metrics(job.footprint.metrics())
-    log.info("run %s: recipe %s (%s %s), base %s", run.run_id, loaded.name, q.method, q.scheme, job.base.path)
-    log.info("computing in %s, saving in %s (%s)", job.produce_dtype, spec.model.dtype, hardware.device_line())
+    detail.info("run %s: recipe %s (%s %s), base %s", run.run_id, loaded.name, q.method, q.scheme, job.base.path)
+    # on the terminal when the device makes the job compute in another dtype than it saves (bf16 emulated here)
+    (log if job.produce_dtype != spec.model.dtype else detail).info(
+        "computing in %s, saving in %s (%s)", job.produce_dtype, spec.model.dtype, hardware.device_line()
+    )
 
     baseline = None
     if job.evaluation is not None:
@@ -664,7 +695,7 @@ def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> Jo
 
     step("reload check")
     with costs.stage("check"):
-        log.info("reloading the saved checkpoint from disk and checking it")
+        detail.info("reloading the saved checkpoint from disk and checking it")
         check = reload_check(
             where.staging,
             spec.check,
@@ -674,7 +705,7 @@ def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> Jo
             dtype=hardware.compute_dtype_of(where.staging, job.compute_dtype),
         )
         sha = weights_sha(where.staging)  # same recipe, same seed, same engine versions -> same hash
-    log.info("weights sha256 %s (%s)", sha, produced.pinned)
+    detail.info("weights sha256 %s (%s)", sha, produced.pinned)
     run.set_tags({TAG + "weights_sha": sha or "none", TAG + "deterministic": produced.pinned})
     write_info(where.staging, {**_checkpoint_info(job, run.run_id), "weights_sha": sha})
     size_mb = weights_size_mb(where.staging)
@@ -725,7 +756,7 @@ def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> Jo
     run.set_tags({TAG + "checkpoint": where.final.resolve()})
     shutil.rmtree(where.workdir, ignore_errors=True)  # done: nothing to resume
     run.log_artifact(where.final / "README.md")
-    log.info("checkpoint: %s", where.final)
+    detail.info("checkpoint: %s", where.final)  # the command says it last
     return JobResult(run.run_id, where.final, where.log, metrics, sample, evaluation, bench)
 
 
@@ -820,6 +851,7 @@ def _candidate_tags(job: Job) -> dict[str, str]:
         TAG + "loaders": job.backend.loaders(),
         TAG + "kv_cache": getattr(q, "kv_cache", None) or "none",
         TAG + "compute_dtype": job.produce_dtype,
+        TAG + "device": hardware.device_class(),  # the class its times hold for (bench/results_table.py)
         TAG + "license": job.base.license,
         TAG + "bos": data.bos_tag(job.tokenizer, data.bos_id(job.tokenizer)),  # what every window starts with
         **{TAG + k: v for k, v in environment.describe().items()},
@@ -910,6 +942,7 @@ class StageOutcome:
     bench: bench_stage.BenchResult | None = None
     extra: dict = field(default_factory=dict)
     engine_tasks: evaluate_stage.EngineTasks | None = None
+    verdict: Verdict | None = None
 
     def summary(self) -> dict:
         out = {"run_id": self.run_id, "checkpoint": str(self.checkpoint), **self.extra, "metrics": self.metrics}
@@ -981,7 +1014,7 @@ def evaluate(
     plan = evaluate_stage.prepare(loaded_suite, tokenizer)
     engine_plan = evaluate_stage.prepare_engine(engine, tgt.checkpoint, plan) if engine else None
     engine_result = None
-    with target_run(tracker, tgt, base_model, "evaluate") as run:
+    with target_run(tracker, tgt, base_model, "evaluate") as run, _run_log(run, tgt.checkpoint):
         baseline = evaluate_stage.get_baseline(tracker, base_model, plan)  # before the candidate is loaded
         model = load_model(tgt.checkpoint, dtype=hardware.compute_dtype_of(tgt.checkpoint))
         evaluation = evaluate_stage.evaluate(model, tokenizer, base_model, plan, tracker, baseline=baseline)
@@ -1003,7 +1036,10 @@ def evaluate(
                     if path.exists():
                         run.log_artifact(path, "servers")
                     shutil.rmtree(path.parent, ignore_errors=True)
-    return StageOutcome(run.run_id, tgt.checkpoint, metrics, evaluation=evaluation, engine_tasks=engine_result)
+        _log_metrics(metrics)
+    outcome = StageOutcome(run.run_id, tgt.checkpoint, metrics, evaluation=evaluation, engine_tasks=engine_result)
+    outcome.verdict = settle(run.run_id, experiment)
+    return outcome
 
 
 def bench(
@@ -1033,14 +1069,36 @@ def bench(
         base_path=base_model.path,
     )
     _plan_bench(plan, tgt.checkpoint, base_model)
-    with target_run(tracker, tgt, base_model, "bench") as run:
+    with target_run(tracker, tgt, base_model, "bench") as run, _run_log(run, tgt.checkpoint):
         result = _bench(run, tgt.checkpoint, base_model, plan)
+        _log_metrics(result.metrics)
     engine = {
         "engine": result.report["engine"],
         "engine_description": result.report["engine_description"],
         "why": result.report["why"],
     }
-    return StageOutcome(run.run_id, tgt.checkpoint, result.metrics, bench=result, extra=engine)
+    outcome = StageOutcome(run.run_id, tgt.checkpoint, result.metrics, bench=result, extra=engine)
+    outcome.verdict = settle(run.run_id, experiment)
+    return outcome
+
+
+@contextmanager
+def _run_log(run, checkpoint: Path):
+    """The run's log file for a later stage (evaluate, bench), appended: the quantize job's own
+    beside the checkpoint it wrote, else one kept in the cache (begun from the run's `<run id>.log`
+    artifact when it has one, so that re-logging it loses nothing); logged as that artifact."""
+    name = f"{run.run_id}.log"
+    path = checkpoint.parent / name
+    if not path.is_file():
+        path = paths.cache_dir() / "logs" / name
+        if not path.exists() and run.has_artifact(name):
+            run.download(name, path.parent)
+    try:
+        with log_file(path):
+            yield path
+    finally:
+        if path.exists():
+            run.log_artifact(path)
 
 
 def _plan_bench(plan: bench_stage.Plan, checkpoint: Path, base: models.ResolvedModel) -> None:

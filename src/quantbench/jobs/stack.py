@@ -54,6 +54,7 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_va
 from quantbench import engines
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.intervals import HIGH, LOW, ratio_interval
+from quantbench.core.logs import terminal
 from quantbench.recipe import DEFAULT_MODEL, CheckedFile, Strict, check_file, named_path, resolve_recipe_path
 from quantbench.sources.checkpoint import RUN_ID
 from quantbench.tracking import TAG, Tracker, tracking_uri
@@ -797,7 +798,7 @@ def measure(
             measurers[i] = openai_measurer(
                 url, model_name, tokenizer, profile, server_pid=pid, engine=engine, prefix_cache=config.prefix_cache
             )
-        with tqdm(total=rounds * len(steps), desc="stack", unit="step") as bar:
+        with tqdm(total=rounds * len(steps), desc="stack", unit="step", file=terminal()) as bar:
             for rnd in range(rounds):
                 for i, result in enumerate(results):
                     bar.update(1)

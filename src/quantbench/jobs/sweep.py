@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import sys
 import threading
 import time
 from dataclasses import asdict, replace
@@ -33,6 +32,7 @@ from pydantic import Field, PositiveInt
 from quantbench.core import tables
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.files import atomic_write
+from quantbench.core.logs import terminal
 from quantbench.jobs.executor import HISTORY, Executor, Job, Limits, Runner
 from quantbench.recipe import (
     CheckedFile,
@@ -253,7 +253,7 @@ def run(
                 on_change=lambda: state.save(jobs),
                 say=tqdm_write,
             )
-            bar = tqdm(total=len(todo), desc=f"sweep {name}", unit="job", file=sys.stderr)
+            bar = tqdm(total=len(todo), desc=f"sweep {name}", unit="job", file=terminal())
             threading.Thread(target=_preload, name="preload", daemon=True).start()
             try:
                 runner.run(todo, on_end=lambda job: bar.update(1))
@@ -289,7 +289,7 @@ def _preload() -> None:
 def tqdm_write(line: str) -> None:
     from tqdm import tqdm
 
-    tqdm.write(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr)
+    tqdm.write(f"{time.strftime('%H:%M:%S')} {line}", file=terminal())
 
 
 def _reap_stale_runs(tracker: Tracker, name: str) -> None:

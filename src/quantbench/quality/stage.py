@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantbench import engines
+from quantbench.core.logs import DETAIL
 from quantbench.core import hardware, intervals, paths
 from quantbench.core.upcast import float32_compute
 from quantbench.core.errors import UserError
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from quantbench.engines import ServingEngine
 
 log = logging.getLogger(__name__)
+detail = logging.getLogger(DETAIL)  # the run's log file only: its bars show the progress
 
 REFERENCE = "baseline/reference.safetensors"
 REFERENCE_OOD = "baseline/reference_ood.safetensors"
@@ -157,19 +159,19 @@ def evaluate(
     started = time.perf_counter()
     baseline = baseline or get_baseline(tracker, base, p)
     baseline_s = time.perf_counter() - started
-    log.info("evaluate: quality pass over %d held-out tokens", len(p.token_ids))
+    detail.info("evaluate: quality pass over %d held-out tokens", len(p.token_ids))
     comparison = compare(model, p.token_ids, spec.window, baseline.reference, spec.batch_size)
     metrics = comparison.metrics()
     if spec.position_buckets:
         metrics.update(comparison.by_position(spec.position_buckets))
     ood = None
     if p.ood_ids is not None:
-        log.info("evaluate: quality pass over %d out-of-domain tokens (%s)", len(p.ood_ids), spec.ood_text)
+        detail.info("evaluate: quality pass over %d out-of-domain tokens (%s)", len(p.ood_ids), spec.ood_text)
         ood = compare(model, p.ood_ids, spec.window, baseline.reference_ood, spec.batch_size)
         metrics.update(ood.metrics("quality_ood/"))
         if spec.position_buckets:
             metrics.update(ood.by_position(spec.position_buckets, "quality_ood/"))
-    log.info("evaluate: tasks %s", ", ".join(spec.tasks))
+    detail.info("evaluate: tasks %s", ", ".join(spec.tasks))
     tasks = run_tasks(model, tokenizer, spec.tasks, p.tasks_dir, limit=spec.task_limit, batch_size=spec.task_batch_size)
     metrics.update(tasks.metrics)
     metrics.update(flips(baseline.correct, tasks.correct))
@@ -179,7 +181,7 @@ def evaluate(
     interval_s = time.perf_counter() - before
     metrics.update(bounds)
     for note in notes:
-        log.info("evaluate: no interval for %s", note)
+        detail.info("evaluate: no interval for %s", note)  # the verdict says it where a policy needs one
     tags = {
         TAG + "baseline_run": baseline.run_id,
         TAG + "suite": p.suite.name,

@@ -28,8 +28,11 @@ from pathlib import Path
 
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.files import write_if_changed
+from quantbench.core.logs import relay
 
 log = logging.getLogger(__name__)
+# lm-eval's bar over a task's requests is the longest wait of an evaluation: shown as one bar of ours
+relay(r"Running \w+ requests:.*?\| *(\d+)/(\d+) \[", "tasks (lm-eval)", "request")
 
 OFFLINE_TASKS = ("qb_pydoc_lastword", "qb_pydoc_continuation")
 SUITE_VERSION = "1"  # bump when the generated items change

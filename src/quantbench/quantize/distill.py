@@ -23,6 +23,7 @@ import torch
 import transformers
 
 from quantbench.core.errors import UserError
+from quantbench.core.logs import relay
 from quantbench.quantize import Inputs, Produced
 from quantbench.recipe import DistillSpec, short
 from quantbench.sources import data, models
@@ -30,6 +31,8 @@ from quantbench.sources.checkpoint import vocab_mismatch
 from quantbench.tracking import TAG
 
 log = logging.getLogger(__name__)
+# the Trainer's bar (no description: "45%|####  | 81/180 [07:12<08:48]") is the training's progress: one bar of ours
+relay(r"^\s*\d+%\|[^|]*\| *(\d+)/(\d+) \[", "distill (steps)", "step")
 
 PREFIX = "distill/"  # MLflow metric prefix of the training curves
 

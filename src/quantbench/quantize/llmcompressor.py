@@ -17,7 +17,8 @@ from pathlib import Path
 # Compressing model on CPU instead" once per layer). Imported with stdout on stderr (nothing reaches
 # stdout), then that sink is replaced by one that writes warnings only, to whatever sys.stderr is
 # when a line is written (a sink bound to the stream of the import's moment wrote into a closed test
-# capture later, a "Logging error" traceback); its INFO lines go to the run's log file (core.logs).
+# capture later, a "Logging error" traceback), and only translates them while a command keeps the
+# console quiet; its lines go to the run's log file (core.logs).
 with redirect_stdout(sys.stderr):
     import llmcompressor  # noqa: F401
 import torch
@@ -25,6 +26,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from llmcompressor.logger import support_log_once
 from loguru import logger as _loguru
 
+from quantbench.core import logs
 from quantbench.quantize import Inputs, ProduceFootprint, Produced, calibration_card, group_size_problem
 from quantbench.recipe import (
     AutoRoundSpec,
@@ -42,10 +44,26 @@ log = logging.getLogger(__name__)
 
 _loguru.remove()
 _loguru.add(
-    lambda message: sys.stderr.write(message),
+    logs.library_sink,
     level="WARNING",
     format="{time:HH:mm:ss} llm-compressor {level}: {message}",
     filter=support_log_once,
+)
+# Its sequential pipeline draws two bars per layer ("(3/31): Calibrating", "Propagating"): one bar of ours instead
+logs.relay(r"\((\d+)/(\d+)\): Calibrating", "produce (layers)", "layer")
+# What of llm-compressor's warnings changes what the user gets, said once in our words
+logs.translate(
+    r"(\d+) mappings were skipped due to incompatible shapes",
+    "AWQ skipped {0} layer mappings whose shapes do not match (e.g. grouped-query attention's v_proj -> o_proj): "
+    "those layers are quantized without AWQ's scaling",
+)
+logs.translate(
+    r"Skipping smooth_layer (\S+), NaN or inf outputs",
+    "AWQ left {0} unscaled: its outputs were NaN or inf on the calibration data",
+)
+logs.translate(
+    r"Skipping (\S+) for mapping .* because (no balance layers were found|no layers are targeted)",
+    "AWQ skipped the mapping at {0}: {1}",
 )
 
 MIXED = (GPTQSpec, RTNSpec, AutoRoundSpec, SpinQuantSpec)  # the specs with `layers:`

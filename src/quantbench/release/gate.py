@@ -45,6 +45,8 @@ Stage = Literal["quantize", "evaluate", "bench"]
 STAGE_EVIDENCE = {"quantize": "quantize/wall_s", "evaluate": "quality/kld_mean", "bench": "speedup/decode_tok_s"}
 NAME_FIELDS = ("base_model", "recipe", "method", "scheme")
 SPEED_FAMILIES = ("speedup/", "speed/", "base_speed/")
+# The note of a check whose limit holds an end of an interval the run did not log (missing_interval="fail")
+NO_INTERVAL = "logged without its 95 % interval"
 
 
 class Register(Strict):
@@ -210,10 +212,13 @@ def evaluate_policy(
     metrics: dict[str, float],
     stored: bool = False,
     run_id: str = "<run id>",
+    missing_interval: Literal["raise", "fail"] = "raise",
 ) -> list[Check]:
     """Every check of the policy on one run's raw values; none is skipped when an earlier fails.
     `stored`: the run has its checkpoint as an artifact (so it need not be on this machine). A speed
-    check that fails on figures a busy machine measured is unmeasurable, not slower."""
+    check that fails on figures a busy machine measured is unmeasurable, not slower. A limit on an
+    interval the run did not log raises MissingInterval (the gate: bad input), or with
+    `missing_interval="fail"` is a failed check that says so (the verdict)."""
     checks = [Check("run status", status, "FINISHED", status == "FINISHED")]
     for stage in policy.stages:
         evidence = STAGE_EVIDENCE[stage]
@@ -232,7 +237,7 @@ def evaluate_policy(
         license_ = tags.get(TAG + "license", "unknown")
         allowed = [x.lower() for x in policy.licenses]
         checks.append(Check("licence", license_, " | ".join(policy.licenses), license_.lower() in allowed))
-    limits = _metric_checks(policy, metrics)  # recovery first, then min, then max
+    limits = _metric_checks(policy, metrics, missing_interval=missing_interval)  # recovery first, then min, then max
     served = catalogue.serving(tags)
     for check in limits:
         speed = check.check.startswith(SPEED_FAMILIES) and check.value is not None
@@ -264,12 +269,16 @@ def evaluate_policy(
     return checks
 
 
-def _metric_checks(policy: Policy, metrics: dict[str, float], skip: tuple[str, ...] = ()) -> list[Check]:
+def _metric_checks(
+    policy: Policy, metrics: dict[str, float], skip: tuple[str, ...] = (), missing_interval: str = "raise"
+) -> list[Check]:
     """The policy's recovery, min and max limits held against a run's metrics, leaving out the
     metrics whose names start with one of `skip`."""
-    checks = [_bound(f"recovery/{k}", metrics, _limit(t), ">=") for k, t in policy.recovery.items()]
+    checks = [_bound(f"recovery/{k}", metrics, _limit(t), ">=", missing_interval) for k, t in policy.recovery.items()]
     for op, limits in ((">=", policy.min), ("<=", policy.max)):
-        checks += [_bound(k, metrics, _limit(t), op) for k, t in limits.items() if not k.startswith(skip)]
+        checks += [
+            _bound(k, metrics, _limit(t), op, missing_interval) for k, t in limits.items() if not k.startswith(skip)
+        ]
     return checks
 
 
@@ -283,7 +292,7 @@ class MissingInterval(Exception):
     """A check holds an interval's end to its limit, and the run logged the metric without one."""
 
 
-def _bound(key: str, metrics: dict[str, float], limit: Bound, op: str) -> Check:
+def _bound(key: str, metrics: dict[str, float], limit: Bound, op: str, missing_interval: str = "raise") -> Check:
     value = metrics.get(key)
     low, high = intervals.interval_of(metrics, key) or (None, None)
     shown = f"{op} {limit.value}" if limit.on == "value" else f"{limit.on} {op} {limit.value}"
@@ -291,6 +300,8 @@ def _bound(key: str, metrics: dict[str, float], limit: Bound, op: str) -> Check:
         return Check(key, None, shown, False, "not logged in this run", on=limit.on)
     held = value if limit.on == "value" else {"ci_low": low, "ci_high": high}[limit.on]
     if held is None:
+        if missing_interval == "fail":
+            return Check(key, value, shown, False, f"{NO_INTERVAL}: the policy holds its {limit.on}", on=limit.on)
         raise MissingInterval(key)
     passed = held >= limit.value if op == ">=" else held <= limit.value
     return Check(key, value, shown, passed, ci_low=low, ci_high=high, on=limit.on)
@@ -311,12 +322,13 @@ def table(checks: list[Check]) -> str:
     return tables.table(["check", "value", "95% interval", "threshold", "result"], rows, "lrrrl")
 
 
-def text(report: dict) -> str:
-    """What `quantbench gate` prints: the verdict, every check, what moved in the registry."""
+def text(report: dict, body: str | None = None) -> str:
+    """What `quantbench gate` prints: the verdict, every check (`body`: the run's verdict table,
+    which holds them all; else the checks' own table), what moved in the registry."""
     checks = [Check(**c) for c in report["checks"]]
     lines = [
         f"gate {report['policy']} on run {report['run_id']} ({report['run_name']}): {'PASS' if report['passed'] else 'FAIL'}",
-        table(checks),
+        body if body is not None else table(checks),
     ]
     registered = report["registered"]
     if registered:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from quantbench import engines
-from quantbench.core import environment, intervals
+from quantbench.core import environment, hardware, intervals
 from quantbench.core.busy import Busy, BusyWatch
 from quantbench.core.errors import UserError
 from quantbench.engines import ServerSettings, ServingEngine
@@ -205,6 +205,7 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
         TAG + "bench_server": plan.engine.tag_name,
         TAG + "bench_engine": engine,
         TAG + "bench_base_dtype": base_dtype,
+        TAG + "bench_device": hardware.device_class(),  # speed holds for this class of machine (the verdict says it)
     }
     logs: list[Path] = []
     served: dict[str, tuple[str, str]] = {}

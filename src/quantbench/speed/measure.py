@@ -36,6 +36,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, ValidationInfo, field_va
 
 from quantbench.core.errors import UserError
 from quantbench.core.intervals import pct
+from quantbench.core.logs import terminal
 from quantbench.core.processes import PeakRSS
 from quantbench.recipe import Strict, load_named
 
@@ -376,7 +377,7 @@ def bench_pair(
         order = [(rep, name) for name in ("candidate", "base") for rep in range(reps)]
     else:
         order = [(rep, name) for rep in range(reps) for name in ("candidate", "base")]  # A B A B
-    with tqdm(total=total, desc="bench", unit="run") as bar:
+    with tqdm(total=total, desc="bench", unit="run", file=terminal()) as bar:
         for rep, name in order:
             if sweep is not None and profile.sweep and rep == profile.warmup and name == "candidate":
                 sweep.rates = sweep_rates(

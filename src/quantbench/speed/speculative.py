@@ -24,6 +24,7 @@ from pathlib import Path
 
 from quantbench.core import environment
 from quantbench.core.errors import UserError
+from quantbench.core.logs import terminal
 from quantbench.sources import data, models
 from quantbench.sources.checkpoint import vocab_mismatch
 from quantbench.speed.measure import Profile, load_profile, prompts
@@ -128,7 +129,7 @@ def measure(target, draft, rows: list[list[int]], new_tokens: int, warmup: int) 
         "target_steps": 0,
         "same_tokens": True,
     }
-    for index, row in enumerate(tqdm(rows, desc="speculative", unit="prompt")):
+    for index, row in enumerate(tqdm(rows, desc="speculative", unit="prompt", file=terminal())):
         batch = torch.tensor([row])
         alone, alone_s = _generate(target, batch, new_tokens)
         with _count_forwards(target) as target_steps, _count_forwards(draft) as proposed:

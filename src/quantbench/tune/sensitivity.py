@@ -43,6 +43,7 @@ import torch
 
 from quantbench.core.errors import UserError
 from quantbench.core.files import canonical_sha
+from quantbench.core.logs import terminal
 from quantbench.recipe import schemes
 from quantbench.sources import data
 from quantbench.tracking import TAG, Tracker
@@ -483,7 +484,7 @@ def _measured(model, modules, ids, units, scheme_list, rounding=None) -> tuple[l
     del base, base_lp
     table: list[list[float | None]] = []
     work = sum(1 for u in units for s in scheme_list if s.quantized and s.fits(u.in_features))
-    bar = tqdm(total=work, desc="sensitivity", unit="eval", leave=False)
+    bar = tqdm(total=work, desc="sensitivity", unit="eval", leave=False, file=terminal())
     for unit in units:
         row: list[float | None] = []
         for scheme in scheme_list:
@@ -537,7 +538,7 @@ def _fisher(model, modules, ids, units, scheme_list, rounding=None) -> list[list
             hooks.append(modules[unit.layers[0]].register_forward_pre_hook(keep))
     generator = torch.Generator().manual_seed(0)
     try:
-        for row in tqdm(ids, desc="sensitivity (fisher)", unit="window", leave=False):
+        for row in tqdm(ids, desc="sensitivity (fisher)", unit="window", leave=False, file=terminal()):
             inputs.clear()
             grads.clear()
             logits = model(input_ids=row[None]).logits[0, :-1].float()
