@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -107,7 +108,7 @@ def main() -> int:
     args = ap.parse_args()
     stores = args.store or [os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO / 'mlflow.db'}"]
 
-    newest: dict[tuple[str, str], object] = {}
+    newest: dict[tuple[str, str], Any] = {}  # an MLflow Run
     names = set(shipped())
     for uri in stores:
         for run in candidate_runs(uri, args.suite, args.model):

@@ -19,7 +19,7 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -189,7 +189,7 @@ class _Tail:
 
     def __init__(self, fd: int):
         self.fd, self.offset, self.partial = fd, 0, b""
-        self.bar = None  # our bar relaying a library's (relay), and its description
+        self.bar: Any = None  # our bar relaying a library's (relay), and its description
         self.bar_desc = ""
         self.relayed: tuple | None = None  # the last state relayed: a bar's text is seen again on every poll
         self.lock = threading.Lock()
@@ -240,8 +240,9 @@ class _Tail:
                 # position 0: the library's own bars (drawn into the log) must not push ours down a line
                 self.bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=terminal(), position=0)
                 self.bar_desc = desc
-            self.bar.update(max(0, done - self.bar.n))
-            if self.bar.n >= total:
+            bar = self.bar
+            bar.update(max(0, done - bar.n))
+            if bar.n >= total:
                 self.close_bar()
             return
 
