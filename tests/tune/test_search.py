@@ -147,9 +147,36 @@ def children(summary: dict) -> dict:
             and r.data.tags.get("quantbench.role") == "candidate"}
 
 
+_STARTED: list[subprocess.Popen] = []  # tunes started by a test, and the jobs it stopped: undone after it
+_STOPPED: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_stopped():
+    """A test that fails between a SIGSTOP and its SIGCONT must not leave a stopped job, and its tune
+    waiting on it, behind."""
+    yield
+    for pid in _STOPPED:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    for proc in _STARTED:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _STOPPED.clear()
+    _STARTED.clear()
+
+
 def start(workdir: Path, policy: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "quantbench", *tune_args(policy, "--budget-runs", "2")], cwd=workdir,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy())
+    return _started(subprocess.Popen([sys.executable, "-m", "quantbench", *tune_args(policy, "--budget-runs", "2")], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy()))
+
+
+def _started(proc: subprocess.Popen) -> subprocess.Popen:
+    _STARTED.append(proc)
+    return proc
 
 
 def alive(pid: int) -> bool:
@@ -172,6 +199,7 @@ def hold_a_running_candidate(proc: subprocess.Popen, timeout: float = 180) -> in
             if r.info.status != "RUNNING" or r.data.tags.get("quantbench.role") != "candidate" or r.info.run_id in let_go:
                 continue
             pid = int(r.data.tags["quantbench.owner"].split()[1])
+            _STOPPED.append(pid)
             os.kill(pid, signal.SIGSTOP)
             try:
                 now = next(x for x in runs() if x.info.run_id == r.info.run_id)
