@@ -56,9 +56,12 @@ def sigterm_interrupts():
 
     from quantbench.core.processes import interrupt
 
+    from quantbench.core.processes import forget_signals
+
     previous = signal.signal(signal.SIGTERM, interrupt)
     yield
     signal.signal(signal.SIGTERM, previous)
+    forget_signals()
 
 
 def sigterm_self() -> None:
@@ -113,6 +116,37 @@ def test_an_interrupt_while_the_run_is_ended_still_ends_it(workdir, sigterm_inte
 
             run.client.set_terminated = signalled_then_terminate
     assert runs()[0].info.status == "FINISHED"  # the work was done; the command stops after it
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_signal_whose_interrupt_a_finalizer_swallowed_still_kills_the_run(workdir, sigterm_interrupts):
+    """Python runs the handler wherever the main thread is: in a finalizer that gc.collect() runs, the
+    KeyboardInterrupt is printed as "Exception ignored" and dropped, and the work goes on. The run
+    still ends KILLED, with the signal named, and the command stops."""
+    import gc
+
+    from quantbench.core.processes import raise_if_signalled
+
+    class Finalized:
+        def __del__(self):
+            sigterm_self()  # the handler runs inside this finalizer
+
+    def lose_an_interrupt() -> None:
+        cycle = Finalized()
+        cycle.me = cycle  # only the collector frees it
+        del cycle
+        gc.collect()
+
+    went_on = False
+    with pytest.raises(KeyboardInterrupt):
+        with Tracker().start_run("r", {}):
+            lose_an_interrupt()
+            went_on = True  # the interrupt was lost (pytest keeps the "Exception ignored" as a warning)
+    assert went_on
+    [found] = runs()
+    assert found.info.status == "KILLED" and found.data.tags["quantbench.error"] == "KeyboardInterrupt: signal 15"
+    with pytest.raises(KeyboardInterrupt):
+        raise_if_signalled()  # what a job checks between stages
 
 
 def test_default_store_is_sqlite_in_the_working_dir(workdir, monkeypatch):

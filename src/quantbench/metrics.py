@@ -216,6 +216,7 @@ TAGS: dict[str, str] = {
     "quantbench.loaders": "which runtimes load the format, with the writer's version",
     "quantbench.kv_cache": "fp8 when the checkpoint carries FP8 KV-cache scales, else none",
     "quantbench.compute_dtype": "the dtype the job computed in (model.compute_dtype resolved on this device)",
+    "quantbench.device": "the device class the job ran on (CPU AVX512-BF16, 2 cores, or the GPU): times hold for it; bench/results_table.py groups the current figures by it",
     "quantbench.base_model": "the base model's source as the recipe named it",
     "quantbench.base_fingerprint": "sha256 over the base model's config and weights",
     "quantbench.license": "the base model's licence",

@@ -266,10 +266,14 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        from quantbench.core.processes import interrupted, interrupts_held
+        from quantbench.core.processes import interrupted, interrupts_held, signal_received
 
         with interrupts_held() as held:  # a second Ctrl-C must not leave the run RUNNING
-            if exc_type is None:
+            if exc_type is None and signal_received() is not None:  # its KeyboardInterrupt was lost
+                held.append(signal_received())
+                self.client.set_tag(self.run_id, TAG + "error", f"KeyboardInterrupt: signal {held[0]}")
+                self.client.set_terminated(self.run_id, "KILLED")
+            elif exc_type is None:
                 self.client.set_terminated(self.run_id, "FINISHED")
             else:
                 status = "KILLED" if interrupted(exc) else "FAILED"

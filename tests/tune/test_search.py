@@ -247,11 +247,15 @@ def test_interrupted_then_resumed_search_measures_names_and_reuses(setup, capsys
     by_role = {}
     for r in runs():
         by_role.setdefault(r.data.tags.get("quantbench.role"), []).append(r)
-    # the candidate running at the signal is KILLED; an earlier one may have finished first
+    # the candidate running at the signal is KILLED (also when its KeyboardInterrupt landed in a finalizer
+    # the garbage collector ran, which drops it: one job in five, held on gc.collect(), finished its run
+    # before core/processes.py checked for that); an earlier one may have finished first
     assert [r.info.status for r in by_role["tune"]] == ["KILLED"]
-    assert sorted(r.info.status for r in by_role["candidate"]) in (["KILLED"], ["FINISHED", "KILLED"])
+    statuses = sorted(r.info.status for r in by_role["candidate"])
+    assert statuses in (["KILLED"], ["FINISHED", "KILLED"]), statuses
     assert [r.info.status for r in by_role["sensitivity"]] == ["FINISHED"]
-    assert not list((setup / "outputs").glob("tiny-rtn-mixed-*/*/config.json"))  # no checkpoint left
+    left = {p.parent.name for p in (setup / "outputs").glob("tiny-rtn-mixed-*/*/config.json")}
+    assert left == {r.info.run_id for r in by_role["candidate"] if r.info.status == "FINISHED"}  # no other checkpoint
 
     proc = start(setup, "mid")  # again, and this time SIGKILL: the job dies with it, the next command reaps
     owners = [hold_a_running_candidate(proc)]
@@ -323,10 +327,7 @@ def test_interrupted_then_resumed_search_measures_names_and_reuses(setup, capsys
     assert [c["status"] for c in again["candidates"]] == ["reused", "reused"]
     assert [c["run_id"] for c in again["candidates"]] == [c["run_id"] for c in cands]
     assert len(children(summary)) == 2 + len(killed_candidates)  # the two it measured, those interrupted
-    # the SIGTERM's run is KILLED; the SIGKILL's job meets its PDEATHSIG mid-run and almost always ends
-    # KILLED too, but one run in five here finished its candidate instead (cause not found): either way
-    # nothing is RUNNING and the resumed tune reused it
-    assert len(killed_candidates) >= 1
+    assert len(killed_candidates) >= 2  # one per signal (the SIGKILL's job meets its PDEATHSIG mid-run)
     assert not [r for r in runs() if r.info.status == "RUNNING"]
 
 

@@ -35,13 +35,14 @@ def run_stage(name: str, fn, *args, **kwargs) -> Any | None:
     """Run a stage that owns an MLflow run; None (exit 1) if it failed after starting."""
     import signal
 
-    from quantbench.core.processes import interrupt, interrupted
+    from quantbench.core.processes import forget_signals, interrupt, interrupted
 
     # `kill` (a timeout, a scheduler) ends a stage like Ctrl-C: its MLflow run is marked KILLED
     # and any staging directory removed, never left RUNNING (not even when the signal comes while
     # the run is being created or ended: tracking holds it back for that moment).
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
+    forget_signals()  # what counts is what comes from here on
     try:
         # libraries' own output (bars, warnings, prints) to the run's log file, ours to the terminal
         with quiet():

@@ -14,15 +14,37 @@ from contextlib import contextmanager
 from pathlib import Path
 
 _held: list[int] | None = None  # signals that arrived while interrupts were held
+_received: list[int] = []  # every signal `interrupt` handled in this process
 
 
 def interrupt(signum, frame) -> None:
     """The handler for SIGINT and SIGTERM in a command that owns runs: KeyboardInterrupt, so the
     run is marked KILLED and staging removed; inside `interrupts_held()`, noted for later."""
+    _received.append(signum)
     if _held is not None:
         _held.append(signum)
         return
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def signal_received() -> int | None:
+    """The first SIGINT or SIGTERM `interrupt` handled in this process, if any. Its KeyboardInterrupt
+    can be lost: Python runs a handler wherever the main thread is, and one that lands in a finalizer
+    the garbage collector runs (a `__del__`, a weakref callback) is printed as "Exception ignored" and
+    dropped; a job held on gc.collect() ran its run to FINISHED that way. Checked where a run ends
+    and between stages (`raise_if_signalled`)."""
+    return _received[0] if _received else None
+
+
+def forget_signals() -> None:
+    """A new command in this process (the CLI's run_stage; a test): earlier signals no longer count."""
+    _received.clear()
+
+
+def raise_if_signalled() -> None:
+    """KeyboardInterrupt if a signal came whose KeyboardInterrupt did not end the command."""
+    if _received:
+        raise KeyboardInterrupt(f"signal {_received[0]}")
 
 
 def interrupted(exc: BaseException | None) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 from quantbench.core import environment, hardware, paths
 from quantbench.core.errors import UserError, check_creatable_dir
 from quantbench.core.logs import DETAIL, log_file, one_line
+from quantbench.core.processes import raise_if_signalled
 from quantbench.core.resources import StageCost, StageMeter
 from quantbench.jobs import footprint
 from quantbench.jobs.footprint import Footprint
@@ -643,6 +644,7 @@ class _Costs:
         import gc
 
         gc.collect()  # what the stage before let go is gone before this one is measured
+        raise_if_signalled()  # a signal whose KeyboardInterrupt a finalizer run by the collection swallowed
         meter = StageMeter(name, directories)
         try:
             with meter:
@@ -752,6 +754,7 @@ def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> Jo
 
     if run.shares_artifacts:  # a tracking server's artifact store: other machines fetch it from there
         upload_checkpoint(run, where.staging)
+    raise_if_signalled()  # not in place for a run that a lost KeyboardInterrupt would end FINISHED
     where.staging.rename(where.final)
     run.set_tags({TAG + "checkpoint": where.final.resolve()})
     shutil.rmtree(where.workdir, ignore_errors=True)  # done: nothing to resume

@@ -190,7 +190,7 @@ def _size_row(metrics: dict, checks: dict[str, Check]) -> Row | None:
 def _engine(tags: dict[str, str]) -> str:
     """The engine speed was measured through and the device it ran on (the class decides the
     kernels); the engine in full, with its version, is the run's tag bench_engine."""
-    where = tags.get(TAG + "bench_device") or tags.get(TAG + "cpu", "")
+    where = tags.get(TAG + "bench_device") or tags.get(TAG + "device", "")
     return tags.get(TAG + "bench_server", "?") + (f" · {where}" if where else "")
 
 
