@@ -63,20 +63,6 @@ def run_stage(name: str, fn, *args, **kwargs) -> Any | None:
         return None
 
 
-def settled(run_id: str, **kwargs):
-    """The run's verdict written into it (release/verdict.settle); None, with a warning, when it
-    could not be: the command that scored has done its work either way."""
-    from quantbench.release import verdict
-
-    try:
-        return verdict.settle(run_id, **kwargs)
-    except UserError:
-        raise
-    except Exception as exc:
-        log.warning("the verdict was not written into run %s: %s", run_id, one_line(exc))
-        return None
-
-
 def verdict_text(found, gated: bool = False) -> str:
     """The verdict's screen (release/verdict.py), or a line saying why there is none."""
     return found.text(gated) if found is not None else "verdict: not written (the warning above says why)"

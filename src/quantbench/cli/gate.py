@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quantbench.cli.common import common, print_json, run_stage, settled
+from quantbench.cli.common import common, print_json, run_stage
 
 
 def add_parser(sub) -> None:
@@ -22,12 +22,13 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from quantbench.jobs.pipeline import settle
     from quantbench.release import gate
 
     result = run_stage("gate", gate.run, args.run_id, args.policy, experiment=args.experiment)
     if result is None:
         return 1
-    found = settled(args.run_id, policy=args.policy, experiment=args.experiment, gated=True)
+    found = settle(args.run_id, args.experiment, policy=args.policy, gated=True)
     print(gate.text(result, found.text(gated=True) if found is not None else None))
     print_json(args, result)
     return 0 if result["passed"] else 1

@@ -143,11 +143,12 @@ def quantize(
     return result
 
 
-def settle(run_id: str, experiment: str | None) -> Verdict | None:
-    """The run's verdict (release/verdict.py), written into the run once it has ended: its
-    description in MLflow and its report artifact. A job that finished is not failed for it."""
+def settle(run_id: str, experiment: str | None, **kwargs) -> Verdict | None:
+    """The run's verdict (release/verdict.py; `kwargs`: its policy, gated), written into the run once
+    it has ended: its description in MLflow and its report artifact. A command that did its work is
+    not failed for it: None, with a warning."""
     try:
-        return settle_verdict(run_id, experiment=experiment)
+        return settle_verdict(run_id, experiment=experiment, **kwargs)
     except Exception as exc:
         log.warning("the verdict was not written into run %s: %s", run_id, one_line(exc))
         return None

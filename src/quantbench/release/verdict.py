@@ -330,13 +330,12 @@ def load_policy(name: str | None) -> tuple[LoadedPolicy | None, str]:
 def of_run(run_id: str, *, policy: str | None = None, experiment: str | None = None, gated: bool = False) -> Verdict:
     """The verdict of a run as the store has it now."""
     loaded, problem = load_policy(policy)
-    run = Tracker(experiment, reap=False).get(run_id)
+    tracker = Tracker(experiment, reap=False)
+    run = tracker.get(run_id)
     stored = False
     if loaded is not None and (TAG + "checkpoint") in run.data.tags:
         on_disk = (Path(run.data.tags[TAG + "checkpoint"]) / "config.json").is_file()
-        stored = not on_disk and Tracker(experiment, reap=False).existing(run_id).has_artifact(
-            f"{ARTIFACT}/config.json"
-        )
+        stored = not on_disk and tracker.existing(run_id).has_artifact(f"{ARTIFACT}/config.json")
     return build(
         run_id,
         run.info.status,
