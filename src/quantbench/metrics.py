@@ -195,6 +195,7 @@ PATTERNS = (
     "stage/<stage>/peak_rss_mb",
     "stage/<stage>/disk_mb",
     "stage/<stage>/temp_disk_mb",
+    "stage/<stage>/peak_file_mb",
     "plan/<stage>/peak_rss_mb",
     "plan/<stage>/disk_mb",
     "plan/<stage>/temp_disk_mb",

@@ -11,6 +11,7 @@ from quantbench.recipe import schemes
 from quantbench.release.gate import Bound
 from quantbench.tune import allocate
 from quantbench.tune import search as tune
+from quantbench.tune.patterns import targets
 from quantbench.tune.sensitivity import Sensitivity, Settings, Unit
 
 
@@ -88,7 +89,7 @@ def test_compact_targets_select_exactly_the_layers_they_were_made_from():
              ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj")]
     chosen = [n for n in names if n.endswith("down_proj") and int(n.split(".")[2]) in (1, 10)] + \
              [n for n in names if ".2.self_attn." in n and not n.endswith("o_proj")]
-    patterns = tune.targets(chosen)
+    patterns = targets(chosen)
     assert len(patterns) == 2  # down_proj in blocks 1 and 10; q, k and v of block 2 in one pattern
     assigned = schemes.assign(names, "W4A16-G64", {"W8A8": patterns}, [])
     assert sorted(n for n, s in assigned.items() if s == "W8A8") == sorted(chosen)  # block 1 is not block 10 or 11

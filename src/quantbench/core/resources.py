@@ -6,7 +6,10 @@ Peak memory is the resident set of this process and every descendant (a converte
 a server) summed, sampled every 0.2 s: what the kernel counts when it decides to kill a job. Disk
 written is the growth of the directories a stage writes into (its staging directory, its work
 directory); temporary disk is the peak size of what it made under the temporary directory and in
-those directories, above what stayed.
+those directories, above what stayed. The peak's file-backed part (pages of files the processes
+map, e.g. a safetensors checkpoint read lazily) is recorded beside it: the kernel can drop those
+pages under pressure instead of killing, but a stage that still reads them then re-reads them from
+disk at every pass (what a thrashing job looks like).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class StageCost:
     peak_rss_mb: float
     disk_mb: float  # what the stage left in its directories
     temp_disk_mb: float  # the peak of what it held on disk meanwhile beyond that
+    peak_file_mb: float = 0.0  # of peak_rss_mb, the pages mapped from files (at that sample)
 
     def metrics(self) -> dict[str, float]:
         prefix = f"stage/{self.name}/"
@@ -53,6 +57,7 @@ class StageCost:
             prefix + "peak_rss_mb": self.peak_rss_mb,
             prefix + "disk_mb": self.disk_mb,
             prefix + "temp_disk_mb": self.temp_disk_mb,
+            prefix + "peak_file_mb": self.peak_file_mb,
         }
 
 
@@ -65,7 +70,7 @@ class StageMeter:
         self.every_s = every_s
         self.cost: StageCost | None = None
         self._stop = threading.Event()
-        self._peak_rss = 0
+        self._peak_rss = self._peak_file = 0
         self._peak_disk = 0
         self._thread = threading.Thread(target=self._loop, name=f"meter-{name}", daemon=True)
 
@@ -103,13 +108,16 @@ class StageMeter:
             processes = [self._me, *self._me.children(recursive=True)]
         except psutil.Error:
             processes = [self._me]
-        rss = 0
+        rss = file = 0
         for proc in processes:
             try:
-                rss += proc.memory_info().rss
+                info = proc.memory_info()
             except psutil.Error:  # ended between the listing and the reading
-                pass
-        self._peak_rss = max(self._peak_rss, rss)
+                continue
+            rss += info.rss
+            file += getattr(info, "shared", 0)  # Linux: RssFile + RssShmem
+        if rss > self._peak_rss:
+            self._peak_rss, self._peak_file = rss, file
         if disk:
             held = sum(tree_size(d) for d in self.directories) - self._disk_before + self._new_tmp_size()
             self._peak_disk = max(self._peak_disk, held)
@@ -125,4 +133,20 @@ class StageMeter:
             self._peak_rss / MB,
             written / MB,
             max(0, self._peak_disk - written) / MB,
+            self._peak_file / MB,
         )
+
+
+def release_freed_memory() -> None:
+    """Collect Python's garbage, then hand the C heap's free pages back to the system (glibc's
+    malloc_trim): tensors below glibc's mmap threshold (which grows to 32 MiB as large blocks are
+    freed) live in its arenas, and without a trim a calibrating method's freed activations stay in
+    the process's resident memory through every later stage. No-op where the C library has no trim."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -32,7 +32,7 @@ from quantbench.core import environment, hardware, paths
 from quantbench.core.errors import UserError, check_creatable_dir
 from quantbench.core.logs import DETAIL, log_file, one_line
 from quantbench.core.processes import raise_if_signalled
-from quantbench.core.resources import StageCost, StageMeter
+from quantbench.core.resources import StageCost, StageMeter, release_freed_memory
 from quantbench.jobs import footprint
 from quantbench.jobs.footprint import Footprint
 from quantbench.quality import stage as evaluate_stage
@@ -642,9 +642,7 @@ class _Costs:
 
     @contextmanager
     def stage(self, name: str, directories: tuple[Path, ...] = ()):
-        import gc
-
-        gc.collect()  # what the stage before let go is gone before this one is measured
+        release_freed_memory()  # what the stage before let go is gone before this one is measured
         raise_if_signalled()  # a signal whose KeyboardInterrupt a finalizer run by the collection swallowed
         meter = StageMeter(name, directories)
         try:

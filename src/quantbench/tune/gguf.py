@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from quantbench.core.errors import UserError
+from quantbench.tune.patterns import block_groups
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,6 @@ def fixed_bytes(base_gguf: Path, tuned: set[str]) -> float:
 def patterns(names: list[str]) -> list[str]:
     """Compact llama-quantize patterns for GGUF tensor base names: one per set of tensor kinds
     taken in the same blocks (`^blk\\.(0|3|7)\\.(attn_q|attn_k)\\.weight$`), exact names else."""
-    from quantbench.tune.search import block_groups
-
     groups, outside = block_groups(names)
     out = [f"^{re.escape(name)}\\.weight$" for name in outside]
     for prefix, blocks, suffixes in groups:

@@ -27,7 +27,6 @@ import json
 import tempfile
 import logging
 import math
-import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from quantbench.sources import models
 from quantbench.sources.checkpoint import linear_layers, skeleton
 from quantbench.tracking import TAG, Tracker
 from quantbench.tune import allocate, cost, sensitivity
+from quantbench.tune.patterns import targets
 
 log = logging.getLogger(__name__)
 
@@ -422,36 +422,6 @@ def _own_scheme(method: str, layers_of: dict[str, list[str]]) -> tuple[str, int 
         own["W8A8"] = ("W8A8", None, True)
     ranked = sorted(layers_of, key=lambda s: -len(layers_of[s]))
     return next((own[s] for s in ranked if s in own), None)
-
-
-def block_groups(names: list[str]) -> tuple[list[tuple[str, tuple[int, ...], list[str]]], list[str]]:
-    """Layer (or tensor) names grouped for compact patterns: (prefix, blocks, kinds) for each set of
-    kinds taken in the same blocks (`model.layers`, (0, 3, 7), [self_attn.q_proj, self_attn.k_proj]),
-    in order of first appearance, and the names outside numbered blocks."""
-    kinds: dict[tuple[str, str], set[int]] = {}
-    outside = []
-    for name in names:
-        match = re.fullmatch(r"(.*?)\.(\d+)\.(.*)", name)
-        if match is None:
-            outside.append(name)
-            continue
-        kinds.setdefault((match.group(1), match.group(3)), set()).add(int(match.group(2)))
-    together: dict[tuple[str, tuple[int, ...]], list[str]] = {}
-    for (prefix, suffix), blocks in kinds.items():
-        together.setdefault((prefix, tuple(sorted(blocks))), []).append(suffix)
-    return [(prefix, blocks, suffixes) for (prefix, blocks), suffixes in together.items()], outside
-
-
-def targets(layers: list[str]) -> list[str]:
-    """Compact targets for a set of layer names: one `re:` pattern per set of layer kinds taken in
-    the same blocks (`re:^model\\.layers\\.(0|3|7)\\.self_attn\\.(q_proj|k_proj|v_proj)$`), exact names
-    for layers outside blocks."""
-    groups, out = block_groups(layers)
-    for prefix, blocks, suffixes in groups:
-        alternatives = "|".join(map(str, blocks))
-        names = re.escape(suffixes[0]) if len(suffixes) == 1 else "(" + "|".join(map(re.escape, suffixes)) + ")"
-        out.append(f"re:^{re.escape(prefix)}\\.({alternatives})\\.{names}$")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
