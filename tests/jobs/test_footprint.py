@@ -108,3 +108,30 @@ def test_a_job_that_cannot_fit_is_refused_before_anything_is_written(workdir, ti
     assert runs() == [] and not (workdir / "outputs").exists()
     monkeypatch.setenv(footprint.MEMORY_VAR, "8")
     assert main(["quantize", "big"]) == 0
+
+
+def test_the_plan_alone_loads_nothing_and_writes_nothing(workdir, tiny_model_dir, capsys, monkeypatch):
+    """`quantize --plan`: each stage's line on the terminal and the plan as JSON, exit 0 where it fits;
+    the same refusal as the job where it does not; no run, no output directory either way."""
+    import json
+
+    write_recipe(workdir, "big", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n"))
+    monkeypatch.setenv(footprint.MEMORY_VAR, "1.5")  # (a machine with less available plans for that)
+    assert main(["quantize", "big", "--plan", "--json"]) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["fits"] is True and summary["plan"]["plan/ram_available_mb"] <= 1.5 * 1024
+    stages = [s for s in ("prepare", "produce", "check") if f"plan/{s}/peak_rss_mb" in summary["plan"]]
+    assert stages == ["prepare", "produce", "check"]
+    assert summary["plan"]["plan/peak_rss_mb"] == max(
+        v for k, v in summary["plan"].items() if k.endswith("/peak_rss_mb") and k != "plan/peak_rss_mb"
+    )
+    for stage in ("prepare", "produce", "check"):  # each stage's line, with what it holds
+        assert any(line.split()[1:3] == [stage, f"{summary['plan'][f'plan/{stage}/peak_rss_mb'] / 1024:.2f}"]
+                   for line in err.splitlines()), err  # fmt: skip
+    assert "runtime 0.75" in err
+    assert runs() == [] and not (workdir / "outputs").exists()
+    monkeypatch.setenv(footprint.MEMORY_VAR, "0.2")
+    assert main(["quantize", "big", "--plan"]) == 2
+    assert "the produce stage needs about" in capsys.readouterr().err
+    assert runs() == [] and not (workdir / "outputs").exists()

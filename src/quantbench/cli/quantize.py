@@ -33,12 +33,31 @@ def add_parser(sub) -> None:
         help="refuse (exit 2, nothing written) when the produce step's estimate on this machine is over the "
         "recipe's budget_minutes; without it the job says so and goes on",
     )
+    q.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory and disk each stage would need here (from the model's config and the recipe) and "
+        "stop: nothing loaded, nothing written, no MLflow run; exit 2 where the job would not fit, naming the "
+        "setting that would make it fit. QUANTBENCH_MEMORY_GIB=N plans for a machine with N GiB",
+    )
 
 
 def run(args) -> int:
     from quantbench.cli import report
     from quantbench.jobs import pipeline
 
+    if args.plan:
+        found = run_stage(
+            "quantize --plan",
+            pipeline.plan_only,
+            args.recipe,
+            overrides=tuple(args.overrides),
+            outputs=args.outputs,
+            experiment=args.experiment,
+        )
+        if found is None:
+            return 1
+        return print_json(args, {"fits": True, "plan": found.metrics()})
     result = run_stage(
         "quantize",
         pipeline.quantize,

@@ -143,6 +143,27 @@ def quantize(
     return result
 
 
+class _Planned(Exception):
+    """prepare's way out after the memory plan when only the plan was asked for (`quantize --plan`)."""
+
+    def __init__(self, footprint: Footprint):
+        super().__init__("planned")
+        self.footprint = footprint
+
+
+def plan_only(
+    recipe: str, *, overrides: tuple[str, ...] = (), outputs: Path = Path("outputs"), experiment: str | None = None
+) -> Footprint:
+    """`quantize --plan`: every input check and the memory and disk plan of each stage, from the
+    model's config and the recipe; no model loaded, nothing written, no run. Raises UserError
+    (exit 2) where the job would not fit, as the job itself would."""
+    try:
+        prepare(recipe, overrides, experiment=experiment, outputs=outputs, stop_at_plan=True)
+    except _Planned as planned:
+        return planned.footprint
+    raise AssertionError("prepare went past the plan")
+
+
 def settle(run_id: str, experiment: str | None, **kwargs) -> Verdict | None:
     """The run's verdict (release/verdict.py; `kwargs`: its policy, gated), written into the run once
     it has ended: its description in MLflow and its report artifact. A command that did its work is
@@ -170,6 +191,7 @@ def prepare(
     experiment: str | None = None,
     outputs: Path = Path("outputs"),
     strict_budget: bool = False,
+    stop_at_plan: bool = False,
 ) -> Job:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -237,10 +259,12 @@ def prepare(
         footprint.ram_available / 2**30,
     )
     for line in footprint.lines():
-        detail.info("%s", line)
+        (log if stop_at_plan else detail).info("%s", line)
     problems = footprint.problems(where)
     if problems:
         raise UserError(problems)
+    if stop_at_plan:
+        raise _Planned(footprint)
     loader = _BaseLoader(base.path, compute_dtype)
     with _prefixed(where):
         check = check_base(
