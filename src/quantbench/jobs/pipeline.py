@@ -220,7 +220,7 @@ def prepare(
     if problems:
         raise UserError(problems)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
-    text_shas = backend.prepare(loaded, base, tokenizer)
+    text_shas: dict[str, str] = {}
     bos = data.bos_id(tokenizer)  # every window starts with it, where the tokenizer adds one
     calibration = None
     if backend.calibrates:
@@ -265,6 +265,8 @@ def prepare(
         raise UserError(problems)
     if stop_at_plan:
         raise _Planned(footprint)
+    # after the plan: a quantizer's own preparation can be heavy (llama.cpp's conversion of the base)
+    text_shas = backend.prepare(loaded, base, tokenizer) | text_shas  # its texts first, as recorded before
     loader = _BaseLoader(base.path, compute_dtype)
     with _prefixed(where):
         check = check_base(
