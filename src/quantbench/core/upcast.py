@@ -3,9 +3,9 @@
 A model saved in bfloat16 and computed in float32 (a reference pass, a CPU without native bfloat16)
 used to be loaded in float32: twice its size in memory (an 8B model: 27.5 GiB against 13.8). Here it
 stays in its stored dtype; each module with weights of its own is cast to float32 just before it
-runs and back just after, so at most one module's weights are held in float32 at a time. bfloat16
-and float16 widen to float32 exactly and narrow back exactly, so the stored weights never change and
-the results are those of a float32 copy of the same weights.
+runs and its stored tensor put back just after, so at most one module's weights are held in float32 at a time. bfloat16
+and float16 widen to float32 exactly, the stored tensors are never written, and the results are
+those of a float32 copy of the same weights.
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ def float32_compute(model):
     if not owners:
         yield model
         return
-    stored: dict[int, dict[str, torch.dtype]] = {}
+    stored: dict[int, dict[str, torch.Tensor]] = {}
 
     def widen(module, args):
         kept = stored.setdefault(id(module), {})
         for name, param in module.named_parameters(recurse=False):
             if param.dtype in low:
-                kept[name] = param.dtype
+                kept[name] = param.data
                 param.data = param.data.float()
 
     def narrow(module, args, output):
-        for name, dtype in stored.pop(id(module), {}).items():
-            param = getattr(module, name)
-            param.data = param.data.to(dtype)
+        # the stored tensor itself goes back: no cast, no new 16-bit copy each pass
+        for name, data in stored.pop(id(module), {}).items():
+            getattr(module, name).data = data
 
     handles = []
     for module in owners:
