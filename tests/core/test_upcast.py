@@ -44,3 +44,14 @@ def test_a_float32_model_is_left_as_it_is():
     m = model(torch.float32)
     with float32_compute(m) as same:
         assert same is m and not any(mod._forward_pre_hooks for mod in m.modules())
+
+
+def test_the_float32_pass_costs_what_this_cpu_makes_it():
+    """Measured, so no CPU's figure is written here: where bfloat16 matmuls are native the float32
+    pass is the slower one; where they are emulated (AVX2-only) it is the faster one."""
+    from quantbench.core import hardware
+    from quantbench.core.upcast import slowdown
+
+    assert slowdown("float32", 1024, 64) == 1.0
+    ratio = slowdown("bfloat16", 2048, 256, repeats=5)
+    assert ratio > 1 if hardware.native("bfloat16") else ratio < 1, (ratio, hardware.device_line())

@@ -49,3 +49,36 @@ def float32_compute(model):
             handle.remove()
         for module in owners:  # a forward that raised left its module wide: narrowed back here
             narrow(module, (), None)
+
+
+def slowdown(dtype: str, width: int, tokens: int, repeats: int = 5) -> float:
+    """How many times longer a layer's pass takes computed in float32 from `dtype` storage (as above:
+    the weight widened, then a float32 matmul) than computed in `dtype` itself, measured here on a
+    `width`-square weight and `tokens` rows (best of `repeats`); 1.0 for float32. What it is depends
+    on the CPU: native bfloat16 makes the 16-bit pass several times faster; where bfloat16 is
+    emulated, float32 is the faster one (below 1)."""
+    import time
+
+    import torch
+
+    if dtype == "float32":
+        return 1.0
+    low = getattr(torch, dtype)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(width, width, generator=generator).to(low)
+    x = torch.randn(tokens, width, generator=generator)
+
+    def best(step) -> float:
+        step()  # warm-up: first-call dispatch and allocation
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    with torch.no_grad():
+        wide = best(lambda: torch.nn.functional.linear(x, weight.float()))
+        x_low = x.to(low)
+        narrow = best(lambda: torch.nn.functional.linear(x_low, weight))
+    return wide / narrow if narrow > 0 else 1.0

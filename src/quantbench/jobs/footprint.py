@@ -54,6 +54,7 @@ class Footprint:
     ram_available: int  # what the job can have: free memory now plus what this process holds
     disk_available: int
     outputs: Path
+    shape: Shape | None = None  # what it was planned from
 
     @property
     def peak(self) -> StagePlan:
@@ -223,7 +224,7 @@ def plan(
     available = available_ram()
     if bench is not None:
         stages.append(bench_stage(shape, bench, produce.checkpoint, compute, available))
-    return Footprint(stages, available, free_disk(outputs), outputs)
+    return Footprint(stages, available, free_disk(outputs), outputs, shape)
 
 
 def _stage(name: str, held: list[tuple[str, int]], disk: int = 0, temp_disk: int = 0, fits_with=()) -> StagePlan:

@@ -275,7 +275,7 @@ def prepare(
         )  # fmt: skip
     produce_estimate = _estimate(loaded, base, backend, calibration, eval_ids, compute_dtype, strict_budget, loader)
     if evaluation is not None and check.seconds_per_token:
-        _say_evaluation_cost(evaluation, check.seconds_per_token, footprint, spec.evaluate.suite)
+        _say_evaluation_cost(evaluation, check.seconds_per_token, footprint, spec.evaluate.suite, compute_dtype)
     model = loader.model if backend.takes_model else None
     loader.release()
     return Job(
@@ -301,24 +301,34 @@ def prepare(
 TASK_ITEM_TOKENS = 128
 
 
-def _say_evaluation_cost(evaluation, seconds_per_token: float, planned: Footprint, suite: str) -> None:
+def _say_evaluation_cost(
+    evaluation, seconds_per_token: float, planned: Footprint, suite: str, compute: str = "float32"
+) -> None:
     """How long the evaluate stage will take here, from the base check's measured time per token:
-    the suite's texts and task items for the candidate, and for the base when its baseline is new."""
+    the suite's texts and task items for the candidate, and for the base when its baseline is new
+    (computed in float32 from the stored weights: slower than the check's pass where the compute
+    dtype is a native 16-bit one, by the ratio a layer's pass measures here)."""
+    from quantbench.core.upcast import slowdown
+
     spec = evaluation.suite.suite
     items = sum(
         min(evaluation.task_counts.get(t, 0), spec.task_limit or evaluation.task_counts.get(t, 0)) for t in spec.tasks
     )
     tokens = len(evaluation.token_ids) + len(evaluation.ood_ids or []) + items * TASK_ITEM_TOKENS
-    models_ = 1 + any(s.name == "baseline" for s in planned.stages)
-    minutes = models_ * tokens * seconds_per_token / 60
+    scoring_base = any(s.name == "baseline" for s in planned.stages)
+    wider = 1.0
+    if scoring_base and planned.shape is not None:
+        wider = max(1.0, slowdown(compute, planned.shape.hidden, spec.window * spec.batch_size))
+    minutes = (1 + scoring_base * wider) * tokens * seconds_per_token / 60
     log.info(
         "evaluate: ~%.0f min here with suite %s (%d tokens of text and %d task items per model, %s)",
         minutes,
         suite,
         len(evaluation.token_ids) + len(evaluation.ood_ids or []),
         items,
-        "the base's baseline to score too" if models_ == 2 else "the base's baseline reused",
-    )
+        (f"the base's baseline to score too, in float32: {wider:.1f}x the candidate's time here" if wider > 1.05
+         else "the base's baseline to score too") if scoring_base else "the base's baseline reused",
+    )  # fmt: skip
     if minutes > 30 and suite != "large":
         log.info("evaluate: a suite sized for large models takes a fraction of that: --set evaluate.suite=large")
 
