@@ -84,6 +84,13 @@ def test_the_plan_adds_what_each_stage_holds(tmp_path):
     metrics = found.metrics()
     assert metrics["plan/produce/peak_rss_mb"] == stages["produce"].ram / 2**20
     assert metrics["plan/peak_rss_mb"] == max(s.ram for s in found.stages) / 2**20
+    # the stored checkpoint's pages, read once while it is de-quantized, do not decide the fit
+    assert stages["check"].reclaimable == checkpoint and stages["produce"].reclaimable == 0
+    assert stages["check"].needed == stages["check"].ram - checkpoint
+    found.ram_available = stages["check"].ram - 1
+    assert not [p for p in found.problems("r.yaml") if "check stage" in p]
+    found.ram_available = stages["check"].needed - 1
+    assert any("the check stage needs about" in p for p in found.problems("r.yaml"))
 
 
 def test_memory_cap_and_its_bad_values(monkeypatch):

@@ -30,6 +30,9 @@ from quantbench.sources.shapes import GiB, MiB, Shape
 # (3.0 GiB measured with 2.0 GiB of weights and a window's logits).
 RUNTIME = int(0.75 * GiB)
 
+# what a stage holds as pages of a file it read once and no longer reads (see StagePlan.reclaimable)
+READ_ONCE = "the checkpoint as stored"
+
 
 @dataclass
 class StagePlan:
@@ -39,6 +42,13 @@ class StagePlan:
     temp_disk: int = 0  # held on disk meanwhile beyond that
     held: list[str] = field(default_factory=list)  # what makes up `ram`, for the table and refusals
     fits_with: list[str] = field(default_factory=list)  # settings that lower it, most effective first
+    # of `ram`, pages of a file mapped and read once (a checkpoint de-quantized as it loads): the
+    # kernel drops them under pressure instead of killing the job, so they do not decide the fit
+    reclaimable: int = 0
+
+    @property
+    def needed(self) -> int:
+        return self.ram - self.reclaimable
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -81,17 +91,18 @@ class Footprint:
         for s in self.stages:
             disk = f", disk {s.disk / GiB:.2f} GiB" if s.disk else ""
             temp = f" (+{s.temp_disk / GiB:.2f} GiB meanwhile)" if s.temp_disk else ""
-            out.append(f"  {s.name:<9} {s.ram / GiB:6.2f} GiB  {'; '.join(s.held)}{disk}{temp}")
+            dropped = f" ({s.reclaimable / GiB:.2f} of it file pages the kernel can drop)" if s.reclaimable else ""
+            out.append(f"  {s.name:<9} {s.ram / GiB:6.2f} GiB  {'; '.join(s.held)}{dropped}{disk}{temp}")
         return out
 
     def problems(self, where: str) -> list[str]:
         """Why the job cannot fit here (memory, disk), naming what would make it fit; [] if it can."""
         problems = []
         for stage in self.stages:
-            if stage.ram > self.ram_available:
+            if stage.needed > self.ram_available:
                 hint = f" Settings that make it fit: {'; '.join(stage.fits_with)}." if stage.fits_with else ""
                 problems.append(
-                    f"{where}: the {stage.name} stage needs about {stage.ram / GiB:.1f} GiB of memory "
+                    f"{where}: the {stage.name} stage needs about {stage.needed / GiB:.1f} GiB of memory "
                     f"({'; '.join(stage.held)}), and this machine has {self.ram_available / GiB:.1f} GiB "
                     f"available: the job would be killed part-way.{hint}"
                 )
@@ -206,7 +217,7 @@ def plan(
     # (measured on a 1B FP8 checkpoint: 0.5 GiB after loading, 3.7 GiB after one forward pass)
     check = [
         ("runtime", RUNTIME),
-        ("the checkpoint as stored", produce.checkpoint),
+        (READ_ONCE, produce.checkpoint),
         (f"its weights de-quantized to {compute}", model_c),
         ("a window", shape.window_activations(check_window)),
     ]
@@ -215,7 +226,7 @@ def plan(
         suite = evaluation.suite.suite
         held = [
             ("runtime", RUNTIME),
-            ("the checkpoint as stored", produce.checkpoint),
+            (READ_ONCE, produce.checkpoint),
             (f"its weights de-quantized to {compute}", model_c),
             ("the base's reference", _reference_bytes(shape, evaluation)),
             ("a batch of windows", shape.window_activations(suite.window, suite.batch_size)),
@@ -229,7 +240,13 @@ def plan(
 
 def _stage(name: str, held: list[tuple[str, int]], disk: int = 0, temp_disk: int = 0, fits_with=()) -> StagePlan:
     return StagePlan(
-        name, sum(n for _, n in held), disk, temp_disk, [_part(w, n) for w, n in held if n], list(fits_with)
+        name,
+        sum(n for _, n in held),
+        disk,
+        temp_disk,
+        [_part(w, n) for w, n in held if n],
+        list(fits_with),
+        sum(n for w, n in held if w == READ_ONCE),
     )
 
 
