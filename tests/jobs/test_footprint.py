@@ -115,6 +115,10 @@ def test_a_job_that_cannot_fit_is_refused_before_anything_is_written(workdir, ti
     assert runs() == [] and not (workdir / "outputs").exists()
     monkeypatch.setenv(footprint.MEMORY_VAR, "8")
     assert main(["quantize", "big"]) == 0
+    (log,) = (workdir / "outputs" / "big").glob("*.log")  # the plan, stage by stage, in the run's log
+    text = log.read_text()
+    assert "memory plan (peak resident" in text
+    assert all(f"  {stage} " in text for stage in ("prepare", "produce", "check"))
 
 
 def test_the_plan_alone_loads_nothing_and_writes_nothing(workdir, tiny_model_dir, capsys, monkeypatch):

@@ -258,8 +258,9 @@ def prepare(
         peak.name,
         footprint.ram_available / 2**30,
     )
-    for line in footprint.lines():
-        (log if stop_at_plan else detail).info("%s", line)
+    if stop_at_plan:
+        for line in footprint.lines():
+            log.info("%s", line)
     problems = footprint.problems(where)
     if problems:
         raise UserError(problems)
@@ -712,6 +713,8 @@ def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> Jo
     run.log_params(loaded.resolved)
     if job.footprint is not None:
         run.log_metrics(job.footprint.metrics())
+        for line in job.footprint.lines():  # planned in prepare, before this log file existed
+            detail.info("%s", line)
     detail.info("run %s: recipe %s (%s %s), base %s", run.run_id, loaded.name, q.method, q.scheme, job.base.path)
     # on the terminal when the device makes the job compute in another dtype than it saves (bf16 emulated here)
     (log if job.produce_dtype != spec.model.dtype else detail).info(
