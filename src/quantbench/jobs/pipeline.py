@@ -777,6 +777,10 @@ def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> Jo
             )
             run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
             metrics.update(evaluation.metrics)
+            # llama.cpp's own pass maps the base's F16 file: the de-quantized candidate goes first
+            # (at 8B both together held 23.3 GiB of a 23.4 GiB machine)
+            check.model = None
+            release_freed_memory()
             engine_quality = _engine_quality(where.staging, job.base, job.evaluation, job.tokenizer, where.log)
             run.log_metrics(engine_quality)
             metrics.update(engine_quality)
