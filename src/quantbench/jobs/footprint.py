@@ -71,6 +71,11 @@ class Footprint:
         return max(self.stages, key=lambda s: s.ram)
 
     @property
+    def tightest(self) -> StagePlan:
+        """The stage that decides whether the job fits: the most memory the kernel cannot drop."""
+        return max(self.stages, key=lambda s: s.needed)
+
+    @property
     def disk(self) -> int:
         return sum(s.disk for s in self.stages) + max((s.temp_disk for s in self.stages), default=0)
 

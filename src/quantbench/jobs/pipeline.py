@@ -251,11 +251,12 @@ def prepare(
             )
     compute_dtype = spec.model.computes_in()
     footprint = _plan(loaded, base, backend, compute_dtype, evaluation, bench, outputs, experiment)
-    peak = footprint.peak
+    peak = footprint.tightest
     log.info(
-        "memory plan: peak %.2f GiB (%s) of %.1f GiB available; every stage's in the log",
-        peak.ram / 2**30,
+        "memory plan: peak %.2f GiB (%s%s) of %.1f GiB available; every stage's in the log",
+        peak.needed / 2**30,
         peak.name,
+        f", and {peak.reclaimable / 2**30:.2f} GiB of file pages the kernel can drop" if peak.reclaimable else "",
         footprint.ram_available / 2**30,
     )
     if stop_at_plan:
