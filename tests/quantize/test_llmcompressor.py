@@ -101,3 +101,44 @@ def test_computed_in_float32_or_bfloat16_the_checkpoint_is_the_same(workdir, tin
         else:
             assert torch.equal(tensor, other), name
     assert packed == 14  # 7 Linear layers in each of 2 blocks
+
+
+def test_a_calibrated_model_is_let_go_after_quantizing(workdir, tiny_model_dir):
+    """llm-compressor's sequential pipeline registers the namespaces it traces a model in with
+    torch.fx for good, and the model with them (without the guard, below, it stays alive); inside
+    `traced_namespaces_forgotten` the registry is left as it was found and the model can go."""
+    import gc
+    import weakref
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantbench.quantize import make_backend
+    from quantbench.quantize.llmcompressor import traced_namespaces_forgotten
+    from quantbench.recipe import load_recipe
+    from tests.helpers import tiny_recipe, write_recipe
+
+    write_recipe(workdir, "gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n"))
+    backend = make_backend(load_recipe(workdir / "recipes" / "gptq.yaml").recipe.quantize)
+    ids = AutoTokenizer.from_pretrained(tiny_model_dir)("def f(x):\n    return x * 2\n" * 20)["input_ids"][:64]
+
+    def quantized(guard: bool):
+        from llmcompressor.core import reset_session
+        from torch.fx import _symbolic_trace
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        registered = set(_symbolic_trace._wrapped_fns_to_patch)
+        if guard:
+            with traced_namespaces_forgotten():
+                backend.quantize(model, [ids] * 4)
+            assert set(_symbolic_trace._wrapped_fns_to_patch) == registered
+        else:
+            backend.quantize(model, [ids] * 4)
+        reset_session()
+        ref = weakref.ref(model)
+        del model
+        gc.collect()
+        return ref
+
+    assert quantized(guard=True)() is None
+    with traced_namespaces_forgotten():  # (what the unguarded call leaves is dropped after it)
+        assert quantized(guard=False)() is not None  # the library's behaviour this guards against
