@@ -146,3 +146,17 @@ def test_the_plan_alone_loads_nothing_and_writes_nothing(workdir, tiny_model_dir
     assert main(["quantize", "big", "--plan"]) == 2
     assert "the produce stage needs about" in capsys.readouterr().err
     assert runs() == [] and not (workdir / "outputs").exists()
+
+
+def test_a_llama_server_is_planned_with_its_compute_buffers():
+    """llama-server maps its file (its working set) and holds compute buffers that grow with the
+    model: two servers of the 8B rung (F16 base, Q4_K_M candidate) measured 22.0 GiB with the job's
+    process; the plan for them, with the job's runtime, comes within 5 % of it."""
+    from quantbench import engines
+
+    server = engines.get("llamacpp")
+    assert server.server_memory(10 * GiB, 0, 0, 1) == int(10 * GiB + 0.15 * GiB) + int(1.5 * GiB)
+    shape = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.1-8b"].config))
+    kv = 2 * shape.layers * shape.kv_dim * 2
+    both = sum(server.server_memory(w, kv, 32 + 16 + 64, 1) for w in (shape.params * 2, int(4.17 * 2**30)))
+    assert abs(footprint.RUNTIME + both - 22.0 * GiB) < 0.05 * 22.0 * GiB
