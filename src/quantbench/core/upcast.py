@@ -3,9 +3,9 @@
 A model saved in bfloat16 and computed in float32 (a reference pass, a CPU without native bfloat16)
 used to be loaded in float32: twice its size in memory (an 8B model: 27.5 GiB against 13.8). Here it
 stays in its stored dtype; each module with weights of its own is cast to float32 just before it
-runs and its stored tensor put back just after, so at most one module's weights are held in float32 at a time. bfloat16
-and float16 widen to float32 exactly, the stored tensors are never written, and the results are
-those of a float32 copy of the same weights.
+runs and its stored tensors are put back just after, so at most one module's weights are held in
+float32 at a time. bfloat16 and float16 widen to float32 exactly, the stored tensors are never
+written, and the results are those of a float32 copy of the same weights.
 """
 
 from __future__ import annotations
