@@ -16,6 +16,10 @@ The last line is a JSON object.
     python bench/scale.py --rungs llama-3.2-1b --recipes fp8-dynamic,gguf-q8_0
     python bench/scale.py --no-evaluate --no-bench          # produce and reload check only
     python bench/scale.py --dry-run                         # the plan of each job, nothing run
+    python bench/scale.py --clean                           # remove the rungs' models and conversions
+
+The rungs stay in the cache for the next run (the 8B rung and its GGUF conversion ~28 GiB, all
+rungs ~44 GiB); the last lines before the JSON say how much they hold and `--clean` frees it.
 
 Times depend on the CPU class and on what else runs: the header says the class and the load.
 """
@@ -34,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from quantbench.core import hardware  # noqa: E402
+from quantbench.core import hardware, paths  # noqa: E402
 from quantbench.sources import ladder, models  # noqa: E402
 
 GiB = 2**30
@@ -151,6 +155,10 @@ def exponent(points: list[tuple[float, float]]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else None
 
 
+def held_bytes(rung: str) -> int:
+    return sum(f.stat().st_size for d in ladder.held(rung) for f in d.rglob("*") if f.is_file())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rungs", default=",".join(ORDER), help=f"comma-separated, of {', '.join(ORDER)}")
@@ -162,12 +170,19 @@ def main() -> int:
     parser.add_argument("--no-bench", action="store_true")
     parser.add_argument("--work", type=Path, default=REPO / "outputs" / "scale", help="outputs, logs and store")
     parser.add_argument("--dry-run", action="store_true", help="build the models and print the jobs; run nothing")
+    parser.add_argument("--clean", action="store_true", help="remove the rungs' models and GGUF conversions; run nothing")
     args = parser.parse_args()
     rungs = [r for r in args.rungs.split(",") if r]
     recipes = [r for r in args.recipes.split(",") if r]
     unknown = [r for r in rungs if r not in ladder.RUNGS] + [r for r in recipes if r not in RECIPES]
     if unknown:
         parser.error(f"unknown: {', '.join(unknown)}")
+    if args.clean:
+        freed = {rung: ladder.remove(rung) for rung in rungs}
+        for rung, size in freed.items():
+            print(f"# {rung}: {size / GiB:.2f} GiB removed")
+        print(json.dumps({"removed_gib": {rung: size / GiB for rung, size in freed.items()}}))
+        return 0
     args.work.mkdir(parents=True, exist_ok=True)
     print(f"# size ladder on {hardware.device_line()}; load average {os.getloadavg()[0]:.1f}; {time.strftime('%F %T')}")
     tokenizer = models.resolve("builtin:smollm2-135m-instruct").path
@@ -222,6 +237,12 @@ def main() -> int:
         "exponents": fits,
         "rows": rows,
     }
+    held = {rung: held_bytes(rung) for rung in rungs}
+    outputs = sum(f.stat().st_size for f in args.work.rglob("*") if f.is_file())
+    print(f"# disk held after the run: the rungs {sum(held.values()) / GiB:.1f} GiB under {paths.cache_dir()} "
+          f"(ladder/, gguf/; `python bench/scale.py --clean` removes them), the jobs' outputs "
+          f"{outputs / GiB:.1f} GiB in {args.work}")  # fmt: skip
+    summary["disk_held_gib"] = {"rungs": sum(held.values()) / GiB, "outputs": outputs / GiB}
     (args.work / "scale.json").write_text(json.dumps({**summary, "jobs_detail": jobs}, indent=2, default=str))
     print(json.dumps(summary, default=str))
     return 0 if not summary["failed"] else 1

@@ -83,6 +83,22 @@ def path(name: str) -> Path:
     return cache_dir() / "ladder" / name
 
 
+def held(name: str) -> list[Path]:
+    """What the rung holds on disk: its model directory and the cached GGUF conversions of it
+    (llama.cpp's F16 base, `engines/llamacpp.base_gguf`, named after the model's directory)."""
+    conversions = sorted({f.parent for f in (cache_dir() / "gguf").glob(f"*/{name}-*.gguf")})
+    return [p for p in (path(name), *conversions) if p.exists()]
+
+
+def remove(name: str) -> int:
+    """Remove the rung's model and its conversions; the bytes freed. An 8B rung holds ~28 GiB."""
+    freed = 0
+    for directory in held(name):
+        freed += sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        shutil.rmtree(directory)
+    return freed
+
+
 def build(name: str, tokenizer_dir: Path) -> Path:
     """The rung's model directory, built once (config, tokenizer, bf16 safetensors, a card)."""
     rung = RUNGS[name]
