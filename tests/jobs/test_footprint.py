@@ -91,6 +91,14 @@ def test_the_plan_adds_what_each_stage_holds(tmp_path):
     assert not [p for p in found.problems("r.yaml") if "check stage" in p]
     found.ram_available = stages["check"].needed - 1
     assert any("the check stage needs about" in p for p in found.problems("r.yaml"))
+    # the base check cached: prepare loads nothing, unless a calibration window is timed on the base
+    checked = plan(shape, produce, outputs=tmp_path, base_checked=True)
+    assert {s.name: s.ram for s in checked.stages}["prepare"] == footprint.RUNTIME
+    timed = footprint.plan(shape, compute="bfloat16", saved="bfloat16", produce=produce, check_window=512,
+                           estimate_window=256, outputs=tmp_path, base_checked=True)  # fmt: skip
+    assert {s.name: s.ram for s in timed.stages}["prepare"] == (
+        footprint.RUNTIME + 2 * shape.params + window + shape.window_activations(256)
+    )
 
 
 def test_memory_cap_and_its_bad_values(monkeypatch):

@@ -175,6 +175,7 @@ def plan(
     estimate_window: int | None,
     evaluation=None,  # quality.stage.Plan, or None
     baseline_cached: bool = True,
+    base_checked: bool = False,
     bench=None,  # speed.bench.Plan, or None
     outputs: Path,
 ) -> Footprint:
@@ -188,6 +189,8 @@ def plan(
     ]
     if estimate_window:
         held.append(("a calibration window", shape.window_activations(estimate_window)))
+    elif base_checked:  # the base check's result is cached and nothing else loads the base here
+        held = [("runtime", RUNTIME)]
     fits = (
         []
         if compute != "float32"

@@ -47,7 +47,7 @@ from quantbench.recipe import (
 from quantbench.release import card
 from quantbench.release.verdict import Verdict
 from quantbench.release.verdict import settle as settle_verdict
-from quantbench.sources import data, models
+from quantbench.sources import data, models, verify
 from quantbench.sources.shapes import Shape
 from quantbench.sources.checkpoint import (
     Target,
@@ -250,7 +250,10 @@ def prepare(
                 backend_field="bench.backend",
             )
     compute_dtype = spec.model.computes_in()
-    footprint = _plan(loaded, base, backend, compute_dtype, evaluation, bench, outputs, experiment)
+    base_checked = verify.check_cached(
+        _base_check_key(base, tokenizer, eval_ids, spec.check.ppl_tokens, spec.check.window, compute_dtype)
+    )
+    footprint = _plan(loaded, base, backend, compute_dtype, evaluation, bench, outputs, experiment, base_checked)
     peak = footprint.tightest
     log.info(
         "memory plan: peak %.2f GiB (%s%s) of %.1f GiB available; every stage's in the log",
@@ -355,7 +358,9 @@ class _BaseLoader:
         self.model = None
 
 
-def _plan(loaded, base, backend, compute: str, evaluation, bench, outputs: Path, experiment) -> Footprint:
+def _plan(
+    loaded, base, backend, compute: str, evaluation, bench, outputs: Path, experiment, base_checked: bool = False
+) -> Footprint:
     """The job's memory and disk, stage by stage, from the base's config and the recipe."""
     from transformers import AutoConfig
 
@@ -373,6 +378,7 @@ def _plan(loaded, base, backend, compute: str, evaluation, bench, outputs: Path,
         estimate_window=spec.calibration.seq_len if estimating else None,
         evaluation=evaluation,
         baseline_cached=cached,
+        base_checked=base_checked,
         bench=bench,
         outputs=outputs / loaded.name,
     )
@@ -531,6 +537,21 @@ def check_outputs(loaded: LoadedRecipe, outputs: Path) -> None:
     )
 
 
+def _base_check_key(base, tokenizer, text_ids: list[int], tokens: int, window: int, dtype: str) -> dict:
+    """What the base check's result depends on: its key in the cache."""
+    return {
+        "model": base.fingerprint,
+        "tokenizer": verify.tokenizer_sha(base.path),
+        "ids": data.text_sha(str(text_ids[:tokens])),
+        "tokens": tokens,
+        "window": window,
+        "bos": [tokenizer.bos_token_id, data.bos_id(tokenizer) is not None],
+        "calibration": data.text_sha(data.python_docs("calibration")),
+        "dtype": dtype,
+        "version": 3,  # 3: the other BOS framing on OTHER_FRAMING_WINDOWS windows; the dtype in the key
+    }
+
+
 def check_base(
     base: models.ResolvedModel,
     tokenizer,
@@ -548,8 +569,6 @@ def check_base(
     that predicts worse than a unigram model of its own tokens (verify.check_base_perplexity);
     computed once per (model, tokenizer, text, dtype) and cached. `loader`: gives the base model
     loaded in `dtype` (prepare's, so the model is loaded once)."""
-    from quantbench.sources import verify
-
     wants_bos = data.bos_id(tokenizer) is not None
 
     def compute():
@@ -573,18 +592,7 @@ def check_base(
             model, text_ids, calibration_ids, tokens, window, vocab_size, tokenizer.bos_token_id, wants_bos
         )
 
-    key = {
-        "model": base.fingerprint,
-        "tokenizer": verify.tokenizer_sha(base.path),
-        "ids": data.text_sha(str(text_ids[:tokens])),
-        "tokens": tokens,
-        "window": window,
-        "bos": [tokenizer.bos_token_id, wants_bos],
-        "calibration": data.text_sha(data.python_docs("calibration")),
-        "dtype": dtype,
-        "version": 3,  # 3: the other BOS framing on OTHER_FRAMING_WINDOWS windows; the dtype in the key
-    }
-    result = verify.cached_check(key, compute)
+    result = verify.cached_check(_base_check_key(base, tokenizer, text_ids, tokens, window, dtype), compute)
     detail.info(
         "base model %s: perplexity %.4g; on its first windows %s with BOS, %.4g without; the check used the windows "
         "%s BOS (its tokenizer %s)",

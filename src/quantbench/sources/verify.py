@@ -301,14 +301,21 @@ def bos_hint(result: PerplexityCheck) -> str | None:
     )
 
 
+def _check_path(key: dict) -> Path:
+    from quantbench.core.paths import cache_dir
+
+    return cache_dir() / "checks" / f"{canonical_sha(key)[:32]}.json"
+
+
+def check_cached(key: dict) -> bool:
+    """Whether the perplexity check of this key is in the cache (a job's plan: no model loaded for it)."""
+    return _check_path(key).is_file()
+
+
 def cached_check(key: dict, compute) -> PerplexityCheck:
     """A perplexity check keyed by what it depends on (model fingerprint, tokenizer, text), computed
     once and kept in the cache (a base model is checked once, not on every run)."""
-
-    from quantbench.core.paths import cache_dir
-
-    digest = canonical_sha(key)[:32]
-    path = cache_dir() / "checks" / f"{digest}.json"
+    path = _check_path(key)
     if path.is_file():
         return PerplexityCheck(**json.loads(path.read_text()))
     result = compute()
