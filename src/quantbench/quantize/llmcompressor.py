@@ -143,6 +143,8 @@ class LLMCompressorBackend:
         from llmcompressor.core import reset_session
 
         model = inputs.take_model()
+        if not isinstance(self.spec, (FP8Spec, RTNSpec)):  # these rescale or update weights in place
+            detach_from_files(model)
         try:
             with traced_namespaces_forgotten():
                 self.quantize(model, inputs.calibration)
@@ -258,6 +260,19 @@ class LLMCompressorBackend:
             model.to(saved)
         model.save_pretrained(dest, save_compressed=True)
         tokenizer.save_pretrained(dest)
+
+
+def detach_from_files(model) -> None:
+    """Every CPU parameter of a model loaded from safetensors copied out of the file it maps, one at a
+    time. A loaded model's tensors are views of a private mapping of each file, which stays while any
+    tensor of the file lives: a weight rescaled in place (AWQ, SmoothQuant, rotations) becomes an
+    anonymous copy of its page inside that mapping, and when the quantizer then replaces the weight,
+    that copy stays too. Measured on a model of 352 MiB with AWQ: +590 MiB anonymous memory mapped,
+    +375 detached first; on the 3B ladder rung the AWQ job's produce peaked at 11.3 GiB (plan 7.7)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.device.type == "cpu":
+                param.data = param.data.clone()
 
 
 @contextmanager
