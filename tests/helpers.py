@@ -61,3 +61,23 @@ def verdict_rows(out: str) -> dict[str, list[str]]:
         cells = re.split(r" {2,}", line.rstrip())
         rows[cells[0]] = cells[1:]
     return rows
+
+
+def assert_sketched(recipe: Path, written: dict | None) -> None:
+    """The quantization_config the recipe's quantizer said its checkpoint would carry (what the bench
+    engine is chosen by before the job) agrees with the one written: every key it names has the
+    written value (a None: absent or null there)."""
+    from quantbench.quantize import make_backend
+    from quantbench.recipe import load_recipe
+
+    sketch = make_backend(load_recipe(recipe).recipe.quantize).quantization_config()
+
+    def agree(said, got, where: str) -> None:
+        if isinstance(said, dict):
+            assert isinstance(got, dict), (where, said, got)
+            for key, value in said.items():
+                agree(value, got.get(key), f"{where}.{key}")
+        else:
+            assert said == got, (where, said, got)
+
+    agree(sketch, written, "quantization_config")

@@ -18,7 +18,7 @@ from quantbench.core.hardware import CPU
 from quantbench.engines import llamacpp_build as build
 from tests import gguf_files as gg
 from tests.conftest import TINY_PROFILE
-from tests.helpers import last_json, runs, write_recipe
+from tests.helpers import assert_sketched, last_json, runs, write_recipe
 
 AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi2"})
 AMX = AVX2 | {"avx512f", "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_int8", "amx_bf16"}
@@ -118,6 +118,7 @@ def test_a_gguf_recipe_is_quantized_reloaded_and_benched_through_llama_server(ti
     assert types["blk.0.attn_norm.weight"] == "F32"  # norms stay float
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "gguf", "type": "Q8_0", "file": "model.gguf"}
+    assert_sketched(workdir / "recipes" / "tiny-q8.yaml", config["quantization_config"])
     [run] = runs()
     m, tags = run.data.metrics, run.data.tags
     assert run.info.status == "FINISHED" and tags["quantbench.format"] == "gguf"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from quantbench.cli import main
-from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+from tests.helpers import assert_sketched, last_json, runs, tiny_recipe, write_recipe
 
 METHODS = {
     # name: (quantize section, expected compressed-tensors format, weight bits, group size)
@@ -43,6 +43,7 @@ def test_quantize_writes_a_reloadable_checkpoint_and_one_finished_run(name, work
     weights = qcfg["config_groups"]["group_0"]["weights"]
     assert weights["num_bits"] == bits and weights["group_size"] == group
     assert qcfg["ignore"] == ["lm_head"]
+    assert_sketched(workdir / "recipes" / f"{name}.yaml", qcfg)
     card = (ckpt / "README.md").read_text()
     assert card.startswith("---\nlicense: mit\n") and result["run_id"] in card
 
@@ -197,6 +198,7 @@ def test_fp8_kv_cache_combines_with_the_weight_scheme(section, workdir, tiny_mod
     qcfg = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     kv = qcfg["kv_cache_scheme"]
     assert kv["num_bits"] == 8 and kv["type"] == "float" and kv["strategy"] == "tensor" and kv["dynamic"] is False
+    assert_sketched(workdir / "recipes" / "kv.yaml", qcfg)
     with safe_open(ckpt / "model.safetensors", "pt") as f:
         scales = {k: f.get_tensor(k).item() for k in f.keys() if k.endswith(("k_scale", "v_scale"))}
     assert len(scales) == 2 * 2 and all(0 < v < 1 for v in scales.values())  # 2 layers x (k, v), calibrated

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quantbench.cli import main
-from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+from tests.helpers import assert_sketched, last_json, runs, tiny_recipe, write_recipe
 
 
 @pytest.mark.parametrize(
@@ -27,6 +27,7 @@ def test_bnb_schemes_quantize_save_and_reload(workdir, tiny128_model_dir, capsys
     ckpt = Path(result["checkpoint"])
     config = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "bitsandbytes"
+    assert_sketched(workdir / "recipes" / "b.yaml", config)
     for key, value in quant.items():
         assert config[key] == value, key
     assert "lm_head" in config["llm_int8_skip_modules"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from quantbench.cli import main
-from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+from tests.helpers import assert_sketched, last_json, runs, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.slow  # GPTQModel in child processes, a CPU extension compiled on first use
 
@@ -44,6 +44,7 @@ def test_gptqmodel_formats_quantize_save_and_reload(workdir, tiny_model_dir, awq
     config = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     for key, value in expected.items():
         assert config[key] == value, (key, config)
+    assert_sketched(workdir / "recipes" / "g.yaml", config)
     from safetensors import safe_open
 
     with safe_open(ckpt / "model.safetensors", "pt") as f:

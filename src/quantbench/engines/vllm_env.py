@@ -402,38 +402,6 @@ def _wna16_widths(text: dict, head_dim: int) -> str | None:
     return f"vLLM's CPU INT4 kernel (CPUWNA16) needs layer widths divisible by 32: {', '.join(odd)}" if odd else None
 
 
-def expected_quantization(method: str, scheme: str, fmt: str, kv_cache: str | None) -> dict | None:
-    """A sketch of the quantization_config a recipe's checkpoint will carry, so that unserved()
-    can answer before the checkpoint exists (a recipe's bench: section is checked in prepare)."""
-    if method == "distill":
-        return None
-    if method == "bnb":
-        return {"quant_method": "bitsandbytes"}
-    if method == "gguf":
-        return {"quant_method": "gguf", "type": scheme}
-    if fmt in ("gptq", "awq"):
-        return {"quant_method": fmt, "bits": 8 if scheme == "W8A16" else 4}
-    weights, bits, activations = {
-        "W4A16": ("int", 4, None),
-        "W8A16": ("int", 8, None),
-        "W8A8": ("int", 8, "int"),
-        "FP8_DYNAMIC": ("float", 8, "float"),
-    }[scheme]
-    group = {
-        "weights": {"type": weights, "num_bits": bits},
-        "input_activations": {"type": activations, "num_bits": 8} if activations else None,
-    }
-    packed = activations is None  # weight-only integer weights are written pack-quantized
-    quant = {
-        "quant_method": "compressed-tensors",
-        "config_groups": {"group_0": group},
-        "format": "pack-quantized" if packed and weights == "int" else None,
-    }
-    if kv_cache:
-        quant["kv_cache_scheme"] = {"type": "float", "num_bits": 8}
-    return quant
-
-
 def cache_root() -> Path:
     """VLLM_CACHE_ROOT kept between runs: vLLM caches its model inspection there (~8 CPU-s at every
     start otherwise) and its compiled graphs."""

@@ -289,9 +289,9 @@ def bench_stage(shape: Shape, bench, checkpoint_bytes: int, compute: str, availa
 def produce_footprint(backend, shape: Shape, loaded, compute: str) -> ProduceFootprint:
     """The backend's own footprint of its produce step, or, for a backend that declares none, one
     more copy of the model in the compute dtype beside what it takes (an over-estimate)."""
-    declared = getattr(backend, "footprint", None)
+    declared = backend.footprint(shape, loaded, compute)
     if declared is not None:
-        return declared(shape, loaded, compute)
+        return declared
     return ProduceFootprint(
         [("the method's own copy of the model", shape.weights(compute))],
         shape.params * 2,

@@ -97,8 +97,7 @@ class Job:
     def produce_dtype(self) -> str:
         """The dtype the produce step computes in: the backend's own where it says (GPTQModel's AWQ
         computes in the saved dtype), else the job's compute dtype."""
-        computes_in = getattr(self.backend, "computes_in", None)
-        return computes_in(self.loaded.recipe.model) if computes_in else self.compute_dtype
+        return self.backend.computes_in(self.loaded.recipe.model) or self.compute_dtype
 
     def take_model(self):
         """The base model loaded in prepare, handed over once (None when prepare loaded none)."""
@@ -244,7 +243,7 @@ def prepare(
                 spec.bench.profile,
                 tokenizer,
                 backend=spec.bench.backend,
-                checkpoint=_expected_config(base.path / "config.json", backend, spec.quantize),
+                checkpoint=_expected_config(base.path / "config.json", backend),
                 base_path=base.path,
                 field="bench.profile",
                 backend_field="bench.backend",
@@ -452,17 +451,13 @@ def _estimate(
     return found
 
 
-def _expected_config(config_path: Path, backend: Backend, q) -> dict:
+def _expected_config(config_path: Path, backend: Backend) -> dict:
     """The config.json the recipe's checkpoint will have, as far as serving it goes (its
     quantization_config sketched from the recipe), so that the bench engine is chosen before the job."""
     import json
 
-    from quantbench.engines.vllm_env import expected_quantization
-
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = expected_quantization(
-        q.method, q.scheme, backend.format, getattr(q, "kv_cache", None)
-    )
+    config["quantization_config"] = backend.quantization_config()
     return config
 
 

@@ -1,8 +1,9 @@
 """Engines that make a checkpoint from a base model, one module each, imported only when a recipe
 names their method: `quantbench --help`, validation of other methods and most tests import none.
 
-Every engine module implements `Backend` (below). The pipeline never asks an engine how it works:
-it gives it `Inputs` and gets back `Produced` with the checkpoint written into `Inputs.staging`.
+Every engine module subclasses `Backend` (below), which owns the method's facts. The pipeline never
+asks an engine how it works: it gives it `Inputs` and gets back `Produced` with the checkpoint
+written into `Inputs.staging`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from quantbench.core.errors import UserError, did_you_mean
 
@@ -93,8 +94,10 @@ CHILD_RUNTIME = int(0.5 * 2**30)
 LLAMACPP_RUNTIME = int(0.15 * 2**30)
 
 
-class Backend(Protocol):
-    """The interface every engine implements.
+class Backend:
+    """What every quantizer is: one subclass per quantizer module, named in `BACKENDS`. The
+    pipeline asks the backend it holds for every fact about its method; nothing outside the
+    module branches on a method's name.
 
     - `engine`, `format`: who writes the checkpoint, and in which format;
     - `calibrates`: it needs calibration windows (`Inputs.calibration`);
@@ -102,32 +105,52 @@ class Backend(Protocol):
     - `on_load`: it quantizes while the model loads (no pass over data);
     - `takes_model`: it computes on the job's base model loaded in the compute dtype (else the job
       loads none for it: one copy of the model at a time);
+    - `mixes_per_layer`: it takes a scheme per layer (a recipe's `layers:`; what `tune` writes);
     - `loaders()`: which runtimes load what it writes (tags and model card);
+    - `quantization_config()`: the `quantization_config` its checkpoint's config.json will carry, as
+      far as a serving engine reads it, known before the checkpoint exists (None: not quantized);
     - `check(loaded, config)`: problems of this recipe on this model's shapes, from its config alone
       (also what `quantbench validate` runs);
     - `prepare(loaded, base, tokenizer)`: further input checks before the run starts (e.g. training
       text); returns the sha of any text it will read, by role;
     - `produce(inputs)`: write the checkpoint into `inputs.staging`;
-    - `computes_in(model)` (optional): the dtype the engine computes in where that is not the model
-      section's `computes_in()` (the run's `quantbench.compute_dtype` says it).
+    - `computes_in(model)`: the dtype it computes in where that is not the model section's
+      `computes_in()` (None: the job's; the run's `quantbench.compute_dtype` says it);
+    - `footprint(shape, loaded, compute)`: its produce step's memory and disk (None: the planner
+      assumes one more copy of the model beside what it takes).
     """
 
     engine: ClassVar[str]
     format: str
-    calibrates: bool
-    trains: ClassVar[bool]
-    on_load: ClassVar[bool]
-    takes_model: bool  # it computes on the job's loaded base model (else it reads files, or loads its own)
+    calibrates: bool = False
+    trains: ClassVar[bool] = False
+    on_load: ClassVar[bool] = False
+    takes_model: bool = True
+    mixes_per_layer: bool = False
 
-    def __init__(self, spec: Any) -> None: ...
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
 
-    def loaders(self) -> str: ...
+    def loaders(self) -> str:
+        raise NotImplementedError
 
-    def check(self, loaded, config) -> list[str]: ...
+    def quantization_config(self) -> dict | None:
+        raise NotImplementedError
 
-    def prepare(self, loaded, base, tokenizer) -> dict[str, str]: ...
+    def check(self, loaded, config) -> list[str]:
+        return []
 
-    def produce(self, inputs: Inputs) -> Produced: ...
+    def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
+        return {}
+
+    def produce(self, inputs: Inputs) -> Produced:
+        raise NotImplementedError
+
+    def computes_in(self, model) -> str | None:
+        return None
+
+    def footprint(self, shape, loaded, compute: str) -> ProduceFootprint | None:
+        return None
 
 
 def backend_key(method: str, format: str | None = None) -> str:

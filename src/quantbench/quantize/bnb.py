@@ -16,7 +16,7 @@ from pathlib import Path
 import bitsandbytes  # noqa: F401  (a missing package fails here, named by the registry)
 import torch
 
-from quantbench.quantize import Inputs, Produced, recipe_layers
+from quantbench.quantize import Backend, Inputs, Produced, recipe_layers
 from quantbench.recipe import BnbSpec
 
 # bitsandbytes 0.50's 4-bit CPU kernels repack weights in blocks of 64 input features (the
@@ -24,7 +24,7 @@ from quantbench.recipe import BnbSpec
 BNB_4BIT_BLOCK = 64
 
 
-class BnbBackend:
+class BnbBackend(Backend):
     """The base model quantized while it loads, saved before anything runs it."""
 
     engine = "bitsandbytes"
@@ -40,6 +40,9 @@ class BnbBackend:
 
     def __init__(self, spec: BnbSpec):
         self.spec = spec
+
+    def quantization_config(self) -> dict:
+        return {"quant_method": "bitsandbytes"}
 
     def check(self, loaded, config) -> list[str]:
         """4-bit on a CPU: every quantized layer's input width a multiple of the kernel's block."""

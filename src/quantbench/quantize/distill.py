@@ -24,7 +24,7 @@ import transformers
 
 from quantbench.core.errors import UserError
 from quantbench.core.logs import relay
-from quantbench.quantize import Inputs, Produced
+from quantbench.quantize import Backend, Inputs, Produced
 from quantbench.recipe import DistillSpec, short
 from quantbench.sources import data, models
 from quantbench.sources.checkpoint import vocab_mismatch
@@ -37,7 +37,7 @@ relay(r"^\s*\d+%\|[^|]*\| *(\d+)/(\d+) \[", "distill (steps)", "step")
 PREFIX = "distill/"  # MLflow metric prefix of the training curves
 
 
-class DistillBackend:
+class DistillBackend(Backend):
     """A student trained against the loaded base model (the teacher), saved in bf16."""
 
     engine = "transformers Trainer"
@@ -58,6 +58,9 @@ class DistillBackend:
         self.student_base: models.ResolvedModel | None = None
         self.keep: list[int] | None = None
         self.init = ""
+
+    def quantization_config(self) -> None:
+        return None  # a plain 16-bit model
 
     # -----------------------------------------------------------------------------------------
     # prepare: every check before the run starts

@@ -19,7 +19,15 @@ from pathlib import Path
 from quantbench.core.errors import UserError
 from quantbench.engines import llamacpp
 from quantbench.engines import llamacpp_build as build
-from quantbench.quantize import CHILD_RUNTIME, LLAMACPP_RUNTIME, Inputs, ProduceFootprint, Produced, calibration_card
+from quantbench.quantize import (
+    CHILD_RUNTIME,
+    LLAMACPP_RUNTIME,
+    Backend,
+    Inputs,
+    ProduceFootprint,
+    Produced,
+    calibration_card,
+)
 from quantbench.recipe import GGUFSpec
 from quantbench.sources.checkpoint import gguf_tensors
 from quantbench.sources.models import source_gguf
@@ -39,18 +47,22 @@ NOMINAL_BITS = {
 }  # fmt: skip
 
 
-class GGUFBackend:
+class GGUFBackend(Backend):
     engine = "llama.cpp"
     format = "gguf"
     trains = False
     on_load = False
     takes_model = False  # llama.cpp reads the base's GGUF file, not this process's model
+    mixes_per_layer = True  # a type per tensor (llama-quantize's --tensor-type)
 
     def __init__(self, spec: GGUFSpec):
         self.spec = spec
         self.calibrates = spec.imatrix
         self.tools: build.Tools  # set by prepare
         self.base: Path  # the base's F16 GGUF, set by prepare
+
+    def quantization_config(self) -> dict:
+        return {"quant_method": "gguf", "type": self.spec.scheme}
 
     @staticmethod
     def loaders() -> str:

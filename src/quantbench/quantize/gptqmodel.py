@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from quantbench.quantize import (
+    Backend,
     Inputs,
     Produced,
     calibration_card,
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 AWQ_OUT_BLOCK = 64  # GPTQModel's AWQ clip search works on blocks of 64 (or 256) output channels
 
 
-class GPTQModelBackend:
+class GPTQModelBackend(Backend):
     """GPTQModel loads, quantizes and saves in a child process, straight into the staging dir."""
 
     engine = "GPTQModel"
@@ -59,6 +60,9 @@ class GPTQModelBackend:
     def __init__(self, spec: GPTQSpec | AWQSpec):
         self.spec = spec
         self.format = spec.format  # "gptq" or "awq"
+
+    def quantization_config(self) -> dict:
+        return {"quant_method": self.format, "bits": 8 if self.spec.scheme == "W8A16" else 4}
 
     def check(self, loaded, config) -> list[str]:
         if self.format == "awq" and loaded.recipe.model.dtype == "float32":

@@ -27,7 +27,7 @@ from llmcompressor.logger import support_log_once
 from loguru import logger as _loguru
 
 from quantbench.core import logs
-from quantbench.quantize import Inputs, ProduceFootprint, Produced, calibration_card, group_size_problem
+from quantbench.quantize import Backend, Inputs, ProduceFootprint, Produced, calibration_card, group_size_problem
 from quantbench.recipe import (
     AutoRoundSpec,
     AWQSpec,
@@ -73,7 +73,16 @@ MIXED = (GPTQSpec, RTNSpec, AutoRoundSpec, SpinQuantSpec)  # the specs with `lay
 KV_CACHE_SCHEMES = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
 
 
-class LLMCompressorBackend:
+# recipe scheme -> (weights' type, bits, input activations' type or None), as the checkpoint's config says
+SCHEME_TYPES = {
+    "W4A16": ("int", 4, None),
+    "W8A16": ("int", 8, None),
+    "W8A8": ("int", 8, "int"),
+    "FP8_DYNAMIC": ("float", 8, "float"),
+}
+
+
+class LLMCompressorBackend(Backend):
     """llm-compressor's oneshot on the loaded base model, in place; saved compressed."""
 
     engine = "llm-compressor"
@@ -91,6 +100,26 @@ class LLMCompressorBackend:
     def __init__(self, spec: GPTQSpec | AWQSpec | RTNSpec | AutoRoundSpec | SpinQuantSpec | FP8Spec | SmoothQuantSpec):
         self.spec = spec
         self.calibrates = not isinstance(spec, (FP8Spec, RTNSpec)) or spec.kv_cache is not None
+        self.mixes_per_layer = isinstance(spec, MIXED)
+
+    def quantization_config(self) -> dict:
+        """compressed-tensors' config sketched from the scheme: weight type and bits, dynamic input
+        activations, the storage format (integer weights packed when weight-only), the KV cache's
+        scheme (tests/helpers.assert_sketched holds it to what llm-compressor writes)."""
+        weights, bits, activations = SCHEME_TYPES[self.spec.scheme]
+        group = {
+            "weights": {"type": weights, "num_bits": bits},
+            "input_activations": {"type": activations, "num_bits": 8} if activations else None,
+        }
+        packed = activations is None and weights == "int"  # weight-only integer weights are packed
+        quant = {
+            "quant_method": "compressed-tensors",
+            "config_groups": {"group_0": group},
+            "format": "pack-quantized" if packed else f"{weights}-quantized",
+        }
+        if getattr(self.spec, "kv_cache", None):
+            quant["kv_cache_scheme"] = {"type": "float", "num_bits": 8}
+        return quant
 
     def check(self, loaded, config) -> list[str]:
         if isinstance(self.spec, MIXED) and self.spec.layers:
@@ -103,9 +132,6 @@ class LLMCompressorBackend:
         return (group_size_problem(loaded, config, group_size) if group_size else []) + rotation_problems(
             loaded, config
         )
-
-    def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
-        return {}
 
     def weight_bits(self, hidden: int) -> float:
         """Stored bits per quantized weight, scales included (a layer of `hidden` inputs and outputs)."""
