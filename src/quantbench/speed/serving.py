@@ -232,7 +232,7 @@ def openai_measurer(
     sweep: SweepRates | None = None,
     prefix_texts: list[str] | None = None,
     prefix_cache: bool | None = None,
-):
+) -> OpenAIMeasurer:
     """Backends openai and serve: one repetition = a streamed request per prompt length, one per
     long-context length (with the server's peak memory during it), then each load level with the
     longest prompts (concurrency levels, request rates, then the profile's sweep: synchronous,
@@ -241,118 +241,160 @@ def openai_measurer(
     `prefix_texts`: the prefix workload's prompts (`prefix_cache`). `prefix_cache`: every request
     asks for the server's prefix cache on (True) or off (False), where the engine turns it on and
     off per request; None leaves the server's default."""
-    plain = (engine or engines.get("openai")).request_body
-    per_request = prefix_cache is not None and engine is not None and engine.prefix_cache is None
+    return OpenAIMeasurer(url, model, tokenizer, profile, server_pid, engine, sweep, prefix_texts, prefix_cache)
 
-    def request_body(model: str, text: str, tokens: int) -> dict:
-        body = plain(model, text, tokens)
-        return engine.with_prefix_cache(body, bool(prefix_cache)) if per_request else body  # type: ignore[union-attr]
 
-    spec = profile.sweep if sweep is not None else None
+class OpenAIMeasurer:
+    """One repetition of a profile through an OpenAI-compatible server: called with the prompt
+    sets (token ids by length) and the repetition's index, it returns the repetition's figures
+    (openai_measurer says what it measures). Each step is a method; a repetition's prompts are
+    drawn in turn from the longest length's set (`_take`)."""
 
-    def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        tokenizer,
+        profile,
+        server_pid: int | None,
+        engine: ServingEngine | None,
+        sweep: SweepRates | None,
+        prefix_texts: list[str] | None,
+        prefix_cache: bool | None,
+    ):
+        self.url, self.model, self.tokenizer, self.profile = url, model, tokenizer, profile
+        self.server_pid, self.engine, self.sweep = server_pid, engine, sweep
+        self.prefix_texts, self.prefix_cache = prefix_texts, prefix_cache
+        self.plain = (engine or engines.get("openai")).request_body
+        self.per_request = prefix_cache is not None and engine is not None and engine.prefix_cache is None
+        self.spec = profile.sweep if sweep is not None else None
+        self.rows: list[list[int]] = []  # this repetition's longest prompts, and where it is in them
+        self.cursor = 0
+
+    def __call__(self, prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
         out: dict[str, float] = {}
         try:
-            return measure_into(prompt_sets, rep, out)
+            return self.measure_into(prompt_sets, rep, out)
         except Exception as exc:  # the server fell over mid-repetition: keep what this one measured
             raise RepetitionFailed(exc, out) from exc
 
-    def draft_counts(client) -> tuple[int, int] | None:
-        return engine.draft_counts(url, client) if engine is not None else None
+    def request_body(self, text: str, tokens: int) -> dict:
+        body = self.plain(self.model, text, tokens)
+        return self.engine.with_prefix_cache(body, bool(self.prefix_cache)) if self.per_request else body  # type: ignore[union-attr]
 
-    def acceptance(before: tuple[int, int] | None, client) -> float | None:
+    def draft_counts(self, client) -> tuple[int, int] | None:
+        return self.engine.draft_counts(self.url, client) if self.engine is not None else None
+
+    def acceptance(self, before: tuple[int, int] | None, client) -> float | None:
         """The share of draft tokens accepted since `before` (the engine's own counters)."""
-        after = draft_counts(client) if before is not None else None
+        after = self.draft_counts(client) if before is not None else None
         if before is None or after is None or after[0] == before[0]:
             return None
         return (after[1] - before[1]) / (after[0] - before[0])
 
-    def measure_into(prompt_sets: dict[int, list[list[int]]], rep: int, out: dict[str, float]) -> dict[str, float]:
-        longest = max(profile.prompt_tokens)
-        rows = prompt_sets[longest]
-        cursor = rep * profile.prompts_per_repetition  # this repetition's own prompts, one per request
+    def _take(self, count: int) -> list[list[int]]:
+        """The next `count` of this repetition's own prompts, one per request."""
+        self.cursor += count
+        return [self.rows[(self.cursor - count + i) % len(self.rows)] for i in range(count)]
 
-        def take(count: int) -> list[list[int]]:
-            nonlocal cursor
-            cursor += count
-            return [rows[(cursor - count + i) % len(rows)] for i in range(count)]
-
-        with PeakRSS(server_pid, tree=True) as mem, http_client() as client:
-            for length in profile.prompt_tokens:
-                prompt = take(1)[0] if length == longest else prompt_sets[length][rep % len(prompt_sets[length])]
-                body = request_body(model, tokenizer.decode(prompt), profile.output_tokens)
-                before = draft_counts(client)
-                s = stream_one(url, body, client)
-                if s.drafted is None and (share := acceptance(before, client)) is not None:
-                    out[f"p{length}/spec_acceptance"] = share
-                out[f"p{length}/ttft_ms"] = s.ttft * 1000
-                out[f"p{length}/e2e_ms"] = s.e2e * 1000
-                out[f"p{length}/prefill_tok_s"] = length / s.ttft
-                if s.decode_tok_s:
-                    out[f"p{length}/decode_tok_s"] = s.decode_tok_s
-                    out[f"p{length}/itl_ms"] = statistics.median(s.gaps) * 1000
-                if s.drafted and s.drafted[0]:
-                    out[f"p{length}/spec_acceptance"] = s.drafted[1] / s.drafted[0]
-            for length in profile.context_tokens:  # long context: one request per length
-                body = request_body(
-                    model, tokenizer.decode(prompt_sets[length][rep % len(prompt_sets[length])]), profile.output_tokens
-                )
-                with PeakRSS(server_pid, tree=True) if server_pid is not None else nullcontext() as peak:
-                    s = stream_one(url, body, client)
-                out[f"ctx{length}/ttft_ms_p50"] = s.ttft * 1000
-                if s.decode_tok_s:
-                    out[f"ctx{length}/decode_tok_s"] = s.decode_tok_s
-                    out[f"ctx{length}/itl_ms_p50"] = statistics.median(s.gaps) * 1000
-                if peak is not None:
-                    out[f"ctx{length}/peak_mem_mb"] = peak.peak / 2**20
-            swept = {1, spec.requests} if spec else set()
-            levels = [(n, None, profile.level_requests(n)) for n in profile.concurrency if n not in swept]
-            levels += [(None, r, profile.level_requests(None)) for r in profile.request_rates]
-            if spec and sweep is not None:  # synchronous, all at once, then the rates (after the warm-up)
-                levels += [(1, None, spec.requests), (spec.requests, None, spec.requests)]
-                levels += [(None, r, spec.requests) for r in sweep.rates]
-
-            def level_at(n: int | None, rate: float | None, count: int) -> dict[str, float]:
-                bodies = [request_body(model, tokenizer.decode(p), profile.output_tokens) for p in take(count)]
-                before = draft_counts(client)
-                level = load_level(
-                    url,
-                    bodies,
-                    concurrency=n,
-                    rate=rate,
-                    seed=profile.seed + rep,
-                    client=client,
-                    arrivals=spec.arrivals if spec else "poisson",
-                    trim=spec.trim if spec else 0.0,
-                    slo=profile.slo,
-                )
-                if "spec_acceptance" not in level and (share := acceptance(before, client)) is not None:
-                    level["spec_acceptance"] = share
-                return level
-
-            for n, rate, count in levels:
-                out.update({f"{level_name(n, rate)}/{k}": v for k, v in level_at(n, rate, count).items()})
-            if spec and sweep is not None and profile.slo and sweep.rates:
-                hold, miss = slo_bracket(out, sweep.rates, spec.requests)
-                if spec.refine and hold > 0 and miss is not None:
-                    hold, miss = refine_slo_rate(
-                        hold,
-                        miss,
-                        spec.refine,
-                        lambda r: bool(level_at(None, r, spec.requests).get("slo_held")),
-                        f"{model.rsplit('/', 1)[-1]}, repetition {rep + 1 - profile.warmup}",
-                    )
-                out["slo_rate_rps"] = hold
-            if prefix_texts:
-                assert engine is not None  # prepare() refuses a prefix workload without an engine that offers it
-                out.update(prefix_cache_ttft(url, [plain(model, t, 2) for t in prefix_texts], engine, client))
+    def measure_into(
+        self, prompt_sets: dict[int, list[list[int]]], rep: int, out: dict[str, float]
+    ) -> dict[str, float]:
+        profile, spec, sweep = self.profile, self.spec, self.sweep
+        self.rows = prompt_sets[max(profile.prompt_tokens)]
+        self.cursor = rep * profile.prompts_per_repetition
+        with PeakRSS(self.server_pid, tree=True) as mem, http_client() as client:
+            self._prompt_lengths(prompt_sets, rep, client, out)
+            self._long_context(prompt_sets, rep, client, out)
+            self._load_levels(rep, client, out)
+            if self.prefix_texts:
+                assert self.engine is not None  # prepare() refuses a prefix workload without an engine that offers it
+                bodies = [self.plain(self.model, t, 2) for t in self.prefix_texts]
+                out.update(prefix_cache_ttft(self.url, bodies, self.engine, client))
             if spec and sweep is not None:
                 out["max_rate_rps"] = out[f"c{spec.requests}/requests_s"]
-        if server_pid is not None:
+        if self.server_pid is not None:
             out["peak_mem_mb"] = mem.peak / 2**20
         return out
 
-    return run
+    def _prompt_lengths(self, prompt_sets: dict[int, list[list[int]]], rep: int, client, out: dict[str, float]) -> None:
+        """A streamed request per prompt length: TTFT, end to end, prefill and decode rates."""
+        profile = self.profile
+        longest = max(profile.prompt_tokens)
+        for length in profile.prompt_tokens:
+            prompt = self._take(1)[0] if length == longest else prompt_sets[length][rep % len(prompt_sets[length])]
+            body = self.request_body(self.tokenizer.decode(prompt), profile.output_tokens)
+            before = self.draft_counts(client)
+            s = stream_one(self.url, body, client)
+            if s.drafted is None and (share := self.acceptance(before, client)) is not None:
+                out[f"p{length}/spec_acceptance"] = share
+            out[f"p{length}/ttft_ms"] = s.ttft * 1000
+            out[f"p{length}/e2e_ms"] = s.e2e * 1000
+            out[f"p{length}/prefill_tok_s"] = length / s.ttft
+            if s.decode_tok_s:
+                out[f"p{length}/decode_tok_s"] = s.decode_tok_s
+                out[f"p{length}/itl_ms"] = statistics.median(s.gaps) * 1000
+            if s.drafted and s.drafted[0]:
+                out[f"p{length}/spec_acceptance"] = s.drafted[1] / s.drafted[0]
+
+    def _long_context(self, prompt_sets: dict[int, list[list[int]]], rep: int, client, out: dict[str, float]) -> None:
+        """Long context: one request per length, with the server's peak memory during it."""
+        for length in self.profile.context_tokens:
+            text = self.tokenizer.decode(prompt_sets[length][rep % len(prompt_sets[length])])
+            body = self.request_body(text, self.profile.output_tokens)
+            with PeakRSS(self.server_pid, tree=True) if self.server_pid is not None else nullcontext() as peak:
+                s = stream_one(self.url, body, client)
+            out[f"ctx{length}/ttft_ms_p50"] = s.ttft * 1000
+            if s.decode_tok_s:
+                out[f"ctx{length}/decode_tok_s"] = s.decode_tok_s
+                out[f"ctx{length}/itl_ms_p50"] = statistics.median(s.gaps) * 1000
+            if peak is not None:
+                out[f"ctx{length}/peak_mem_mb"] = peak.peak / 2**20
+
+    def _load_levels(self, rep: int, client, out: dict[str, float]) -> None:
+        """Each concurrency level and request rate, then the sweep's (synchronous, all at once, the
+        rates after the warm-up) and the highest rate that held the SLO."""
+        profile, spec, sweep = self.profile, self.spec, self.sweep
+        swept = {1, spec.requests} if spec else set()
+        levels = [(n, None, profile.level_requests(n)) for n in profile.concurrency if n not in swept]
+        levels += [(None, r, profile.level_requests(None)) for r in profile.request_rates]
+        if spec and sweep is not None:
+            levels += [(1, None, spec.requests), (spec.requests, None, spec.requests)]
+            levels += [(None, r, spec.requests) for r in sweep.rates]
+        for n, rate, count in levels:
+            out.update(
+                {f"{level_name(n, rate)}/{k}": v for k, v in self._level_at(n, rate, count, rep, client).items()}
+            )
+        if spec and sweep is not None and profile.slo and sweep.rates:
+            hold, miss = slo_bracket(out, sweep.rates, spec.requests)
+            if spec.refine and hold > 0 and miss is not None:
+                hold, miss = refine_slo_rate(
+                    hold,
+                    miss,
+                    spec.refine,
+                    lambda r: bool(self._level_at(None, r, spec.requests, rep, client).get("slo_held")),
+                    f"{self.model.rsplit('/', 1)[-1]}, repetition {rep + 1 - profile.warmup}",
+                )
+            out["slo_rate_rps"] = hold
+
+    def _level_at(self, n: int | None, rate: float | None, count: int, rep: int, client) -> dict[str, float]:
+        profile, spec = self.profile, self.spec
+        bodies = [self.request_body(self.tokenizer.decode(p), profile.output_tokens) for p in self._take(count)]
+        before = self.draft_counts(client)
+        level = load_level(
+            self.url,
+            bodies,
+            concurrency=n,
+            rate=rate,
+            seed=profile.seed + rep,
+            client=client,
+            arrivals=spec.arrivals if spec else "poisson",
+            trim=spec.trim if spec else 0.0,
+            slo=profile.slo,
+        )
+        if "spec_acceptance" not in level and (share := self.acceptance(before, client)) is not None:
+            level["spec_acceptance"] = share
+        return level
 
 
 def prefix_cache_ttft(url: str, bodies: list[dict], engine: ServingEngine, client) -> dict[str, float]:
