@@ -12,6 +12,7 @@ import platform
 import sys
 from importlib import metadata
 
+from quantbench import engines
 from quantbench.cli.common import common, print_json
 from quantbench.core import hardware
 
@@ -29,8 +30,6 @@ def _line(name: str, available: bool, version: str | None, detail: str) -> dict:
 
 def facts() -> list[dict]:
     import torch
-
-    from quantbench import engines
 
     out = [_line("python", True, platform.python_version(), sys.executable)]
     cuda = torch.cuda.is_available()
@@ -133,14 +132,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    if args.vllm:
-        from quantbench.engines import vllm_env as vllm_engine
-
-        vllm_engine.ensure("make vllm")
-    if args.llamacpp:
-        from quantbench.engines import llamacpp_build
-
-        llamacpp_build.ensure("make llamacpp")
+    for name in ("vllm", "llamacpp"):
+        if getattr(args, name):
+            engines.get(name).ensure(f"make {name}")
     found = facts()
     print(text(found))
     return print_json(args, {"engines": found})
