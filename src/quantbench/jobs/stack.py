@@ -392,6 +392,13 @@ def refusals(config: Config) -> dict[str, bool]:
     }
 
 
+def kv_cache_scored(config: Config) -> bool:
+    """Whether a step's KV-cache type can be served and its quality scored: through llama.cpp, the
+    engine whose own tool (llama-perplexity) scores a model with that cache (vLLM's FP8 KV cache is
+    measured by bench profiles, not by stacks)."""
+    return config.engine == "llamacpp" and config.kv_cache in engines.get(config.engine).kv_cache_types
+
+
 def _apply(config: Config, changes: dict) -> Config:
     """A step's changes on top of the configuration before it: a concurrency without a rate goes
     back to closed loop (N in flight)."""
@@ -591,13 +598,6 @@ def evaluated_against_base(
     plan = stage.prepare(load_suite(suite or DEFAULT_SUITE), tokenizer)
     model = load_model(checkpoint, dtype=hardware.compute_dtype_of(checkpoint))
     return stage.evaluate(model, tokenizer, base, plan, tracker).metrics
-
-
-def kv_cache_scored(config: Config) -> bool:
-    """Whether a step's KV-cache type can be served and its quality scored: through llama.cpp, the
-    engine whose own tool (llama-perplexity) scores a model with that cache (vLLM's FP8 KV cache is
-    measured by bench profiles, not by stacks)."""
-    return config.engine == "llamacpp" and config.kv_cache in engines.get(config.engine).kv_cache_types
 
 
 def kv_cache_quality(
