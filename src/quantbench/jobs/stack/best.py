@@ -5,6 +5,7 @@ multipliers (`run` then measures it against the start).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from quantbench import engines
@@ -30,8 +31,6 @@ def best_subset(
     and whose model passes the policy, predicted as the start's throughput times the kept steps'
     multipliers; the highest prediction wins. Stacks do not simply multiply, so the winner is then
     measured (`run` does it) unless it is one of the steps already measured. None: no subset passes."""
-    import itertools
-
     rows = report["steps"]
     if "throughput_tok_s" not in rows[0]:
         return None

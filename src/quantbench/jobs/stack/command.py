@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import shutil
 import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantbench.core import environment, hardware
 from quantbench.core.errors import UserError
 from quantbench.core.intervals import HIGH, LOW
 from quantbench.jobs.stack.best import best_subset
@@ -30,6 +32,7 @@ from quantbench.jobs.stack.models import (
     resolve_models,
 )
 from quantbench.jobs.stack.schema import Config, Resolved, StackFile, Step, load
+from quantbench.release import gate
 from quantbench.tracking import TAG, Tracker
 
 log = logging.getLogger(__name__)
@@ -58,11 +61,6 @@ def run(
     """Load and check the stack (exit 2 on any problem, before anything runs), run the recipes it
     names that have no run yet, measure every step, log the ledger. `best` (needs a policy): also
     the fastest subset of the steps whose model passes it, measured."""
-    import shutil
-
-    from quantbench.core import environment, hardware
-    from quantbench.release import gate
-
     if best and not policy:
         raise UserError("--best: the fastest stack that passes what? Name the policy too (--policy release)")
     tracker = Tracker(experiment)  # the runs the steps name are looked up while the file is checked

@@ -15,14 +15,14 @@ from pathlib import Path
 from quantbench.core.intervals import ratio_interval
 from quantbench.jobs.stack.measure import StepResult, _profile
 from quantbench.jobs.stack.schema import BASE, Workload
+from quantbench.release import gate
+from quantbench.speed.measure import summarize
 
 
 def ledger(results: list[StepResult], qualities: list[dict | None], workload: Workload) -> dict:
     """Per step: throughput (median), its multiplier over the step before it and the cumulative one
     over the first, each with the interval of its paired rounds; the product of the step multipliers
     against the cumulative one measured directly."""
-    from quantbench.speed.measure import summarize
-
     rows = []
     start = results[0].throughputs
     previous: StepResult | None = None
@@ -101,8 +101,6 @@ def _ratio(values: list[float], against: list[float]) -> tuple[float, list[float
 
 def policy_checks(policy, quality_metrics: dict[str, float]) -> tuple[bool, list[str]]:
     """The policy's quality checks (not its speed, stage or licence ones) on a model's run."""
-    from quantbench.release import gate
-
     try:
         checks = gate.quality_checks(policy, quality_metrics)
     except gate.MissingInterval as exc:

@@ -14,8 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench import engines
+from quantbench.core import hardware
 from quantbench.core.logs import terminal
+from quantbench.engines import ServerSettings
+from quantbench.engines.server import model_server
 from quantbench.jobs.stack.schema import Config, Resolved, StackFile, Workload, adds
+from quantbench.sources import data
+from quantbench.sources.checkpoint import load_model
+from quantbench.speed.measure import Profile, hf_measurer, prompts
+from quantbench.speed.serving import openai_measurer
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +41,6 @@ class StepResult:
 
 
 def _profile(workload: Workload, config: Config):
-    from quantbench.speed.measure import Profile
-
     return Profile(
         prompt_tokens=[workload.prompt_tokens],
         output_tokens=workload.output_tokens,
@@ -52,8 +57,6 @@ def _profile(workload: Workload, config: Config):
 def shared_prefix_prompts(token_ids: list[int], workload: Workload, count: int) -> list[list[int]]:
     """`count` prompts of the workload's length from the evaluation text; with `prefix_tokens`, each
     starts with the same tokens (from a place of their own) and goes on with its own."""
-    from quantbench.speed.measure import prompts
-
     if not workload.prefix_tokens:
         return prompts(token_ids, workload.prompt_tokens, count, workload.seed)
     [shared] = prompts(token_ids, workload.prefix_tokens, 1, workload.seed + 1)
@@ -64,9 +67,6 @@ def shared_prefix_prompts(token_ids: list[int], workload: Workload, count: int) 
 def _hf_load(path: Path, dtype: str, is_base: bool):
     import torch
     from transformers import AutoModelForCausalLM
-
-    from quantbench.core import hardware
-    from quantbench.sources.checkpoint import load_model
 
     if is_base:
         return lambda: AutoModelForCausalLM.from_pretrained(
@@ -82,12 +82,6 @@ def measure(
     stopped at the end whatever happens. A step that fails is marked and left out of later rounds."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
-
-    from quantbench.engines import ServerSettings
-    from quantbench.engines.server import model_server
-    from quantbench.sources import data
-    from quantbench.speed.measure import hf_measurer
-    from quantbench.speed.serving import openai_measurer
 
     workload = stack.workload
     tokenizer = AutoTokenizer.from_pretrained(models_[None].path)

@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from quantbench import engines
+from quantbench.core import hardware
 from quantbench.core.errors import UserError
 from quantbench.core.intervals import HIGH, LOW
+from quantbench.engines import llamacpp
+from quantbench.jobs import pipeline
 from quantbench.jobs.stack.schema import BASE, Config, Resolved, StackFile
-from quantbench.recipe import resolve_recipe_path
+from quantbench.quality import stage
+from quantbench.quality.suite import DEFAULT_SUITE, load_suite
+from quantbench.recipe import load_recipe, resolve_recipe_path
+from quantbench.sources import data, models
+from quantbench.sources.checkpoint import check_loadable, gguf_file, load_model, resolve_target
+from quantbench.sources.models import ResolvedModel
 from quantbench.tracking import TAG, Tracker
-
-if TYPE_CHECKING:
-    from quantbench.sources.models import ResolvedModel
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +48,6 @@ def resolve_models(
     model of the step named by `source:`), run now through the quantize pipeline when there is
     none; a directory as it is. Bad references are refused before any recipe runs; the recipes
     then run in step order (a student before the recipe that quantizes it)."""
-    from quantbench.jobs import pipeline
-    from quantbench.recipe import load_recipe
-    from quantbench.sources import models
-    from quantbench.sources.checkpoint import check_loadable, resolve_target
-
     base = models.resolve(stack.base, field="base", experiment=experiment)
     found: dict[str | None, Resolved] = {None: Resolved(base.path, label=models.short_name(stack.base))}
     found[BASE] = found[None]
@@ -116,8 +115,6 @@ def _source_of(config: Config, found: dict[str | None, Resolved], base: str) -> 
 
 
 def _from_run(run_id: str, tracker: Tracker, ref: str, base: str) -> Resolved:
-    from quantbench.sources.checkpoint import check_loadable, resolve_target
-
     target = resolve_target(run_id, tracker, None)
     check_loadable(target.checkpoint)
     run = tracker.get(run_id, ref)
@@ -149,9 +146,6 @@ def _scoring_inputs(base: Path, workdir: Path) -> tuple[str, Path, Path]:
     held-out text, the base's F16 file, and the log both write to."""
     from transformers import AutoTokenizer
 
-    from quantbench.engines import llamacpp
-    from quantbench.sources import data
-
     tokenizer = AutoTokenizer.from_pretrained(base)
     ids = tokenizer(data.python_docs("evaluation"))["input_ids"][:CHAIN_TOKENS]
     log_path = workdir / AGAINST_BASE_LOG
@@ -164,9 +158,6 @@ def against_base(models_: dict[str | None, Resolved], workdir: Path, base: Resol
     through llama.cpp (llama-perplexity's KL divergence against the base's F16 file, on
     CHAIN_TOKENS of the held-out text); any other through transformers, evaluated with the suite
     its run used (`evaluated_against_base`)."""
-    from quantbench.engines import llamacpp
-    from quantbench.sources.checkpoint import gguf_file
-
     chained = [r for r in models_.values() if r.base is not None]
     if not chained:
         return
@@ -203,11 +194,6 @@ def evaluated_against_base(
     the stack's ledger, never into the checkpoint's own run."""
     from transformers import AutoTokenizer
 
-    from quantbench.core import hardware
-    from quantbench.quality import stage
-    from quantbench.quality.suite import DEFAULT_SUITE, load_suite
-    from quantbench.sources.checkpoint import load_model
-
     tokenizer = AutoTokenizer.from_pretrained(base.path)
     plan = stage.prepare(load_suite(suite or DEFAULT_SUITE), tokenizer)
     model = load_model(checkpoint, dtype=hardware.compute_dtype_of(checkpoint))
@@ -221,9 +207,6 @@ def kv_cache_quality(
     its model so served, scored against the base through llama.cpp (llama-perplexity's KL divergence
     with that KV-cache type against the base's F16 file with its 16-bit one, on CHAIN_TOKENS of the
     held-out text). {(model key, type): quality figure, or None where it cannot be scored}."""
-    from quantbench.engines import llamacpp
-    from quantbench.sources.checkpoint import gguf_file
-
     wanted = sorted({(c.model_key, c.kv_cache) for c in steps if c.kv_cache}, key=str)
     if not wanted:
         return {}
@@ -284,8 +267,6 @@ def check_engines(stack: StackFile, steps: list[Config], models_: dict[str | Non
 def _tokenizers_differ(paths: list[str], base: Path) -> set[str]:
     """The models that do not read the prompts as the base does (other token ids for a sample)."""
     from transformers import AutoTokenizer
-
-    from quantbench.sources import data
 
     if not paths:
         return set()

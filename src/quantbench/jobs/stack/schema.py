@@ -27,6 +27,7 @@ from quantbench import engines
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.recipe import DEFAULT_MODEL, CheckedFile, Strict, check_file, named_path, resolve_recipe_path
 from quantbench.sources.checkpoint import RUN_ID
+from quantbench.speed.serving import level_name
 from quantbench.tracking import Tracker, tracking_uri
 
 ENGINE_NAMES = ("hf", "transformers", "vllm", "llamacpp")  # the engines a step can name
@@ -118,8 +119,6 @@ class Config:
     @property
     def level(self) -> str:
         """The load level the step is measured at: c8 (8 in flight) or r4 (4 requests/s)."""
-        from quantbench.speed.serving import level_name
-
         return level_name(self.concurrency, self.rate)
 
     @property
