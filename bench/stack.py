@@ -36,14 +36,14 @@ def main() -> None:
 
     from quantbench.core import hardware
     from quantbench.core.logs import configure_console
-    from quantbench.jobs import stack
+    from quantbench.jobs.stack import command, ledger
 
     configure_console()
-    outcome = stack.run(
+    outcome = command.run(
         args.stack, policy=args.policy, best=True, experiment=args.experiment, outputs=Path(args.outputs)
     )
     report = outcome.report
-    print(stack.table(report))
+    print(ledger.table(report))
     rows = report["steps"]
     measured = [r for r in rows if "cumulative" in r]
     direct, product = report.get("direct"), report.get("product")

@@ -11,7 +11,8 @@ LATIN1 = "quantize:\n  method: fp8\ndescription: café\n".encode("latin-1")
 
 
 def _load(kind: str, path):
-    from quantbench.jobs import stack, sweep
+    from quantbench.jobs import sweep
+    from quantbench.jobs.stack import schema
     from quantbench.quality.suite import load_suite
     from quantbench.recipe import load_recipe
     from quantbench.release.gate import load_policy
@@ -19,7 +20,7 @@ def _load(kind: str, path):
 
     return {
         "recipe": lambda: load_recipe(path),
-        "stack": lambda: stack.load(str(path)),
+        "stack": lambda: schema.load(str(path)),
         "sweep": lambda: sweep.load_sweep(str(path)),
         "suite": lambda: load_suite(path.stem),
         "profile": lambda: load_profile(path.stem),

@@ -59,7 +59,8 @@ def test_a_bad_stack_is_refused_with_every_problem_and_nothing_written(workdir, 
 
 
 def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny_model_dir, capsys):
-    from quantbench.jobs import stack
+    from quantbench.core.errors import UserError
+    from quantbench.jobs.stack import schema
 
     write_stack(workdir, "src", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
                 "  - {name: start, engine: hf, source: later}\n"             # the first step has nothing before it
@@ -85,17 +86,17 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
                 "  - {name: student, model: run:0123456789abcdef0123456789abcdef}\n"
                 "  - {name: student-int4, model: recipe:tiny-gptq, source: student}\n"
                 "  - {name: again, model: recipe:tiny-gptq, source: student}\n")  # fmt: skip
-    with pytest.raises(stack.UserError) as refused:
-        stack.load("ok")
+    with pytest.raises(UserError) as refused:
+        schema.load("ok")
     assert refused.value.problems == [
         "stacks/ok.yaml: steps.4 (again, line 13): model: recipe:tiny-gptq is what the steps before it already use; "
         "a step must add something"
     ]
     write_stack(workdir, "ok", (workdir / "stacks" / "ok.yaml").read_text().rsplit("  - {name: again", 1)[0])
-    _, configs = stack.load("ok")
+    _, configs = schema.load("ok")
     assert [c.model_key for c in configs] == [None, "recipe:tiny-gptq", "run:0123456789abcdef0123456789abcdef",
                                               "recipe:tiny-gptq@run:0123456789abcdef0123456789abcdef"]
-    assert stack.adds(stack.load("ok")[0].steps[3], 3) == "model recipe:tiny-gptq of student"
+    assert schema.adds(schema.load("ok")[0].steps[3], 3) == "model recipe:tiny-gptq of student"
     # a draft: an earlier step's name stands for its model; only an engine that drafts takes one
     write_stack(workdir, "drafts", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
                 "  - {name: start, engine: hf}\n"
@@ -104,8 +105,8 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
                 f"  - {{name: same, draft: {tiny_model_dir}}}\n"
                 "  - {name: back, engine: hf}\n"            # the draft kept, on an engine that takes none
                 "  - {name: more, concurrency: 2}\n")  # fmt: skip
-    with pytest.raises(stack.UserError) as refused:
-        stack.load("drafts")
+    with pytest.raises(UserError) as refused:
+        schema.load("drafts")
     assert refused.value.problems == [
         f"stacks/drafts.yaml: steps.3 (same, line 12): draft: {tiny_model_dir} is what the steps before it already "
         "use; a step must add something",
@@ -120,8 +121,8 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
                 "  - {name: kv-here, kv_cache: q8_0}\n"
                 "  - {name: server, engine: llamacpp}\n"           # takes q8_0
                 "  - {name: kv-odd, kv_cache: q9_0}\n")  # fmt: skip
-    with pytest.raises(stack.UserError) as refused:
-        stack.load("kv")
+    with pytest.raises(UserError) as refused:
+        schema.load("kv")
     why = "; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...: its quality is scored with llama.cpp's tools)"
     assert refused.value.problems == [
         "stacks/kv.yaml: steps.1 (kv-here, line 10): kv_cache q8_0: in-process transformers generate takes no KV-cache type "
@@ -133,21 +134,23 @@ def test_a_source_must_name_an_earlier_model_step_of_a_recipe_step(workdir, tiny
     write_stack(workdir, "kvv", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
                 "  - {name: start, engine: hf}\n"
                 "  - {name: vllm, engine: vllm, kv_cache: fp8}\n")  # fmt: skip
-    with pytest.raises(stack.UserError) as refused:
-        stack.load("kvv")
+    with pytest.raises(UserError) as refused:
+        schema.load("kvv")
     assert refused.value.problems == ["stacks/kvv.yaml: steps.1 (vllm, line 10): kv_cache fp8: vLLM takes fp8, fp8_e4m3, fp8_e5m2" + why]
 
 
 def test_rate_and_prefix_cache_steps_need_a_server_and_a_shared_prefix(workdir, tiny_model_dir, capsys):
-    from quantbench.jobs import stack
+    from quantbench.core.errors import UserError
+    from quantbench.jobs.stack import schema
+    from quantbench.jobs.stack.measure import shared_prefix_prompts
 
     write_stack(workdir, "load", f"base: {tiny_model_dir}\n{WORKLOAD}steps:\n"
                 "  - {name: start, engine: hf}\n"
                 "  - {name: arrivals, rate: 2}\n"                 # open loop in-process: no server
                 "  - {name: cached, prefix_cache: true}\n"        # no prefix cache in-process, nor a shared prefix
                 "  - {name: server, engine: llamacpp}\n")  # fmt: skip
-    with pytest.raises(stack.UserError) as refused:
-        stack.load("load")
+    with pytest.raises(UserError) as refused:
+        schema.load("load")
     assert refused.value.problems == [
         "stacks/load.yaml: steps.1 (arrivals, line 10): rate 2: requests arriving at a rate need a server; in-process "
         "transformers generate runs in-process (one batched generate)",
@@ -169,28 +172,28 @@ def test_rate_and_prefix_cache_steps_need_a_server_and_a_shared_prefix(workdir, 
                 "  - {name: cached, prefix_cache: true}\n"
                 "  - {name: arrivals, rate: 2.5}\n"
                 "  - {name: closed, concurrency: 8}\n")  # fmt: skip
-    loaded, configs = stack.load("ok")
+    loaded, configs = schema.load("ok")
     assert [(c.concurrency, c.rate, c.prefix_cache, c.level) for c in configs] == [
         (1, None, False, "c1"), (4, None, False, "c4"), (4, None, True, "c4"), (4, 2.5, True, "r2.5"),
         (8, None, True, "c8")]  # fmt: skip
-    assert stack.adds(loaded.steps[3], 3) == "rate 2.5/s" and stack.adds(loaded.steps[2], 2) == "prefix cache on"
+    assert schema.adds(loaded.steps[3], 3) == "rate 2.5/s" and schema.adds(loaded.steps[2], 2) == "prefix cache on"
     # every prompt starts with the same 12 tokens and goes on with 4 of its own
     ids = list(range(1000))
-    rows = stack.shared_prefix_prompts(ids, loaded.workload, 6)
+    rows = shared_prefix_prompts(ids, loaded.workload, 6)
     assert all(len(r) == 16 and r[:12] == rows[0][:12] for r in rows)
     assert len({tuple(r[12:]) for r in rows}) == 6
-    assert len({tuple(r[:12]) for r in stack.shared_prefix_prompts(ids, stack.Workload(prompt_tokens=16), 6)}) == 6
+    assert len({tuple(r[:12]) for r in shared_prefix_prompts(ids, schema.Workload(prompt_tokens=16), 6)}) == 6
 
 
 def test_every_shipped_stack_loads(monkeypatch):
-    from quantbench.jobs import stack
+    from quantbench.jobs.stack import schema
 
     repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(repo)
     shipped = sorted((repo / "stacks").glob("*.yaml"))
     assert shipped
     for path in shipped:
-        loaded, configs = stack.load(path.stem)
+        loaded, configs = schema.load(path.stem)
         assert len(configs) == len(loaded.steps) and configs[0].engine == "hf"
 
 

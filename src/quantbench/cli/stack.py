@@ -39,11 +39,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from quantbench.jobs import stack
+    from quantbench.jobs.stack import command, ledger
 
     result = run_stage(
         "stack",
-        stack.run,
+        command.run,
         args.stack,
         policy=args.policy,
         best=args.best,
@@ -52,7 +52,7 @@ def run(args) -> int:
     )
     if result is None:
         return 1
-    print(stack.table(result.report))
+    print(ledger.table(result.report))
     from quantbench.release import verdict
 
     model_run = verdict.stack_model_run(result.run_id, experiment=args.experiment)
