@@ -119,8 +119,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from quantbench.tune import search as tune
     from quantbench.tune import sensitivity
+    from quantbench.tune.plan import Request
 
-    request = tune.Request(
+    request = Request(
         policy=args.policy,
         bits=args.bits,
         max_size_mb=args.max_size_mb,
