@@ -10,9 +10,10 @@ from quantbench.core.errors import UserError
 from quantbench.recipe import schemes
 from quantbench.release.gate import Bound
 from quantbench.tune import allocate
+from quantbench.tune.candidates import Candidate
 from quantbench.tune.patterns import targets
 from quantbench.tune.plan import Request
-from quantbench.tune.search import Candidate, Search, _beyond_bits, answer
+from quantbench.tune.search import Search, _beyond_bits, answer
 from quantbench.tune.sensitivity import Sensitivity, Settings, Unit
 
 
