@@ -27,7 +27,7 @@ import json
 import tempfile
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 
@@ -37,7 +37,6 @@ from quantbench.core.files import atomic_write, canonical_sha
 from quantbench.core.intervals import pareto
 from quantbench.recipe import (
     LoadedRecipe,
-    load_recipe,
     recipes_dir,
 )
 from quantbench.release import gate
@@ -46,6 +45,7 @@ from quantbench.tracking import TAG, Tracker
 from quantbench.tune import allocate, cost, sensitivity
 from quantbench.tune.candidates import Candidate, write_recipe
 from quantbench.tune.plan import Plan, Request, prepare
+from quantbench.tune.quantize_jobs import QuantizeJob, run_quantize_jobs
 
 log = logging.getLogger(__name__)
 
@@ -53,62 +53,6 @@ TOLERANCE_BITS = 0.05  # the search stops when passing and failing candidates ar
 TOLERANCE_MS = 0.01  # ... or, searching on predicted decode time, this close as a share of it
 # Checks more bits cannot fix: the search bisects on the others (quality), the answer reports all.
 NOT_QUALITY = ("run status", "licence", "checkpoint on disk")
-CANDIDATE_TIMEOUT_S = 6 * 3600  # one candidate's quantize + evaluate + bench, at most
-
-
-@dataclass
-class QuantizeJob:
-    name: str
-    recipe: Path
-    log: Path
-    tags: dict[str, str]
-
-
-@dataclass
-class JobOutcome:
-    job: QuantizeJob
-    exit_code: int | None
-    result: dict | None  # the child's --json summary
-    wall_s: float
-    reason: str = ""
-
-
-def run_quantize_jobs(
-    jobs: list[QuantizeJob], *, executor, tracker: Tracker, outputs: Path, parent: str | None, concurrency: int = 1
-) -> list[JobOutcome]:
-    """Run `quantbench quantize RECIPE --json` for each job through the sweep's attempt loop
-    (`executor.Runner`), up to `concurrency` at once: here as a child process, or on a Ray node
-    (`executor`), each child's run carrying `job.tags` and the parent run id, its output into
-    `job.log`'s directory. One attempt each (a candidate that fails is a measured outcome, not
-    retried). Ctrl-C or SIGTERM stops every attempt in flight (its run ends KILLED) and propagates."""
-    from quantbench.jobs.executor import Job, Limits, Runner
-
-    if not jobs:
-        return []
-    tasks = []
-    for job in jobs:
-        job.log.parent.mkdir(parents=True, exist_ok=True)
-        tasks.append(
-            Job(job.name, str(job.recipe), [], job.name, tags=job.tags, resources=load_recipe(job.recipe).resources())
-        )
-    runner = Runner(
-        executor,
-        Limits(timeout_s=CANDIDATE_TIMEOUT_S, retries=0, backoff_s=0, concurrency=concurrency),
-        tracker=tracker,
-        experiment=tracker.experiment,
-        outputs=outputs,
-        logs=jobs[0].log.parent,
-        parent=parent,
-        label="tune",
-    )
-    runner.run(tasks)
-    outcomes = []
-    for job, task in zip(jobs, tasks):
-        attempt = task.attempts[-1]
-        Path(attempt["log"]).replace(job.log)  # the candidate's log where the tune's state names it
-        result = {"run_id": task.run_id, "metrics": task.metrics} if task.status == "finished" else None
-        outcomes.append(JobOutcome(job, attempt.get("exit"), result, task.wall_s, task.reason))
-    return outcomes
 
 
 def problem(plan: Plan, sens: sensitivity.Sensitivity, costs: cost.CostTable | None = None) -> allocate.Problem:
