@@ -33,7 +33,7 @@ from pathlib import Path
 
 from quantbench.core import tables
 from quantbench.core.errors import UserError
-from quantbench.core.files import atomic_write, canonical_sha
+from quantbench.core.files import canonical_sha
 from quantbench.core.intervals import pareto
 from quantbench.recipe import (
     LoadedRecipe,
@@ -46,6 +46,7 @@ from quantbench.tune import allocate, cost, sensitivity
 from quantbench.tune.candidates import Candidate, write_recipe
 from quantbench.tune.plan import Plan, Request, prepare
 from quantbench.tune.quantize_jobs import QuantizeJob, run_quantize_jobs
+from quantbench.tune.state import read_state, tune_lock, write_state
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +355,7 @@ class Search:
     def _save(self, status: str = "") -> None:
         self.state["candidates"] = [asdict(c) for c in self.candidates]
         self.state["status"] = status
-        _write_state(self.plan.directory, self.state)
+        write_state(self.plan.directory, self.state)
 
 
 def _beyond_bits(check: str) -> bool:
@@ -370,22 +371,6 @@ def _same(alloc: allocate.Allocation, cand: Candidate) -> bool:
         abs(alloc.bits_per_weight - cand.bits_per_weight) < 1e-9
         and abs(alloc.predicted_kld - cand.predicted_kld) < 1e-12
     )
-
-
-def _read_state(directory: Path) -> dict:
-    path = directory / "state.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _write_state(directory: Path, state: dict) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    atomic_write(directory / "state.json", json.dumps(state, indent=2, default=str))
-
-
-def _lock(directory: Path):
-    from quantbench.core.processes import hold_lock
-
-    return hold_lock(directory, "this tune")
 
 
 def shipped_references(tracker: Tracker, base_fingerprint: str, gguf: bool | None = None) -> list:
@@ -553,7 +538,7 @@ def run(request: Request, *, outputs: Path = Path("outputs"), experiment: str | 
         tracker = Tracker(experiment)
         if request.ray is not None:
             executor.check_store(tracker)
-        lock = _lock(plan.directory)
+        lock = tune_lock(plan.directory)
         try:
             return _run(plan, tracker, outputs, executor)
         finally:
@@ -592,7 +577,7 @@ def _rounding(plan: Plan, folder: Path):
 
 def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
     request = plan.request
-    state = _read_state(plan.directory)
+    state = read_state(plan.directory)
     # candidates left RUNNING by a tune that died (this tune holds its lock now)
     tracker.fail_orphans({TAG + "tune": plan.tune_id, TAG + "role": "candidate"}, "tune")
     with tempfile.TemporaryDirectory(prefix="quantbench-rounding-") as tmp:
@@ -662,7 +647,7 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
         "candidates": [],
         "status": "",
     }
-    _write_state(plan.directory, state)
+    write_state(plan.directory, state)
     with run_:
         if not resumed:
             run_.log_params(
@@ -723,7 +708,7 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
             )
         run_.log_metrics({k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))})
         state["status"] = "done"
-        _write_state(plan.directory, state)
+        write_state(plan.directory, state)
     return summary
 
 
