@@ -11,9 +11,10 @@ from quantbench.recipe import schemes
 from quantbench.release.gate import Bound
 from quantbench.tune import allocate
 from quantbench.tune.candidates import Candidate
+from quantbench.tune.frontier import answer
 from quantbench.tune.patterns import targets
 from quantbench.tune.plan import Request
-from quantbench.tune.search import Search, _beyond_bits, answer
+from quantbench.tune.search import Search, _beyond_bits
 from quantbench.tune.sensitivity import Sensitivity, Settings, Unit
 
 
