@@ -152,7 +152,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     allocate.check_fits({n: s[0] for n, s in stuck.items()}, names, base.source)
     # the templates' own group sizes do not matter (each candidate gets its schemes); what the
     # method needs of the model's shapes does (SpinQuant's rotation sizes)
-    from quantbench.quantize.llmcompressor import rotation_problems
+    from quantbench.quantize.llmcompressor import rotation_problems  # not at the top: it imports llmcompressor (12 s)
 
     problems = [p for t in (template, *alternatives) for p in rotation_problems(t, config)]
     if problems:
