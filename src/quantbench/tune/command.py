@@ -1,14 +1,15 @@
 """`quantbench tune --policy NAME`: the smallest checkpoint that passes a policy, by per-layer
 mixed precision.
 
-    prepare (policy, schemes, template recipe, model shapes, budget: nothing written)
+    prepare (plan.py: policy, schemes, template recipe, model shapes, budget: nothing written)
     -> sensitivity (sensitivity.py: stored once per base model, schemes and calibration text)
     -> allocate a scheme per unit under a budget (allocate.py: least predicted KLD)
-    -> write the allocation as a real recipe file, run it as a `quantbench quantize` child process
-       (quantize, reload check, evaluate, bench, like any other run) under a `quantbench.role=tune`
-       parent run
-    -> search the budget: bisection on the *measured* verdict of the policy's quality checks
-    -> gate the answer with the policy (a pass moves the alias, as `quantbench gate` does)
+    -> write the allocation as a real recipe file (candidates.py), run it as a `quantbench quantize`
+       child process (quantize_jobs.py: quantize, reload check, evaluate, bench, like any other run)
+       under a `quantbench.role=tune` parent run
+    -> search the budget (search.py): bisection on the *measured* verdict of the policy's quality checks
+    -> gate the answer with the policy (frontier.py chooses it; a pass moves the alias, as
+       `quantbench gate` does)
 
 With `--bits` or `--max-size-mb` the budget is given and one candidate is made. Without, the
 search starts where the predicted KLD meets the policy's KLD limit (scaled by what the last
