@@ -34,7 +34,7 @@ def main() -> None:
     from quantbench.recipe import available_recipes
     from quantbench.sources import models
     from quantbench.tracking import TAG, Tracker
-    from quantbench.tune.search import shipped_references
+    from quantbench.tune.frontier import shipped_references
 
     tracker = Tracker(args.experiment)
     base = models.resolve(args.model)

@@ -1,4 +1,4 @@
-"""Bit allocation (allocate.py), the budget search's decisions (tune.Search) on a stand-in for
+"""Bit allocation (allocate.py), the budget search's decisions (search.py's Search) on a stand-in for
 measuring, and the compact layer targets a tuned recipe is written with."""
 
 import itertools
@@ -10,8 +10,11 @@ from quantbench.core.errors import UserError
 from quantbench.recipe import schemes
 from quantbench.release.gate import Bound
 from quantbench.tune import allocate
-from quantbench.tune import search as tune
+from quantbench.tune.candidates import Candidate
+from quantbench.tune.frontier import answer
 from quantbench.tune.patterns import targets
+from quantbench.tune.plan import Request
+from quantbench.tune.search import Search, _beyond_bits
 from quantbench.tune.sensitivity import Sensitivity, Settings, Unit
 
 
@@ -95,7 +98,7 @@ def test_compact_targets_select_exactly_the_layers_they_were_made_from():
     assert sorted(n for n, s in assigned.items() if s == "W8A8") == sorted(chosen)  # block 1 is not block 10 or 11
 
 
-class StandIn(tune.Search):
+class StandIn(Search):
     """The search's decisions with measuring replaced: a candidate passes when its bits per weight
     reach `needed`; its measured KLD is the prediction times `scale`."""
 
@@ -104,7 +107,7 @@ class StandIn(tune.Search):
         self.problem = allocate.problem(sens, sens.schemes, 16, 0.0)
         self.candidates, self.allocations, self.templates, self.rounds = [], {}, [], []
         policy = type("P", (), {"max": {"quality/kld_mean": limit}})
-        request = tune.Request("x", budget_runs=runs, parallel=parallel)
+        request = Request("x", budget_runs=runs, parallel=parallel)
         self.plan = type("Plan", (), {"request": request, "alternatives": list(alternatives),
                                       "policy": type("L", (), {"policy": policy})})
 
@@ -116,11 +119,11 @@ class StandIn(tune.Search):
         self.allocations[f"sha{len(self.candidates)}"] = alloc
         self.templates.append(template)
         passed = alloc.bits_per_weight >= self.needed
-        cand = tune.Candidate(f"c{len(self.candidates)}", "r", f"sha{len(self.candidates)}", budget_bits, alloc.predicted_kld, alloc.size_mb, alloc.bits_per_weight,
-                              alloc.counts(), run_id="run", status="finished",
-                              metrics={"quality/kld_mean": alloc.predicted_kld * self.scale * (0.5 if template else 1),
-                                       "model/size_mb": alloc.size_mb}, checks=[{"passed": passed}],
-                              passed=passed, quality_passed=passed)
+        cand = Candidate(f"c{len(self.candidates)}", "r", f"sha{len(self.candidates)}", budget_bits, alloc.predicted_kld, alloc.size_mb, alloc.bits_per_weight,
+                         alloc.counts(), run_id="run", status="finished",
+                         metrics={"quality/kld_mean": alloc.predicted_kld * self.scale * (0.5 if template else 1),
+                                  "model/size_mb": alloc.size_mb}, checks=[{"passed": passed}],
+                         passed=passed, quality_passed=passed)
         self.candidates.append(cand)
         return cand
 
@@ -185,24 +188,24 @@ def candidate(name, size, kld, top1, speed):
               {"check": "quality/top1_agreement", "value": top1, "threshold": ">= 0.85", "passed": top1 >= 0.85},
               {"check": "speedup/decode_tok_s", "value": speed, "threshold": ">= 1.0", "passed": speed >= 1.0}]
     passed = all(c["passed"] for c in checks)
-    quality = all(c["passed"] for c in checks if not tune._beyond_bits(c["check"]))
-    return tune.Candidate(name, name + ".yaml", "sha", 0, 0, 0, 0, {}, run_id=name, status="finished",
-                          metrics={"model/size_mb": size, "quality/kld_mean": kld}, checks=checks, passed=passed,
-                          quality_passed=quality)
+    quality = all(c["passed"] for c in checks if not _beyond_bits(c["check"]))
+    return Candidate(name, name + ".yaml", "sha", 0, 0, 0, 0, {}, run_id=name, status="finished",
+                     metrics={"model/size_mb": size, "quality/kld_mean": kld}, checks=checks, passed=passed,
+                     quality_passed=quality)
 
 
 def test_the_answer_is_the_smallest_pass_or_names_each_unmet_check_with_the_closest_value():
     a, b, c = candidate("a", 100, 0.2, 0.80, 1.2), candidate("b", 120, 0.09, 0.86, 1.1), candidate("c", 140, 0.05, 0.9, 1.0)
-    best, unmet = tune.answer([a, b, c])
+    best, unmet = answer([a, b, c])
     assert best is b and unmet == []  # the smallest that passes
     slow = [candidate("a", 100, 0.2, 0.80, 0.7), candidate("b", 120, 0.09, 0.84, 0.9), candidate("c", 140, 0.12, 0.83, 0.8)]
-    best, unmet = tune.answer(slow)
+    best, unmet = answer(slow)
     # nothing passes; quality passes nowhere either: the fewest failed checks, then the lowest KLD
     assert best.name == "b"
     assert unmet == [{"check": "quality/top1_agreement", "threshold": ">= 0.85", "closest": {"value": 0.84, "run_id": "b", "name": "b"}},
                      {"check": "speedup/decode_tok_s", "threshold": ">= 1.0", "closest": {"value": 0.9, "run_id": "b", "name": "b"}}]
     quality_ok = [candidate("a", 100, 0.2, 0.80, 0.7), candidate("b", 120, 0.09, 0.86, 0.9), candidate("c", 140, 0.05, 0.9, 0.8)]
-    best, unmet = tune.answer(quality_ok)
+    best, unmet = answer(quality_ok)
     assert best.name == "b" and [u["check"] for u in unmet] == ["speedup/decode_tok_s"]  # speed: bits cannot buy it
 
 
@@ -210,9 +213,9 @@ def test_other_templates_make_the_chosen_allocation_and_the_better_one_is_the_an
     autoround = type("Loaded", (), {"name": "autoround-w4a16", "recipe": type("R", (), {"quantize": type("Q", (), {"method": "autoround"})})})
     search = StandIn(many_units(), needed=6.0, scale=2.0, runs=4, limit=0.05, alternatives=[autoround])
     search.budgets()
-    chosen, _ = tune.answer(search.candidates)
+    chosen, _ = answer(search.candidates)
     search.alternatives()
     extra = search.candidates[-1]
     assert search.templates[-1] is autoround and search.templates[:-1] == [None] * (len(search.candidates) - 1)
     assert extra.bits_per_weight == chosen.bits_per_weight  # the same allocation, another method
-    assert tune.answer(search.candidates)[0] is extra  # same size, lower KLD
+    assert answer(search.candidates)[0] is extra  # same size, lower KLD

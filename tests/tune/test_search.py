@@ -76,7 +76,7 @@ def test_bad_input_exits_2_and_writes_nothing(args, message, setup, tiny_model_d
 def test_an_interrupted_tune_leaves_no_lock_behind(setup, monkeypatch, capsys):
     """Ctrl-C or SIGTERM while the tune holds its directory's lock: exit 130 and the lock file is
     gone with the lock (the next run of the same tune, or `ls`, finds nothing left)."""
-    from quantbench.tune import search
+    from quantbench.tune import command
 
     held = []
 
@@ -84,7 +84,7 @@ def test_an_interrupted_tune_leaves_no_lock_behind(setup, monkeypatch, capsys):
         held.append(sorted(p.name for p in plan.directory.iterdir()))
         raise KeyboardInterrupt("signal 15")
 
-    monkeypatch.setattr(search, "_run", interrupted)
+    monkeypatch.setattr(command, "_run", interrupted)
     assert main(tune_args("loose")) == 130
     assert held == [["lock"]]  # it was held while the tune ran
     assert not list((setup / "outputs" / "tune").glob("*/lock"))

@@ -117,10 +117,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from quantbench.tune import search as tune
-    from quantbench.tune import sensitivity
+    from quantbench.tune import command, sensitivity
+    from quantbench.tune.plan import Request
 
-    request = tune.Request(
+    request = Request(
         policy=args.policy,
         bits=args.bits,
         max_size_mb=args.max_size_mb,
@@ -136,10 +136,10 @@ def run(args) -> int:
         ray=args.ray,
         parallel=args.parallel,
     )
-    result = run_stage("tune", tune.run, request, outputs=args.outputs, experiment=args.experiment)
+    result = run_stage("tune", command.run, request, outputs=args.outputs, experiment=args.experiment)
     if result is None:
         return 1
-    print(tune.text(result))
+    print(command.text(result))
     if result.get("best_run"):  # the answer's verdict under the tune's policy (its gate already ran)
         from quantbench.release import verdict
 

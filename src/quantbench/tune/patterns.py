@@ -1,5 +1,5 @@
 """Compact patterns for sets of layer or tensor names: the tune's mixed-precision candidates name
-their layers as llm-compressor targets (tune/search.py) and as llama-quantize patterns (tune/gguf.py)."""
+their layers as llm-compressor targets (tune/candidates.py) and as llama-quantize patterns (tune/gguf.py)."""
 
 from __future__ import annotations
 
