@@ -423,7 +423,7 @@ def resolve_models(
     model of the step named by `source:`), run now through the quantize pipeline when there is
     none; a directory as it is. Bad references are refused before any recipe runs; the recipes
     then run in step order (a student before the recipe that quantizes it)."""
-    from quantbench.jobs import pipeline
+    from quantbench.jobs import pipeline, prepare
     from quantbench.recipe import load_recipe
     from quantbench.sources import models
     from quantbench.sources.checkpoint import check_loadable, resolve_target
@@ -453,7 +453,7 @@ def resolve_models(
             else:
                 try:
                     loaded = load_recipe(resolve_recipe_path(name))
-                    problems += [f"model {ref}: {p}" for p in pipeline.check_without_model(loaded, experiment)]
+                    problems += [f"model {ref}: {p}" for p in prepare.check_without_model(loaded, experiment)]
                 except UserError as exc:
                     problems += [f"model {ref}: {p}" for p in exc.problems]
                 pending.append(config)
