@@ -55,7 +55,8 @@ from quantbench import engines
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.intervals import HIGH, LOW, ratio_interval
 from quantbench.core.logs import terminal
-from quantbench.recipe import DEFAULT_MODEL, CheckedFile, Strict, check_file, named_path, resolve_recipe_path
+from quantbench.recipe import DEFAULT_MODEL, CheckedFile, check_file, named_path, resolve_recipe_path
+from quantbench.recipe.common import Strict
 from quantbench.sources.checkpoint import RUN_ID
 from quantbench.tracking import TAG, Tracker, tracking_uri
 

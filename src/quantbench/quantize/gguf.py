@@ -20,7 +20,7 @@ from quantbench.core.errors import UserError
 from quantbench.engines import llamacpp
 from quantbench.engines import llamacpp_build as build
 from quantbench.quantize import CHILD_RUNTIME, LLAMACPP_RUNTIME, Inputs, ProduceFootprint, Produced, calibration_card
-from quantbench.recipe import GGUFSpec
+from quantbench.recipe.methods import GGUFSpec
 from quantbench.sources.checkpoint import gguf_tensors
 from quantbench.sources.models import source_gguf
 

@@ -37,13 +37,13 @@ from quantbench.core.errors import UserError
 from quantbench.core.files import atomic_write, canonical_sha
 from quantbench.core.intervals import pareto
 from quantbench.recipe import (
-    GGUF_TYPES,
     LoadedRecipe,
     load_recipe,
     recipes_dir,
     resolve_recipe_path,
     schemes,
 )
+from quantbench.recipe.methods import GGUF_TYPES
 from quantbench.release import gate
 from quantbench.sources import models
 from quantbench.sources.checkpoint import linear_layers, skeleton
