@@ -35,7 +35,7 @@ def main() -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from quantbench.core.measures import compare, reference
-        from quantbench.jobs import pipeline
+        from quantbench.jobs import existing, pipeline
         from quantbench.sources import data, models
 
         made = pipeline.quantize("fp8-dynamic", overrides=("evaluate=null",), outputs=Path(tmp) / "outputs", experiment="bench")
@@ -71,10 +71,10 @@ def main() -> None:
 
         del base_model
         t0 = time.perf_counter()
-        first = pipeline.evaluate(made.run_id, suite=args.suite, experiment="bench")
+        first = existing.evaluate(made.run_id, suite=args.suite, experiment="bench")
         scratch = time.perf_counter() - t0
         t0 = time.perf_counter()
-        second = pipeline.evaluate(made.run_id, suite=args.suite, experiment="bench")
+        second = existing.evaluate(made.run_id, suite=args.suite, experiment="bench")
         cached = time.perf_counter() - t0
         assert not first.evaluation.baseline_reused and second.evaluation.baseline_reused
         print(f"\n2. evaluate with suite {args.suite}")

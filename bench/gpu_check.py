@@ -40,7 +40,8 @@ from quantbench.core.measures import compare, reference
 from quantbench.quality import stage as evaluate_stage
 from quantbench.quality.suite import load_suite
 from quantbench.quantize.llmcompressor import LLMCompressorBackend
-from quantbench.recipe import AWQSpec, FP8Spec, RTNSpec, load_recipe, resolve_recipe_path
+from quantbench.recipe import load_recipe, resolve_recipe_path
+from quantbench.recipe.methods import AWQSpec, FP8Spec, RTNSpec
 from quantbench.sources import data, models
 from quantbench.sources.checkpoint import load_model, weights_size_mb
 

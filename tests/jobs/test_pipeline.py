@@ -163,7 +163,7 @@ def test_reload_check_rejects_a_checkpoint_that_reloads_broken(workdir, tiny_mod
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantbench.core.measures import perplexity
-    from quantbench.jobs.pipeline import prepare
+    from quantbench.jobs.prepare import prepare
     from quantbench.quality.check import CheckpointCheckFailed, reload_check
 
     write_recipe(workdir, "fp8", tiny_recipe(tiny_model_dir, METHODS["fp8"][0]))
@@ -325,7 +325,7 @@ def test_every_window_starts_as_the_tokenizer_encodes(asks_for_bos, workdir, tin
 
     from transformers import AutoTokenizer
 
-    from quantbench.jobs.pipeline import prepare
+    from quantbench.jobs.prepare import prepare
     from quantbench.quality import stage
     from quantbench.quality.suite import load_suite
     from quantbench.sources import data
@@ -394,7 +394,7 @@ def test_a_base_that_is_itself_quantized_is_said_tagged_and_marked_in_compare(wo
     """A GGUF below 16 bits given as the base (issue: a Q4_K_M file's own Q4_K_M scored KLD 0.0009
     against it, true against the de-quantized file and misleading against the model the user means):
     said at the start, tagged on the run, marked in compare; a float GGUF is none of that."""
-    from quantbench.jobs.pipeline import base_tags, candidate_type
+    from quantbench.jobs.prepare import base_tags, candidate_type
     from quantbench.recipe import load_recipe
     from quantbench.release import compare
     from quantbench.sources import models

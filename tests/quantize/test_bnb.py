@@ -54,7 +54,7 @@ def test_save_before_forward_trap(tmp_path, tiny128_model_dir):
 
     from quantbench.core import hardware
     from quantbench.quantize.bnb import BnbBackend
-    from quantbench.recipe import BnbSpec
+    from quantbench.recipe.methods import BnbSpec
 
     backend = BnbBackend(BnbSpec(method="bnb", scheme="NF4"))
     ids = torch.randint(3, 512, (1, 48), generator=torch.Generator().manual_seed(0))

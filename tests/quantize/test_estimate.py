@@ -7,7 +7,7 @@ import pytest
 
 from quantbench.cli import main
 from quantbench.quantize import estimate
-from quantbench.recipe import AutoRoundSpec, AWQSpec, DistillSpec, FP8Spec, GPTQSpec
+from quantbench.recipe.methods import AutoRoundSpec, AWQSpec, DistillSpec, FP8Spec, GPTQSpec
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 

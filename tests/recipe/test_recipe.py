@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from quantbench.core.errors import UserError
-from quantbench.recipe import AWQSpec, GPTQSpec, load_recipe, resolve_recipe_path
+from quantbench.recipe import load_recipe, resolve_recipe_path
+from quantbench.recipe.methods import AWQSpec, GPTQSpec
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -54,13 +54,13 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from quantbench.cli import report
-    from quantbench.jobs import pipeline
+    from quantbench.jobs import existing
 
     if args.draft:
         if args.backend not in (None, "hf"):
             raise UserError("--draft measures in-process (transformers assisted generation); drop --backend")
         result = run_stage(
-            "bench", pipeline.speculative, args.draft, args.target, profile=args.profile, experiment=args.experiment
+            "bench", existing.speculative, args.draft, args.target, profile=args.profile, experiment=args.experiment
         )
         if result is None:
             return 1
@@ -71,7 +71,7 @@ def run(args) -> int:
         endpoints = (args.endpoint, args.base_endpoint) if args.backend == "openai" else None
         result = run_stage(
             "bench",
-            pipeline.bench,
+            existing.bench,
             args.target,
             profile=args.profile,
             backend=args.backend or "auto",

@@ -36,11 +36,11 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from quantbench.cli import report
-    from quantbench.jobs import pipeline
+    from quantbench.jobs import existing
 
     result = run_stage(
         "evaluate",
-        pipeline.evaluate,
+        existing.evaluate,
         args.target,
         suite=args.suite,
         base=args.base,

@@ -44,12 +44,12 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from quantbench.cli import report
-    from quantbench.jobs import pipeline
+    from quantbench.jobs import pipeline, prepare
 
     if args.plan:
         found = run_stage(
             "quantize --plan",
-            pipeline.plan_only,
+            prepare.plan_only,
             args.recipe,
             overrides=tuple(args.overrides),
             outputs=args.outputs,

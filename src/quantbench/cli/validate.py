@@ -40,7 +40,7 @@ def run(args) -> int:
         except UserError as exc:
             loaded, found = None, exc.problems
         if loaded is not None and not args.no_model:
-            from quantbench.jobs.pipeline import check_without_model
+            from quantbench.jobs.prepare import check_without_model
 
             found = found + check_without_model(loaded, args.experiment, invalid)
         if found:

@@ -37,11 +37,11 @@ from quantbench.jobs.executor import HISTORY, Executor, Job, Limits, Runner
 from quantbench.recipe import (
     CheckedFile,
     ResourcesSpec,
-    Strict,
     check_file,
     load_recipe,
     resolve_recipe_path,
 )
+from quantbench.recipe.common import Strict
 from quantbench.tracking import TAG, Tracker
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,8 @@ from pydantic import Field, PositiveInt, field_validator
 
 from quantbench.core.files import canonical_sha
 from quantbench.quality.tasks import OFFLINE_TASKS, SUITE_VERSION
-from quantbench.recipe import Strict, load_named
+from quantbench.recipe import load_named
+from quantbench.recipe.common import Strict
 
 DEFAULT_SUITE = "default"
 # What the baseline run stores (per-item task values, the out-of-domain reference): bump when it

@@ -17,7 +17,7 @@ import bitsandbytes  # noqa: F401  (a missing package fails here, named by the r
 import torch
 
 from quantbench.quantize import Backend, Inputs, Produced, recipe_layers
-from quantbench.recipe import BnbSpec
+from quantbench.recipe.methods import BnbSpec
 
 # bitsandbytes 0.50's 4-bit CPU kernels repack weights in blocks of 64 input features (the
 # quantization block size) on the first forward; other widths crash there, so check first.

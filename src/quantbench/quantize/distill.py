@@ -25,7 +25,8 @@ import transformers
 from quantbench.core.errors import UserError
 from quantbench.core.logs import relay
 from quantbench.quantize import Backend, Inputs, Produced
-from quantbench.recipe import DistillSpec, short
+from quantbench.recipe import short
+from quantbench.recipe.methods import DistillSpec
 from quantbench.sources import data, models
 from quantbench.sources.checkpoint import vocab_mismatch
 from quantbench.tracking import TAG

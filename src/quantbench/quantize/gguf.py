@@ -28,7 +28,7 @@ from quantbench.quantize import (
     Produced,
     calibration_card,
 )
-from quantbench.recipe import GGUFSpec
+from quantbench.recipe.methods import GGUFSpec
 from quantbench.sources.checkpoint import gguf_tensors
 from quantbench.sources.models import source_gguf
 

@@ -39,7 +39,7 @@ from quantbench.quantize import (
     group_size_problem,
     recipe_layers,
 )
-from quantbench.recipe import AWQSpec, GPTQSpec
+from quantbench.recipe.methods import AWQSpec, GPTQSpec
 
 if importlib.util.find_spec("gptqmodel") is None:  # named by the registry; the package is imported by the child only
     raise ModuleNotFoundError("No module named 'gptqmodel'", name="gptqmodel")

@@ -28,7 +28,8 @@ from loguru import logger as _loguru
 
 from quantbench.core import logs
 from quantbench.quantize import Backend, Inputs, ProduceFootprint, Produced, calibration_card, group_size_problem
-from quantbench.recipe import (
+from quantbench.recipe import schemes
+from quantbench.recipe.methods import (
     AutoRoundSpec,
     AWQSpec,
     FP8Spec,
@@ -36,7 +37,6 @@ from quantbench.recipe import (
     RTNSpec,
     SmoothQuantSpec,
     SpinQuantSpec,
-    schemes,
 )
 from quantbench.sources.shapes import BYTES
 

@@ -32,7 +32,8 @@ from quantbench import metrics as catalogue
 from quantbench.core import intervals, tables
 from quantbench.core.errors import UserError
 from quantbench.core.files import canonical_sha
-from quantbench.recipe import Strict, load_named
+from quantbench.recipe import load_named
+from quantbench.recipe.common import Strict
 from quantbench.release import names
 from quantbench.sources import models
 from quantbench.sources.checkpoint import ARTIFACT, RUN_ID, upload

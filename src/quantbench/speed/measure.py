@@ -38,7 +38,8 @@ from quantbench.core.errors import UserError
 from quantbench.core.intervals import pct
 from quantbench.core.logs import terminal
 from quantbench.core.processes import PeakRSS
-from quantbench.recipe import Strict, load_named
+from quantbench.recipe import load_named
+from quantbench.recipe.common import Strict
 
 DEFAULT_PROFILE = "cpu-smoke"
 LEVEL = re.compile(r"c\d+|r[0-9.]+")  # a load level's sample prefix: c4, r0.5

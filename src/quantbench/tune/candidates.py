@@ -9,7 +9,8 @@ from pathlib import Path
 import yaml
 
 from quantbench.core.files import atomic_write
-from quantbench.recipe import GGUF_TYPES, LoadedRecipe, load_recipe, schemes
+from quantbench.recipe import LoadedRecipe, load_recipe, schemes
+from quantbench.recipe.methods import GGUF_TYPES
 from quantbench.tune import allocate, sensitivity
 from quantbench.tune import gguf as gguf_tune
 from quantbench.tune.patterns import targets

@@ -18,7 +18,7 @@ from quantbench.core import hardware
 from quantbench.core.errors import UserError
 from quantbench.core.intervals import HIGH, LOW
 from quantbench.engines import llamacpp
-from quantbench.jobs import pipeline
+from quantbench.jobs import pipeline, prepare
 from quantbench.jobs.stack.schema import BASE, Config, Resolved, StackFile
 from quantbench.quality import stage
 from quantbench.quality.suite import DEFAULT_SUITE, load_suite
@@ -73,7 +73,7 @@ def resolve_models(
             else:
                 try:
                     loaded = load_recipe(resolve_recipe_path(name))
-                    problems += [f"model {ref}: {p}" for p in pipeline.check_without_model(loaded, experiment)]
+                    problems += [f"model {ref}: {p}" for p in prepare.check_without_model(loaded, experiment)]
                 except UserError as exc:
                     problems += [f"model {ref}: {p}" for p in exc.problems]
                 pending.append(config)

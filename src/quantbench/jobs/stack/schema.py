@@ -25,7 +25,8 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_va
 
 from quantbench import engines
 from quantbench.core.errors import UserError, did_you_mean
-from quantbench.recipe import DEFAULT_MODEL, CheckedFile, Strict, check_file, named_path, resolve_recipe_path
+from quantbench.recipe import DEFAULT_MODEL, CheckedFile, check_file, named_path, resolve_recipe_path
+from quantbench.recipe.common import Strict
 from quantbench.sources.checkpoint import RUN_ID
 from quantbench.speed.serving import level_name
 from quantbench.tracking import Tracker, tracking_uri
