@@ -11,6 +11,7 @@ from quantbench.core.errors import UserError
 from quantbench.core.files import canonical_sha
 from quantbench.engines import llamacpp
 from quantbench.engines import llamacpp_build as build
+from quantbench.quantize import make_backend
 from quantbench.recipe import LoadedRecipe, load_recipe, resolve_recipe_path, schemes
 from quantbench.release import gate
 from quantbench.sources import models
@@ -20,7 +21,6 @@ from quantbench.tune import gguf as gguf_tune
 
 DEFAULT_TEMPLATE = "gptq-w4a16"
 DEFAULT_GGUF_TEMPLATE = "gguf-q4_0"
-MIXED_METHODS = ("gptq", "rtn", "autoround", "spinquant", "gguf")
 
 
 @dataclass
@@ -204,10 +204,11 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
 def _template(name: str) -> LoadedRecipe:
     loaded = load_recipe(resolve_recipe_path(name))
     spec = loaded.recipe.quantize
-    if spec.method not in MIXED_METHODS or getattr(spec, "format", "compressed-tensors") != "compressed-tensors":
+    if not make_backend(spec).mixes_per_layer:  # the quantizer says (its module is imported now)
         raise UserError(
             f"--from {name}: method {spec.method} cannot take per-layer schemes; a tune needs a "
-            f"recipe of method {', '.join(MIXED_METHODS)} (compressed-tensors, or gguf for llama.cpp)"
+            "recipe whose quantizer takes a scheme per layer (e.g. gptq-w4a16, a method: rtn recipe in "
+            "compressed-tensors, or gguf-q4_0 for llama.cpp)"
         )
     return loaded
 
