@@ -203,7 +203,7 @@ def test_schema_errors_and_unknown_references_name_the_file_and_field(workdir, t
     assert main(["stack", "schema"]) == 2
     err = capsys.readouterr().err
     assert "stacks/schema.yaml: workload.repetitions (line 3): Input should be greater than or equal to 3" in err
-    assert "stacks/schema.yaml: steps.0.engine (line 5): unknown engine 'trt'. Available: hf, transformers" in err
+    assert "stacks/schema.yaml: steps.0.engine (line 5): unknown engine 'trt'. Available: vllm, transformers, llamacpp, hf" in err
     assert "stacks/schema.yaml: steps.1.concurrency (line 6): Input should be greater than 0" in err
     assert main(["stack", "nosuch"]) == 2
     assert "stack: unknown stack 'nosuch'" in capsys.readouterr().err

@@ -81,6 +81,15 @@ class ServingEngine:
     kv_cache_types: ClassVar[tuple[str, ...]] = ()
     # a server's own resident memory besides its weights and KV cache (a job's memory plan)
     runtime_bytes: ClassVar[int] = 2**30
+    # the dtypes it can be asked to serve a model in (a stack step's `dtype:`); None: any
+    dtypes: ClassVar[tuple[str, ...] | None] = None
+    # its own tools score a model's quality when served with one of its smaller KV-cache types (a
+    # stack's kv_cache step); else a KV-cache type is measured for speed only
+    scores_kv_cache: ClassVar[bool] = False
+    # `quantbench tune --engine NAME`: the checkpoint format whose per-layer types a tune chooses for
+    # it and the recipe it starts from by default; None: a tune chooses no types for it
+    tune_format: ClassVar[str | None] = None
+    tune_template: ClassVar[str | None] = None
 
     @property
     def tag_name(self) -> str:
@@ -228,6 +237,22 @@ def get(name: str, field: str = "--backend") -> ServingEngine:
 
 def every() -> list[ServingEngine]:
     return [get(n) for n in ENGINES]
+
+
+def local() -> list[str]:
+    """The engines that run here, a server or in process (not a user's own endpoint): what a stack
+    step may name, in the registry's order."""
+    return [e.name for e in every() if e.kind != "endpoint"]
+
+
+def tunable() -> list[ServingEngine]:
+    """The engines a tune chooses per-layer types for (`tune --engine`)."""
+    return [e for e in every() if e.tune_template is not None]
+
+
+def in_process() -> str:
+    """The engine that measures in this process (no server)."""
+    return next(e.name for e in every() if e.kind == "in-process")
 
 
 def scoring() -> list[str]:

@@ -57,6 +57,9 @@ class LlamaServer(ServingEngine):
     prefix_cache = None  # the request's cache_prompt; each response's timings count the prompt tokens computed
     # llama-server --cache-type-k/-v (a quantized V cache needs flash attention, turned on with it)
     kv_cache_types = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "iq4_nl", "q4_1", "q4_0")
+    dtypes = ("auto", "float16")  # a GGUF file is served in its own types (a 16-bit base as F16)
+    scores_kv_cache = True  # llama-perplexity scores a model with the KV-cache type it serves it with
+    tune_format, tune_template = "gguf", "gguf-q4_0"  # llama-quantize's type per tensor
     health_timeout_s = 120.0  # loading a GGUF is seconds; a first build happens before, in ensure()
     runtime_bytes = int(0.15 * 2**30)  # llama-server besides the file it maps and its KV cache
 

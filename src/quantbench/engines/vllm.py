@@ -29,6 +29,7 @@ class VLLM(ServingEngine):
     prefix_cache = None
     # --kv-cache-dtype: 8-bit floating point K and V (vLLM's CPU attention too, on AVX-512: kv_cache_unfit)
     kv_cache_types = ("fp8", "fp8_e4m3", "fp8_e5m2")
+    tune_format, tune_template = "compressed-tensors", "gptq-w4a16"  # a scheme per fused set of layers
     # --speculative-config with a draft model (vLLM-CPU too, since its C++ spec-decode kernels); the
     # acceptance from its Prometheus counters (draft_counts)
     drafts = None

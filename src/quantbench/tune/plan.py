@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from quantbench import engines
 from quantbench.core.errors import UserError
 from quantbench.core.files import canonical_sha
 from quantbench.engines import llamacpp
@@ -20,7 +21,6 @@ from quantbench.tune import allocate, sensitivity
 from quantbench.tune import gguf as gguf_tune
 
 DEFAULT_TEMPLATE = "gptq-w4a16"
-DEFAULT_GGUF_TEMPLATE = "gguf-q4_0"
 
 
 @dataclass
@@ -78,21 +78,19 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
 
     _check_numbers(request)
     policy = gate.load_policy(request.policy)
-    if request.engine not in (None, "vllm", "llamacpp"):
-        raise UserError(f"--engine: '{request.engine}'; a tune chooses types for vllm or llamacpp")
+    tunable = {e.name: e for e in engines.tunable()}
+    if request.engine is not None and request.engine not in tunable:
+        raise UserError(f"--engine: '{request.engine}'; a tune chooses types for {' or '.join(tunable)}")
+    engine = tunable[request.engine] if request.engine is not None else None
     if request.template is None:
-        request.template = DEFAULT_GGUF_TEMPLATE if request.engine == "llamacpp" else DEFAULT_TEMPLATE
+        request.template = engine.tune_template if engine is not None else DEFAULT_TEMPLATE
     template, *alternatives = [_template(name) for name in [request.template, *request.alternatives]]
     spec = template.recipe.quantize
     gguf = spec.method == "gguf"
-    if request.engine is not None and gguf != (request.engine == "llamacpp"):
+    if engine is not None and make_backend(spec).format != engine.tune_format:
         raise UserError(
-            f"--engine {request.engine}: --from {template.name} is a {spec.method} recipe; "
-            + (
-                "llama.cpp types need a method: gguf recipe (e.g. gguf-q4_0)"
-                if not gguf
-                else "a vLLM tune needs a compressed-tensors recipe (e.g. gptq-w4a16)"
-            )
+            f"--engine {request.engine}: --from {template.name} is a {spec.method} recipe; a {engine.label} tune "
+            f"needs a {engine.tune_format} recipe (e.g. {engine.tune_template})"
         )
     if request.schemes is None:
         request.schemes = list(schemes.DEFAULT_GGUF_TUNE_TYPES if gguf else schemes.DEFAULT_TUNE_SCHEMES)

@@ -92,7 +92,7 @@ def measure(
     # the workload's shared prefix; steps on different servers (or in-process) share the prompts
     most = max(_profile(workload, c).prompts_per_repetition for c in steps) * rounds
     block = [
-        0 if c.engine == "hf" else [x.server_key() for x in steps[:i]].count(c.server_key())
+        0 if engines.get(c.engine).kind == "in-process" else [x.server_key() for x in steps[:i]].count(c.server_key())
         for i, c in enumerate(steps)
     ]
     drawn = shared_prefix_prompts(ids, workload, most * (max(block) + 1))
@@ -104,7 +104,7 @@ def measure(
         for i, config in enumerate(steps):
             resolved = models_[config.model_key]
             profile = _profile(workload, config)
-            if config.engine == "hf":
+            if engines.get(config.engine).kind == "in-process":
                 measurers[i] = hf_measurer(_hf_load(resolved.path, config.dtype, config.model is None), profile)
                 continue
             key = config.server_key()

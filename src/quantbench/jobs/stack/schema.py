@@ -31,7 +31,6 @@ from quantbench.sources.checkpoint import RUN_ID
 from quantbench.speed.serving import level_name
 from quantbench.tracking import Tracker, tracking_uri
 
-ENGINE_NAMES = ("hf", "transformers", "vllm", "llamacpp")  # the engines a step can name
 # what a step can change
 KNOBS = ("engine", "dtype", "model", "concurrency", "rate", "draft", "kv_cache", "prefix_cache")
 BASE = "<base>"  # a draft that is the base model (a step serving the base named as the draft)
@@ -91,8 +90,8 @@ class Step(Strict):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, value: str | None) -> str | None:
-        if value is not None and value not in ENGINE_NAMES:
-            raise ValueError(f"unknown engine '{value}'. Available: {', '.join(ENGINE_NAMES)}")
+        if value is not None and value not in engines.local():
+            raise ValueError(f"unknown engine '{value}'. Available: {', '.join(engines.local())}")
         return value
 
 
@@ -196,7 +195,7 @@ def configs(stack: StackFile, checked: CheckedFile, tracker: Tracker | None = No
     if first.model is not None:
         say(0, _model_problem(at(0, "model"), "model", first.model, tracker))
     current = Config(
-        first.engine or "hf",
+        first.engine or engines.in_process(),
         first.dtype or "auto",
         first.model,
         first.concurrency or 1,
@@ -271,7 +270,7 @@ def configs(stack: StackFile, checked: CheckedFile, tracker: Tracker | None = No
             say(
                 i,
                 f"{at(i, 'draft')}: draft: speculative decoding through {engine.label}: {engine.drafts}; a draft step "
-                "needs engine " + " or ".join(n for n in ENGINE_NAMES if engines.get(n).drafts is None),
+                "needs engine " + " or ".join(n for n in engines.local() if engines.get(n).drafts is None),
             )
         if "kv_cache" in refused:
             offered = engine.kv_cache_types
@@ -279,8 +278,13 @@ def configs(stack: StackFile, checked: CheckedFile, tracker: Tracker | None = No
                 i,
                 f"{at(i, 'kv_cache')}: kv_cache {config.kv_cache}: {engine.label} "
                 + (f"takes {', '.join(offered)}" if offered else "takes no KV-cache type through quantbench")
-                + "; a kv_cache step needs engine llamacpp (q8_0, q4_0, ...: its quality is scored with "
-                "llama.cpp's tools)",
+                + "; a kv_cache step needs engine "
+                + " or ".join(
+                    f"{e.name} ({_largest_and_smallest(e.kv_cache_types)}, ...: its quality is scored with "
+                    f"{e.label}'s tools)"
+                    for e in engines.every()
+                    if e.scores_kv_cache
+                ),
             )
         if "rate" in refused:
             say(
@@ -292,7 +296,7 @@ def configs(stack: StackFile, checked: CheckedFile, tracker: Tracker | None = No
             say(
                 i,
                 f"{at(i, 'prefix_cache')}: prefix_cache: {engine.label} {engine.prefix_cache}; a prefix_cache step "
-                "needs engine " + " or ".join(n for n in ENGINE_NAMES if engines.get(n).prefix_cache is None),
+                "needs engine " + " or ".join(n for n in engines.local() if engines.get(n).prefix_cache is None),
             )
         if stack.steps[i].prefix_cache and not stack.workload.prefix_tokens and workload_given:
             say(
@@ -344,15 +348,22 @@ def refusals(config: Config) -> dict[str, bool]:
         "kv_cache": config.kv_cache is not None and not kv_cache_scored(config),
         "rate": config.rate is not None and engine.kind == "in-process",
         "prefix_cache": config.prefix_cache and engine.prefix_cache is not None,
-        "dtype": config.engine == "llamacpp" and config.dtype not in ("auto", "float16"),
+        "dtype": engine.dtypes is not None and config.dtype not in engine.dtypes,
     }
+
+
+def _largest_and_smallest(types: tuple[str, ...]) -> str:
+    """An engine's smaller KV-cache types, the largest and the smallest (its list runs largest first)."""
+    smaller = [t for t in types if t not in ("f16", "bf16", "float16", "bfloat16")]
+    return ", ".join(dict.fromkeys([smaller[0], smaller[-1]])) if smaller else "none"
 
 
 def kv_cache_scored(config: Config) -> bool:
     """Whether a step's KV-cache type can be served and its quality scored: through llama.cpp, the
     engine whose own tool (llama-perplexity) scores a model with that cache (vLLM's FP8 KV cache is
     measured by bench profiles, not by stacks)."""
-    return config.engine == "llamacpp" and config.kv_cache in engines.get(config.engine).kv_cache_types
+    engine = engines.get(config.engine)
+    return engine.scores_kv_cache and config.kv_cache in engine.kv_cache_types
 
 
 def _apply(config: Config, changes: dict) -> Config:
