@@ -193,10 +193,42 @@ class _Costs:
 
 
 def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> JobResult:
-    spec, loaded, backend = job.loaded.recipe, job.loaded, job.backend
-    q = spec.quantize
+    """The run's steps in order: the record of what runs, the base's baseline, produce, the reload
+    check, evaluate, bench, and the checkpoint put in place."""
     names = ["produce", "reload check"] + ["evaluate"] * bool(job.evaluation) + ["bench"] * bool(job.bench)
     step = _Steps(names)
+    _record_start(job, run, where)
+    baseline = _baseline(job, tracker, costs)
+
+    step("produce")
+    with costs.stage("produce", (where.staging, where.workdir)):
+        produced, base_size_mb = _produce(job, run, where)
+
+    step("reload check")
+    check, metrics, info = _check(job, run, where, costs, produced, base_size_mb)
+
+    evaluation = bench = None
+    if job.evaluation is not None:
+        step("evaluate")
+        evaluation = _evaluate(job, run, tracker, where, costs, check, baseline, metrics)
+    sample = check.sample
+    del check  # the bench loads one model at a time
+    if job.bench is not None:
+        step("bench")
+        with costs.stage("bench"):
+            bench = bench_into_run(run, where.staging, job.base, job.bench)
+        metrics.update(bench.metrics)
+    if evaluation is not None or bench is not None:
+        card.write(where.staging, where.final, info, metrics, sample)  # now with quality and speed
+
+    _put_in_place(run, where)
+    return JobResult(run.run_id, where.final, where.log, metrics, sample, evaluation, bench)
+
+
+def _record_start(job: Job, run, where: _Where) -> None:
+    """What the run is: its staging directory, the resolved recipe (the first artifact), its
+    parameters, the memory plan and the dtype it computes in."""
+    spec, loaded, q = job.loaded.recipe, job.loaded, job.loaded.recipe.quantize
     run.set_tags({STAGING: where.staging.resolve()})
     run.log_dict(_resolved_record(job), "resolved_recipe.json")  # the first artifact
     run.log_params(loaded.resolved)
@@ -210,19 +242,22 @@ def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> Jo
         "computing in %s, saving in %s (%s)", job.produce_dtype, spec.model.dtype, hardware.device_line()
     )
 
-    baseline = None
-    if job.evaluation is not None:
-        # scored before anything is quantized, so the base and a candidate are never loaded together
-        if not evaluate_stage.baseline_exists(tracker, job.base, job.evaluation):
-            job.model = None  # prepare's copy in the compute dtype: the baseline loads the base as stored
-        with costs.stage("baseline"):
-            baseline = evaluate_stage.get_baseline(tracker, job.base, job.evaluation)
 
-    step("produce")
-    with costs.stage("produce", (where.staging, where.workdir)):
-        produced, base_size_mb = _produce(job, run, where)
+def _baseline(job: Job, tracker: Tracker, costs: _Costs):
+    """The base scored with the suite, before anything is quantized, so that the base and a
+    candidate are never loaded together (None without an evaluate: section)."""
+    if job.evaluation is None:
+        return None
+    if not evaluate_stage.baseline_exists(tracker, job.base, job.evaluation):
+        job.model = None  # prepare's copy in the compute dtype: the baseline loads the base as stored
+    with costs.stage("baseline"):
+        return evaluate_stage.get_baseline(tracker, job.base, job.evaluation)
 
-    step("reload check")
+
+def _check(job: Job, run, where: _Where, costs: _Costs, produced: Produced, base_size_mb: float):
+    """The reload check of the staged checkpoint, its hash and quantbench.json, the run's size and
+    check metrics, and the model card. Returns (the check, the metrics so far, the card's facts)."""
+    spec, backend = job.loaded.recipe, job.backend
     with costs.stage("check"):
         # hashed before the reload: read after it, the files were mapped a second time beside the
         # loaded model's own mapping of them (the 3B fp8 check's peak counted 5.7 GiB of file pages
@@ -256,36 +291,34 @@ def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> Jo
         metrics["model/bits_per_weight"] = bits
     run.log_metrics(metrics)
     info = card.CardInfo(
-        loaded, job.base, backend.format, backend.loaders(), produced.card, len(job.check_ids), run.run_id
+        job.loaded, job.base, backend.format, backend.loaders(), produced.card, len(job.check_ids), run.run_id
     )
     card.write(where.staging, where.final, info, metrics, check.sample)
+    return check, metrics, info
 
-    evaluation = bench = None
-    if job.evaluation is not None:
-        step("evaluate")
-        with costs.stage("evaluate"):
-            evaluation = evaluate_stage.evaluate(
-                check.model, check.tokenizer, job.base, job.evaluation, tracker, baseline=baseline
-            )
-            run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
-            metrics.update(evaluation.metrics)
-            # llama.cpp's own pass maps the base's F16 file: the de-quantized candidate goes first
-            # (at 8B both together held 23.3 GiB of a 23.4 GiB machine)
-            check.model = None
-            release_freed_memory()
-            engine_quality = engine_quality_metrics(where.staging, job.base, job.evaluation, job.tokenizer, where.log)
-            run.log_metrics(engine_quality)
-            metrics.update(engine_quality)
-    sample = check.sample
-    del check  # the bench loads one model at a time
-    if job.bench is not None:
-        step("bench")
-        with costs.stage("bench"):
-            bench = bench_into_run(run, where.staging, job.base, job.bench)
-        metrics.update(bench.metrics)
-    if evaluation is not None or bench is not None:
-        card.write(where.staging, where.final, info, metrics, sample)  # now with quality and speed
 
+def _evaluate(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs, check, baseline, metrics: dict):
+    """The candidate (the reload check's model) scored against the base with the suite, then, once
+    it is let go, through the serving engine's own quality pass where there is one."""
+    assert job.evaluation is not None
+    with costs.stage("evaluate"):
+        evaluation = evaluate_stage.evaluate(
+            check.model, check.tokenizer, job.base, job.evaluation, tracker, baseline=baseline
+        )
+        run.record(evaluation.metrics, evaluation.tags, {"evaluation.json": evaluation.report})
+        metrics.update(evaluation.metrics)
+        # llama.cpp's own pass maps the base's F16 file: the de-quantized candidate goes first
+        # (at 8B both together held 23.3 GiB of a 23.4 GiB machine)
+        check.model = None
+        release_freed_memory()
+        engine_quality = engine_quality_metrics(where.staging, job.base, job.evaluation, job.tokenizer, where.log)
+        run.log_metrics(engine_quality)
+        metrics.update(engine_quality)
+    return evaluation
+
+
+def _put_in_place(run, where: _Where) -> None:
+    """The staged checkpoint renamed into place (uploaded first where the store is a server's)."""
     if run.shares_artifacts:  # a tracking server's artifact store: other machines fetch it from there
         upload_checkpoint(run, where.staging)
     raise_if_signalled()  # not in place for a run that a lost KeyboardInterrupt would end FINISHED
@@ -294,7 +327,6 @@ def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> Jo
     shutil.rmtree(where.workdir, ignore_errors=True)  # done: nothing to resume
     run.log_artifact(where.final / "README.md")
     detail.info("checkpoint: %s", where.final)  # the command says it last
-    return JobResult(run.run_id, where.final, where.log, metrics, sample, evaluation, bench)
 
 
 def _produce(job: Job, run, where: _Where) -> tuple[Produced, float]:
