@@ -1,6 +1,7 @@
 """Static checks in the fast tier, as `make lint` runs them (configured in pyproject.toml): ruff
 over src/, tests/ and bench/, ruff's formatter's check over src/, mypy over src/ and bench/, import-linter's
-contracts (the layers from cli down to core; only quantbench.tracking imports mlflow); and that mypy's settings still catch
+contracts (the layers from cli down to core; only quantbench.tracking imports mlflow; no import cycles
+between sibling modules), tools/shape.py (module and function length, imports inside functions); and that mypy's settings still catch
 an import of a name a quantbench module no longer has (what shipped `tune.py` importing the
 removed `vllm_python`)."""
 
@@ -50,4 +51,30 @@ def test_import_contracts_are_kept():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([str(Path(sys.executable).with_name("lint-imports"))], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
-    assert done.returncode == 0 and "Contracts: 4 kept, 0 broken." in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0 and "Contracts: 5 kept, 0 broken." in done.stdout, done.stdout + done.stderr
+
+
+def test_the_package_keeps_its_shape():
+    """tools/shape.py: no module over 600 lines, no function over 80, no quantbench import inside a
+    function, beyond what its SHAPE_DEBT records (which may shrink, never grow)."""
+    done = subprocess.run([sys.executable, "tools/shape.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_shape_check_catches_a_long_module_and_an_inner_import(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import shape
+    finally:
+        sys.path.pop(0)
+    package = tmp_path / "quantbench"
+    package.mkdir()
+    body = "def f():\n    from quantbench import core\n\n    return core\n"
+    (package / "long.py").write_text(body + "x = 1\n" * 600)
+    monkeypatch.setattr(shape, "PACKAGE", package)
+    over = shape.measure()
+    assert over == {"quantbench.long": 604, "quantbench.long:imports": 1}
+    monkeypatch.setattr(shape, "SHAPE_DEBT", {"quantbench.long": 604})
+    assert shape.breaches(over) == ["quantbench.long:imports: 1 quantbench imports inside functions, over the limit of 0"]
+    monkeypatch.setattr(shape, "SHAPE_DEBT", {"quantbench.long": 600, "quantbench.long:imports": 1})
+    assert shape.breaches(over) == ["quantbench.long: 604 lines (module), grown past its recorded 600 (limit 600)"]

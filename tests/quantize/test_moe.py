@@ -51,6 +51,29 @@ def test_a_mixture_of_experts_quantizes_with_every_expert_calibrated_and_reloads
     assert run.info.status == "FINISHED"
 
 
+def test_asymmetric_experts_are_refused_before_calibrating_and_symmetric_ones_reload(
+        workdir, tmp_path, tiny_tokenizer, capsys):
+    """AWQ's default grid is asymmetric (a zero point per group): transformers 5 cannot reload such
+    experts (its fused-experts conversion fails on their zero points; measured on the size ladder's
+    MoE rung after minutes of calibration). Refused before the run, naming the setting; with
+    symmetric: true the same AWQ job reloads whole."""
+    moe = build_moe(tmp_path / "qwen3moe", tiny_tokenizer)
+    section = "method: awq\ngroup_size: 32\nn_grid: 4\nignore: [lm_head, 're:.*mlp.gate$']\n"
+    write_recipe(workdir, "moe-awq", tiny_recipe(moe, section))
+    assert main(["quantize", "moe-awq"]) == 2
+    err = capsys.readouterr().err
+    err = " ".join(err.split())  # the message as one line, however the terminal folds it
+    assert "quantize.symmetric" in err and "false (zero points) on a mixture of experts" in err, err[-600:]
+    assert "set quantize.symmetric: true" in err
+    assert runs() == [] and not (workdir / "outputs" / "moe-awq").exists()
+    write_recipe(workdir, "moe-awq", tiny_recipe(moe, section + "symmetric: true\n"))
+    assert main(["quantize", "moe-awq", "--json"]) == 0, capsys.readouterr().err[-3000:]
+    result = last_json(capsys.readouterr().out)
+    assert result["metrics"]["check/ppl_ratio"] < 1.3
+    [run] = runs()
+    assert run.info.status == "FINISHED"
+
+
 def test_a_checkpoint_whose_experts_do_not_reload_is_refused(workdir, tmp_path, tiny_tokenizer, capsys):
     """Mixtral's layout through llm-compressor 0.14 and transformers 5.17: the compressed experts are
     saved under names transformers does not map back, so they reload at random. The perplexity of a

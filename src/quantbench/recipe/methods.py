@@ -122,6 +122,15 @@ class AWQSpec(_TwoEngines):
         "duo_scaling": ("compressed-tensors", True),
     }
 
+    @model_validator(mode="after")
+    def _grid_has_steps(self):
+        # llm-compressor spaces the grid by 1 / (n_grid - 2) with duo scaling (its default), else by
+        # 1 / (n_grid - 1): fewer points divide by zero after calibration (ZeroDivisionError)
+        least = 2 if self.duo_scaling is False else 3
+        if self.format == "compressed-tensors" and self.n_grid < least:
+            raise ValueError(f"n_grid: {self.n_grid}: AWQ's grid search needs at least {least} points")
+        return self
+
 
 class RTNSpec(_LayerSchemes):
     """Round-to-nearest: min-max scales, no calibration data (llm-compressor's QuantizationModifier);
