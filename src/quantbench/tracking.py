@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sqlite3
 import time
@@ -28,10 +29,13 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
+import psutil
 from filelock import FileLock
 
 from quantbench.core.errors import UserError
+from quantbench.core.processes import interrupted, interrupts_held, signal_received
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +76,6 @@ def store_exists(uri: str | None = None) -> bool:
 def shares_artifacts(artifact_uri: str) -> bool:
     """Whether artifacts at `artifact_uri` reach other machines (a tracking server's artifact
     store, S3, ...) rather than being written to the disk of whichever machine logs them."""
-    from urllib.parse import urlparse
-
     return urlparse(artifact_uri).scheme not in ("", "file")
 
 
@@ -222,15 +224,11 @@ def _filter(tags: dict[str, str], status: str | None = "FINISHED") -> str:
 
 def owner_tag() -> str:
     """This process, as a run's owner: host, pid and the process's start time (pids are reused)."""
-    import psutil
-
     return f"{socket.gethostname()} {os.getpid()} {psutil.Process().create_time():.2f}"
 
 
 def owner_alive(owner: str) -> bool | None:
     """Whether a run's owner process still runs; None when it is another host's (can't tell here)."""
-    import psutil
-
     try:
         host, pid, started = owner.rsplit(" ", 2)
         pid_n, started_f = int(pid), float(started)
@@ -266,8 +264,6 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        from quantbench.core.processes import interrupted, interrupts_held, signal_received
-
         with interrupts_held() as held:  # a second Ctrl-C must not leave the run RUNNING
             if exc_type is None and signal_received() is not None:  # its KeyboardInterrupt was lost
                 held.append(signal_received())
@@ -472,8 +468,6 @@ class Tracker:
         """Runs with these tags left RUNNING by a `what` (sweep, tune) that died, when the caller
         holds the lock that says no `what` owns them any more: a job process still alive is killed
         first, then the run is FAILED with the reason. Their ids."""
-        import signal
-
         failed = []
         for run in self.runs_with_status(tags, "RUNNING"):
             owner = run.data.tags.get(OWNER, "")
@@ -488,8 +482,6 @@ class Tracker:
         return failed
 
     def start_run(self, run_name: str, tags: dict[str, Any]) -> Run:
-        from quantbench.core.processes import interrupts_held
-
         tags = {OWNER: owner_tag(), **tags}
         experiment_id = self.experiment_id()
         with interrupts_held() as held:  # an interrupt now would leave a RUNNING run nobody ends

@@ -25,6 +25,7 @@ from quantbench.cli import (
     wheelhouse,
 )
 from quantbench.core.errors import UserError
+from quantbench.core.logs import configure_console
 
 EPILOG = """\
 examples:
@@ -102,7 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from quantbench.core.logs import configure_console
 
     configure_console(args.verbose)
     if args.debug:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
 from quantbench.core.errors import UserError
 from quantbench.core.logs import debugging, log_path_of, one_line, quiet
+from quantbench.core.processes import forget_signals, interrupt, interrupted
 
 log = logging.getLogger("quantbench")
 
@@ -33,10 +35,6 @@ def common(*names: str) -> argparse.ArgumentParser:
 
 def run_stage(name: str, fn, *args, **kwargs) -> Any | None:
     """Run a stage that owns an MLflow run; None (exit 1) if it failed after starting."""
-    import signal
-
-    from quantbench.core.processes import forget_signals, interrupt, interrupted
-
     # `kill` (a timeout, a scheduler) ends a stage like Ctrl-C: its MLflow run is marked KILLED
     # and any staging directory removed, never left RUNNING (not even when the signal comes while
     # the run is being created or ended: tracking holds it back for that moment).

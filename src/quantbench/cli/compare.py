@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    # lazy: it imports pydantic (quantbench.recipe, through release.names): +0.1 s on every `quantbench --help`
     from quantbench.release import compare
 
     result = run_stage(

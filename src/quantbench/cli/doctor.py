@@ -8,6 +8,7 @@ environment first, as `make vllm` does; `--llamacpp` builds llama.cpp's tools, a
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import sys
 from importlib import metadata
@@ -15,6 +16,7 @@ from importlib import metadata
 from quantbench import engines
 from quantbench.cli.common import common, print_json
 from quantbench.core import hardware
+from quantbench.core.environment import _cpu_model
 
 
 def _version(dist: str) -> str | None:
@@ -97,10 +99,6 @@ def compute_line(cuda: bool) -> str:
 
 
 def _cpu() -> str:
-    import os
-
-    from quantbench.core.environment import _cpu_model
-
     return f"{_cpu_model()}, {os.cpu_count()} cores"
 
 

@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    # lazy: both import pydantic (quantbench.recipe): +0.1-0.2 s on every `quantbench --help`
     from quantbench.jobs.pipeline import settle
     from quantbench.release import gate
 

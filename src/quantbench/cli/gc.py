@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from quantbench.cli.common import common, print_json
+from quantbench.tracking import Tracker
 
 
 def add_parser(sub) -> None:
@@ -18,8 +19,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from quantbench.tracking import Tracker
-
     done = Tracker(args.experiment, reap=False).reap(everywhere=args.all)
     for d in done:
         print(

@@ -39,6 +39,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    # lazy: the job modules import pydantic (quantbench.recipe): +0.1-0.2 s on every `quantbench --help`
     from quantbench.jobs.stack import command, ledger
 
     result = run_stage(
@@ -53,7 +54,7 @@ def run(args) -> int:
     if result is None:
         return 1
     print(ledger.table(result.report))
-    from quantbench.release import verdict
+    from quantbench.release import verdict  # lazy: as jobs.stack above
 
     model_run = verdict.stack_model_run(result.run_id, experiment=args.experiment)
     if model_run:  # the quality, size and policy of the model the stack ends with (its speed is the ledger's)

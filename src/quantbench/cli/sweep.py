@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    # lazy: jobs.sweep imports pydantic (quantbench.recipe): +0.1-0.2 s on every `quantbench --help`; and at the
+    # top its `run` would be this module's
     from quantbench.jobs.sweep import run
 
     result = run_stage(

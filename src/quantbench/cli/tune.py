@@ -117,6 +117,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    # lazy: tune.sensitivity and tune.plan import torch (1.5 s), kept off `quantbench --help`
     from quantbench.tune import command, sensitivity
     from quantbench.tune.plan import Request
 
@@ -141,7 +142,7 @@ def run(args) -> int:
         return 1
     print(command.text(result))
     if result.get("best_run"):  # the answer's verdict under the tune's policy (its gate already ran)
-        from quantbench.release import verdict
+        from quantbench.release import verdict  # lazy: imports pydantic (quantbench.recipe), kept off --help
 
         print(verdict_text(verdict.of_run(result["best_run"], policy=args.policy, experiment=args.experiment), True))
     print_json(args, result)

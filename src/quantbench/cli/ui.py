@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
+import signal
+import subprocess
 import sys
 
 from quantbench.core.errors import UserError
+from quantbench.core.processes import interrupt, stop_group
+from quantbench.tracking import Tracker, tracking_uri
 
 
 def add_parser(sub) -> None:
@@ -26,12 +31,6 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """The MLflow UI as a child process group, stopped with this process: on Ctrl-C, and on
     SIGTERM / SIGHUP (a supervisor, a closed terminal), not left listening."""
-    import signal
-    import subprocess
-
-    from quantbench.core.processes import interrupt, stop_group
-    from quantbench.tracking import Tracker, tracking_uri
-
     exposed = not _loopback(args.host)
     if exposed and not args.expose_unauthenticated:
         raise UserError(
@@ -75,8 +74,6 @@ def run(args) -> int:
 
 def _loopback(host: str) -> bool:
     """Whether binding `host` serves this machine only (a name other than localhost may resolve anywhere)."""
-    import ipaddress
-
     if host == "localhost":
         return True
     try:

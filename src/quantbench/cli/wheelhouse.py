@@ -4,6 +4,7 @@ from its `pip list --format=freeze`, downloaded and packed to carry (core/wheelh
 from __future__ import annotations
 
 import json
+from importlib import metadata
 from pathlib import Path
 
 from quantbench.cli.common import common
@@ -28,8 +29,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from importlib import metadata
-
     declared = [r.split(";")[0].split("[")[0].split("=")[0].split("<")[0].split(">")[0].strip()
                 for r in metadata.requires("quantbench") or []]  # fmt: skip
     if args.plan_only:

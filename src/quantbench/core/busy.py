@@ -15,6 +15,8 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+import psutil
+
 # Other processes' share of the machine's CPU time above which a timing is not of this code alone:
 # a quarter of the machine is half a core on two cores, a whole one on four.
 OTHERS_LIMIT = 0.25
@@ -83,8 +85,6 @@ class BusyWatch:
         self._thread = threading.Thread(target=self._sample_loop, name="busy-watch", daemon=True)
 
     def __enter__(self) -> BusyWatch:
-        import psutil
-
         self._me = psutil.Process()
         self._start_times = psutil.cpu_times()
         self._start = time.monotonic()
@@ -98,8 +98,6 @@ class BusyWatch:
             self._sample()
 
     def _sample(self) -> None:
-        import psutil
-
         try:
             processes = [self._me, *self._me.children(recursive=True)]
         except psutil.Error:
@@ -112,8 +110,6 @@ class BusyWatch:
                 pass
 
     def __exit__(self, *exc) -> None:
-        import psutil
-
         self._stop.set()
         self._thread.join()
         self._sample()

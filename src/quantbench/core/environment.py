@@ -8,6 +8,8 @@ import subprocess
 from functools import cache
 from importlib import metadata
 
+import psutil
+
 LIBRARIES = (
     "torch",
     "transformers",
@@ -62,8 +64,6 @@ def _torch_threads() -> int:
 
 
 def _memory_bytes() -> int:
-    import psutil
-
     return psutil.virtual_memory().total
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -116,8 +117,6 @@ def cpu() -> CPU:
 @cache
 def cuda_gpu() -> str | None:
     """The first NVIDIA GPU the driver reports (`nvidia-smi -L`), or None; imports nothing."""
-    import subprocess
-
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):

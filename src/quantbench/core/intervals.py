@@ -18,8 +18,10 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CONFIDENCE = 0.95
 MIN_UNITS = 10  # fewer windows or items than this: no bootstrap interval (its coverage falls well short)
@@ -37,6 +39,8 @@ class Bootstrap:
 
     def counts(self, units: int) -> torch.Tensor:
         """[resamples, units] float64: how often each unit is drawn in each resample (sum = units)."""
+        import torch  # lazy: torch takes over a second to import, and most importers of this module never draw
+
         generator = torch.Generator().manual_seed(self.seed)
         drawn = torch.randint(units, (self.resamples, units), generator=generator)
         counts = torch.zeros(self.resamples, units, dtype=torch.float64)
@@ -63,6 +67,8 @@ def tail(units: int) -> float:
 def bounds(name: str, draws: torch.Tensor, units: int) -> dict[str, float]:
     """`<name>.ci_low`, `<name>.ci_high`: the expanded percentile interval of bootstrap draws over
     `units` units (see `tail`)."""
+    import torch  # lazy: see Bootstrap.counts
+
     cut = tail(units)
     low, high = torch.quantile(draws.double(), torch.tensor([cut, 1 - cut], dtype=torch.float64)).tolist()
     return {name + LOW: low, name + HIGH: high}
@@ -77,6 +83,8 @@ def resampled_quantile(values: torch.Tensor, unit: torch.Tensor, counts: torch.T
     """[resamples]: `torch.quantile(resampled values, q)` (linear interpolation) for every resample,
     where resample b repeats the values of unit u `counts[b, u]` times; computed from one sort of
     the values and cumulative counts, without building the resampled arrays."""
+    import torch  # lazy: see Bootstrap.counts
+
     order = torch.argsort(values)
     ordered, owner = values[order].double(), unit[order]
     out = []

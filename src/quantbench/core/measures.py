@@ -3,16 +3,40 @@ next-token distributions cached exactly so a candidate is scored against them (K
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-import torch
+from tqdm import tqdm
 
+from quantbench.core import intervals
 from quantbench.core.logs import terminal
 
+if TYPE_CHECKING:
+    import torch
 
-@torch.inference_mode()
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _inference_mode(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """`@torch.inference_mode()`, with torch imported when the function is first called: importing
+    this module (every stage does) must not import torch, which takes over a second."""
+
+    @functools.wraps(fn)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        import torch  # lazy: see above
+
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+@_inference_mode
 def perplexity(model, token_ids: list[int], window: int, batch_size: int = 1) -> float:
     """Perplexity over consecutive, non-overlapping windows of `window` tokens.
 
@@ -26,7 +50,7 @@ def perplexity(model, token_ids: list[int], window: int, batch_size: int = 1) ->
     return math.exp(total_nll / total_tokens)
 
 
-@torch.inference_mode()
+@_inference_mode
 def greedy_text(model, tokenizer, prompt: str, new_tokens: int) -> tuple[str, int]:
     """Greedy continuation of `prompt`: (decoded new text, number of new tokens)."""
     inputs = tokenizer(prompt, return_tensors="pt").to(next(model.parameters()).device)
@@ -65,9 +89,13 @@ class Reference:
     top1: torch.Tensor  # [positions] int64: the base's most likely next token
 
     def logits(self, start: int, end: int) -> torch.Tensor:
+        import torch  # lazy: see _inference_mode
+
         return torch.nn.functional.linear(self.hidden[start:end], self.head_weight, self.head_bias)
 
     def log_probs(self, start: int, end: int) -> torch.Tensor:
+        import torch  # lazy: see _inference_mode
+
         return torch.log_softmax(self.logits(start, end), dim=-1)
 
     def save(self, path: Path) -> None:
@@ -93,6 +121,8 @@ class Reference:
 
 
 def _windows(token_ids: list[int], window: int) -> torch.Tensor:
+    import torch  # lazy: see _inference_mode
+
     count = len(token_ids) // window
     if count == 0:
         raise ValueError(f"need at least {window} tokens for one window, got {len(token_ids)}")
@@ -101,7 +131,7 @@ def _windows(token_ids: list[int], window: int) -> torch.Tensor:
 
 def _forward(model, token_ids: list[int], window: int, batch_size: int, desc: str, hidden: bool = False):
     """Yield (log-probs [positions, vocab] float32, targets [positions], final hidden or None)."""
-    from tqdm import tqdm
+    import torch  # lazy: see _inference_mode
 
     ids = _windows(token_ids, window)
     device = next(model.parameters()).device
@@ -118,8 +148,10 @@ def _log_probs(model, token_ids: list[int], window: int, batch_size: int, desc: 
         yield log_probs, targets
 
 
-@torch.inference_mode()
+@_inference_mode
 def reference(model, token_ids: list[int], window: int, batch_size: int = 1) -> Reference:
+    import torch  # lazy: see _inference_mode
+
     head = model.get_output_embeddings()
     weight = head.weight.detach().float().cpu()
     bias = head.bias.detach().float().cpu() if getattr(head, "bias", None) is not None else None
@@ -181,7 +213,7 @@ class Comparison:
 
     def position_intervals(self, edges: list[int], boot, prefix: str = "quality/") -> dict[str, float]:
         """95 % intervals of `by_position`, from the same paired bootstrap over whole windows."""
-        from quantbench.core import intervals
+        import torch  # lazy: see _inference_mode
 
         if not intervals.enough(self.windows) or boot.resamples == 0:
             return {}
@@ -201,7 +233,7 @@ class Comparison:
         base model's per-position NLL), from a paired block bootstrap over whole windows
         (intervals.py); {} when there are too few windows. kld_max has none: a bootstrap cannot
         see past the largest value it was given."""
-        from quantbench.core import intervals
+        import torch  # lazy: see _inference_mode
 
         if not intervals.enough(self.windows) or boot.resamples == 0:
             return {}
@@ -239,12 +271,16 @@ def kl_divergence(base_log_probs: torch.Tensor, cand_log_probs: torch.Tensor) ->
 def _kl_from_cache(base_logits: torch.Tensor, neg_entropy: torch.Tensor, cand_log_probs: torch.Tensor) -> torch.Tensor:
     """kl_divergence with the base's sum(p log p) precomputed: one softmax and one dot product
     per position instead of materialising both log-prob differences (the quality pass's hot loop)."""
+    import torch  # lazy: see _inference_mode
+
     p = torch.softmax(base_logits, dim=-1)
     return (neg_entropy - torch.linalg.vecdot(p, cand_log_probs)).clamp(min=0)
 
 
-@torch.inference_mode()
+@_inference_mode
 def compare(model, token_ids: list[int], window: int, ref: Reference, batch_size: int = 1) -> Comparison:
+    import torch  # lazy: see _inference_mode
+
     nll, kld, agree = [], [], []
     offset = 0
     for log_probs, targets in _log_probs(model, token_ids, window, batch_size, "candidate vs base"):

@@ -5,6 +5,7 @@ lock file that keeps a second driver out."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
@@ -12,6 +13,10 @@ import subprocess
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+
+import psutil
+
+from quantbench.core.errors import UserError
 
 _held: list[int] | None = None  # signals that arrived while interrupts were held
 _received: list[int] = []  # every signal `interrupt` handled in this process
@@ -108,7 +113,6 @@ def _term_then_kill(proc: subprocess.Popen, grace_s: float, between=lambda: None
 def stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """stop_group, and every descendant of `proc` too, even one that left its group (a server
     started in a session of its own): those seen before SIGTERM and before SIGKILL are killed."""
-    import psutil
 
     def descendants() -> list:
         try:
@@ -136,8 +140,6 @@ class PeakRSS:
         self.tree = tree
 
     def __enter__(self):
-        import psutil
-
         self._proc = psutil.Process(self.pid)
         self.peak = self._rss()
         self._stop = threading.Event()
@@ -146,8 +148,6 @@ class PeakRSS:
         return self
 
     def _sample(self) -> None:
-        import psutil
-
         while not self._stop.wait(0.1 if self.tree else 0.01):  # a tree walk costs more
             try:
                 self.peak = max(self.peak, self._rss())
@@ -155,8 +155,6 @@ class PeakRSS:
                 return
 
     def _rss(self) -> int:
-        import psutil
-
         total = self._proc.memory_info().rss
         if self.tree:
             for child in self._proc.children(recursive=True):
@@ -200,10 +198,6 @@ class Lock:
 def hold_lock(directory: Path, what: str, hint: str = "wait for it") -> Lock:
     """An exclusive lock on `directory`/lock holding this process's pid, until the returned Lock
     is closed; UserError naming the holder when another process has it."""
-    import fcntl
-
-    from quantbench.core.errors import UserError
-
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "lock"
     while True:

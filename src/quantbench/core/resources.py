@@ -14,12 +14,16 @@ disk at every pass (what a thrashing job looks like).
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 MB = 2**20
 
@@ -75,8 +79,6 @@ class StageMeter:
         self._thread = threading.Thread(target=self._loop, name=f"meter-{name}", daemon=True)
 
     def __enter__(self) -> StageMeter:
-        import psutil
-
         self._me = psutil.Process()
         self._tmp = Path(tempfile.gettempdir())
         self._tmp_before = set(self._tmp_entries())
@@ -102,8 +104,6 @@ class StageMeter:
             self._sample(disk=ticks % 5 == 0)  # walking directories costs more: once a second
 
     def _sample(self, disk: bool) -> None:
-        import psutil
-
         try:
             processes = [self._me, *self._me.children(recursive=True)]
         except psutil.Error:
@@ -142,9 +142,6 @@ def release_freed_memory() -> None:
     malloc_trim): tensors below glibc's mmap threshold (which grows to 32 MiB as large blocks are
     freed) live in its arenas, and without a trim a calibrating method's freed activations stay in
     the process's resident memory through every later stage. No-op where the C library has no trim."""
-    import ctypes
-    import gc
-
     gc.collect()
     try:
         ctypes.CDLL(None).malloc_trim(0)

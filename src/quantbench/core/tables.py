@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from tabulate import tabulate
+
 
 def table(headers: list[str], rows: list[list[str]], align: str) -> str:
     """Columns aligned by tabulate: `align` has one letter per column, l(eft) or r(ight). Cells are
     printed as the caller formatted them (tabulate does not re-parse numbers)."""
-    from tabulate import tabulate
-
     colalign = ["right" if a == "r" else "left" for a in align]
     return tabulate(rows, headers=headers, tablefmt="simple", colalign=colalign, disable_numparse=True)

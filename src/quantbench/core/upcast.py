@@ -10,6 +10,7 @@ written, and the results are those of a float32 copy of the same weights.
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 
@@ -57,8 +58,6 @@ def slowdown(dtype: str, width: int, tokens: int, repeats: int = 5) -> float:
     `width`-square weight and `tokens` rows (best of `repeats`); 1.0 for float32. What it is depends
     on the CPU: native bfloat16 makes the 16-bit pass several times faster; where bfloat16 is
     emulated, float32 is the faster one (below 1)."""
-    import time
-
     import torch
 
     if dtype == "float32":

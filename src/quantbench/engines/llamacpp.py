@@ -30,7 +30,10 @@ from quantbench.core.errors import UserError
 from quantbench.core.paths import cache_dir
 from quantbench.engines import ServerSettings, ServingEngine, explain_log, head_size, model_config
 from quantbench.engines import llamacpp_build as build
+from quantbench.sources import data
 from quantbench.sources.checkpoint import gguf_file
+from quantbench.sources.models import known_fingerprint, source_gguf
+from quantbench.sources.verify import gguf_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -281,8 +284,6 @@ def run_tool(cmd: list[str], log_path: Path, what: str) -> str:
 def base_gguf(model_dir: Path, tools: build.Tools | None = None, log_path: Path | None = None) -> Path:
     """An unquantized model directory as an F16 GGUF file, made once and cached (keyed by the
     model's files and the build), its tokenizer verified against the model's own."""
-    from quantbench.sources.models import known_fingerprint, source_gguf
-
     tools = tools or build.ensure("converting a model to GGUF")
     key = f"{known_fingerprint(model_dir)[:16]}-{build.VERSION}-{BASE_TYPE}"
     dest = cache_dir() / "gguf" / key / f"{model_dir.name}-{BASE_TYPE}.gguf"
@@ -351,9 +352,6 @@ def verify_tokenizer(gguf: Path, model_dir: Path) -> None:
     """The GGUF's tokenizer must give the model's own token ids on sample text (the default text's
     held-out split and a few hard strings): a file with another vocabulary is refused."""
     from transformers import AutoTokenizer
-
-    from quantbench.sources import data
-    from quantbench.sources.verify import gguf_tokenizer
 
     own = AutoTokenizer.from_pretrained(model_dir)
     try:

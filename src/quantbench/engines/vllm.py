@@ -4,6 +4,7 @@ engine interface over them."""
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 from pathlib import Path
@@ -52,8 +53,6 @@ class VLLM(ServingEngine):
     def server_memory(self, weights: int, kv_per_token: int, max_len: int, slots: int) -> int:
         """On a GPU the weights and KV cache are in its memory; on a CPU vLLM reserves its KV cache
         whole up front (VLLM_CPU_KVCACHE_SPACE, which quantbench sets to 1 GiB unless given)."""
-        import os
-
         if hardware.cuda():
             return self.runtime_bytes
         reserved = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30

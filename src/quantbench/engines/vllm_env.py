@@ -37,6 +37,7 @@ from filelock import FileLock
 
 from quantbench.core import hardware
 from quantbench.core.errors import UserError
+from quantbench.core.paths import cache_dir
 from quantbench.engines import head_size, model_config
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,6 @@ def env_dir() -> Path:
     root = project_root()
     if root is not None:
         return root / ".venv-vllm"
-    from quantbench.core.paths import cache_dir
 
     return cache_dir() / "venv-vllm"
 
@@ -415,8 +415,6 @@ def _wna16_widths(text: dict, head_dim: int) -> str | None:
 def cache_root() -> Path:
     """VLLM_CACHE_ROOT kept between runs: vLLM caches its model inspection there (~8 CPU-s at every
     start otherwise) and its compiled graphs."""
-    from quantbench.core.paths import cache_dir
-
     return cache_dir() / "vllm"
 
 

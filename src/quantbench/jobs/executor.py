@@ -26,6 +26,7 @@ its node whose run did FINISH counts as finished, so a job never finishes twice.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -38,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+from tqdm import tqdm
 
 from quantbench.core.logs import terminal
 from quantbench.core.processes import stop_group
@@ -126,8 +129,6 @@ class Executor(Protocol):
 def die_with_parent() -> None:
     """In a child: its own session, and SIGTERM when the process that started it dies, whatever
     killed that (Linux prctl)."""
-    import ctypes
-
     os.setsid()
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -369,8 +370,6 @@ def _where(handle: Handle) -> dict:
 
 
 def _say(line: str) -> None:
-    from tqdm import tqdm
-
     tqdm.write(f"{time.strftime('%H:%M:%S')} {line}", file=terminal())
 
 

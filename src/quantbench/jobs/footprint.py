@@ -21,6 +21,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from quantbench.core.errors import UserError
 from quantbench.quantize import ProduceFootprint
 from quantbench.sources.shapes import GiB, MiB, Shape
@@ -128,8 +130,6 @@ def available_ram() -> int:
     already holds (the job runs in it), within the container's limit (cgroup v2 `memory.max`, which
     the system's figure does not show), and within QUANTBENCH_MEMORY_GIB when set (plan for a share
     of the machine, or for a smaller one)."""
-    import psutil
-
     rss = psutil.Process().memory_info().rss
     limits = [psutil.virtual_memory().available + rss]
     try:

@@ -15,6 +15,7 @@ suite's, like the baseline run; `compare` shows the newest one as a row and a ba
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -24,7 +25,15 @@ from pathlib import Path
 
 from quantbench.core import environment
 from quantbench.core.errors import UserError
+from quantbench.jobs import pipeline
+from quantbench.quality import stage as evaluate_stage
+from quantbench.quality.suite import DEFAULT_SUITE, load_suite
+from quantbench.quantize import make_backend
+from quantbench.recipe import load_recipe, resolve_recipe_path
 from quantbench.sources import models
+from quantbench.sources.checkpoint import read_info
+from quantbench.speed import bench as bench_stage
+from quantbench.speed.measure import DEFAULT_PROFILE
 from quantbench.tracking import ENV_TAGS, TAG, Tracker
 
 log = logging.getLogger(__name__)
@@ -58,11 +67,6 @@ def run(
     outputs: Path = Path("outputs"),
 ) -> NoiseResult:
     from transformers import AutoTokenizer
-
-    from quantbench.quality import stage as evaluate_stage
-    from quantbench.quality.suite import DEFAULT_SUITE, load_suite
-    from quantbench.speed import bench as bench_stage
-    from quantbench.speed.measure import DEFAULT_PROFILE
 
     # prepare: every input checked, nothing written
     loaded_suite = load_suite(suite or DEFAULT_SUITE)
@@ -130,9 +134,6 @@ def _self(base: models.ResolvedModel, copy: Path, plan, bench_plan, tracker: Tra
     """The base model re-saved, reloaded from disk, evaluated and benched against the base."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantbench.quality import stage as evaluate_stage
-    from quantbench.speed import bench as bench_stage
-
     log.info("noise: saving %s again in its own dtype into %s", base.name, copy)
     model = AutoModelForCausalLM.from_pretrained(base.path, dtype="auto")
     model.save_pretrained(copy)
@@ -154,9 +155,6 @@ def _self(base: models.ResolvedModel, copy: Path, plan, bench_plan, tracker: Tra
 
 def _check_recipe(recipe: str, base: models.ResolvedModel, experiment: str | None) -> tuple[int, int]:
     """A calibrated recipe on this base model: the two calibration seeds it will be run at."""
-    from quantbench.quantize import make_backend
-    from quantbench.recipe import load_recipe, resolve_recipe_path
-
     loaded = load_recipe(resolve_recipe_path(recipe))
     if not make_backend(loaded.recipe.quantize).calibrates:
         raise UserError(
@@ -177,9 +175,6 @@ def _seeds(
     recipe: str, seeds: tuple[int, int], suite: str, noise_run_id: str, experiment: str | None, outputs: Path
 ) -> tuple[dict[str, float], list[dict]]:
     """The recipe quantized and evaluated at two calibration seeds; |difference| of each quality metric."""
-    from quantbench.jobs import pipeline
-    from quantbench.sources.checkpoint import read_info
-
     found = []
     with _child_tags({TAG + "noise_run": noise_run_id}):
         for seed in seeds:
@@ -204,8 +199,6 @@ def _seeds(
 @contextmanager
 def _child_tags(tags: dict[str, str]):
     """Runs started meanwhile carry `tags` (tracking.inherited_tags); the environment is restored after."""
-    import json
-
     before = os.environ.get(ENV_TAGS)
     os.environ[ENV_TAGS] = json.dumps({**json.loads(before or "{}"), **tags})
     try:

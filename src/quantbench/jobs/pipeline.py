@@ -29,10 +29,12 @@ from quantbench.core import environment, hardware
 from quantbench.core.logs import DETAIL, log_file, one_line
 from quantbench.core.processes import raise_if_signalled
 from quantbench.core.resources import StageCost, StageMeter, release_freed_memory
+from quantbench.engines import llamacpp
 from quantbench.jobs.prepare import Job, base_tags, candidate_type, prepare
 from quantbench.quality import stage as evaluate_stage
 from quantbench.quality.check import reload_check
 from quantbench.quantize import Inputs, Produced
+from quantbench.quantize.stage import produce
 from quantbench.release import card
 from quantbench.release.verdict import Verdict
 from quantbench.release.verdict import settle as settle_verdict
@@ -40,6 +42,7 @@ from quantbench.sources import data, models
 from quantbench.sources.checkpoint import (
     bits_per_weight,
     gguf_file,
+    skeleton,
     weights_sha,
     weights_size_mb,
     write_info,
@@ -336,8 +339,6 @@ def _produce(job: Job, run, where: _Where) -> tuple[Produced, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantbench.quantize.stage import produce
-
     spec = job.loaded.recipe
     where.staging.mkdir(parents=True)
     model = job.take_model() if job.backend.takes_model else None
@@ -368,8 +369,6 @@ def base_bytes(path: Path, dtype: str) -> int:
     import torch
     from transformers import AutoConfig
 
-    from quantbench.sources.checkpoint import skeleton
-
     model = skeleton(AutoConfig.from_pretrained(path))
     width = getattr(torch, dtype).itemsize
     unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}
@@ -382,8 +381,6 @@ def engine_quality_metrics(
     """`quality_engine/*` for a GGUF checkpoint: the suite's text scored through llama.cpp itself
     (llama-perplexity against the base's F16 file), beside the suite's own figures (transformers,
     the file de-quantized). {} for other formats."""
-    from quantbench.engines import llamacpp
-
     gguf = gguf_file(checkpoint)
     if gguf is None:
         return {}

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from quantbench.core.errors import UserError
 from quantbench.core.processes import stop_tree
 from quantbench.jobs.executor import (
@@ -466,8 +468,6 @@ def _alive_nodes(ray) -> list[dict]:
 
 
 def _local_addresses() -> set[str]:
-    import psutil
-
     found = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
     try:
         found |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}

@@ -28,11 +28,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from pydantic import Field, PositiveInt
+from tqdm import tqdm
 
 from quantbench.core import tables
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.files import atomic_write
 from quantbench.core.logs import terminal
+from quantbench.core.processes import hold_lock
+from quantbench.jobs import ray_executor
 from quantbench.jobs.executor import HISTORY, Executor, Job, Limits, Runner
 from quantbench.recipe import (
     CheckedFile,
@@ -42,6 +45,7 @@ from quantbench.recipe import (
     resolve_recipe_path,
 )
 from quantbench.recipe.common import Strict
+from quantbench.release import compare
 from quantbench.tracking import TAG, Tracker
 
 log = logging.getLogger(__name__)
@@ -185,8 +189,6 @@ class State:
 
 
 def _lock(directory: Path):
-    from quantbench.core.processes import hold_lock
-
     return hold_lock(directory, "this sweep", "wait for it, or run another sweep")
 
 
@@ -204,8 +206,6 @@ def run(
 ) -> dict:
     """`ray`: None runs the jobs here; an address (or "" for a running cluster, else a local Ray
     started for the sweep) runs each attempt on a Ray cluster."""
-    from tqdm import tqdm
-
     path, sweep, jobs = load_sweep(name_or_path)
     name = path.stem
     experiment = experiment or sweep.experiment
@@ -271,24 +271,18 @@ def run(
 
 
 def _executor(ray: str | None, sweep: Sweep) -> Executor:
-    from quantbench.jobs import ray_executor
-
     return ray_executor.make(ray, sweep.placement_timeout_s)
 
 
 def _preload() -> None:
-    """Import what the summary needs (compare, matplotlib: ~1.5 s) while the first job runs."""
+    """Import what the summary's plot needs (matplotlib: ~0.5 s) while the first job runs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot  # noqa: F401
 
-    from quantbench.release import compare  # noqa: F401
-
 
 def tqdm_write(line: str) -> None:
-    from tqdm import tqdm
-
     tqdm.write(f"{time.strftime('%H:%M:%S')} {line}", file=terminal())
 
 
@@ -353,8 +347,6 @@ def _finish(
         run.set_tags({TAG + "sweep_runs": ",".join(j.run_id for j in jobs if j.run_id)})
     finished = [j.run_id for j in jobs if j.run_id and j.status in ("finished", "skipped")]
     if finished:
-        from quantbench.release import compare
-
         try:
             summary["compare"] = str(
                 compare.run(experiment=tracker.experiment, run_ids=finished, outputs=directory.parent.parent).outputs

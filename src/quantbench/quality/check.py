@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantbench.core.measures import greedy_text, perplexity
+from quantbench.sources.checkpoint import load_model
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ def reload_check(
     `spec` is the recipe's `check:` section; `dtype` the dtype to compute in (None: as saved)."""
     import torch
     from transformers import AutoTokenizer
-
-    from quantbench.sources.checkpoint import load_model
 
     model, loading = load_model(path, output_loading_info=True, **({"dtype": getattr(torch, dtype)} if dtype else {}))
     if problem := loaded_whole(loading):

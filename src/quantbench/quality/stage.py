@@ -22,10 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantbench import engines
-from quantbench.core.logs import DETAIL
-from quantbench.core import hardware, intervals, paths
-from quantbench.core.upcast import float32_compute
+from quantbench.core import environment, hardware, intervals, paths
 from quantbench.core.errors import UserError
+from quantbench.core.logs import DETAIL
+from quantbench.core.measures import Reference, compare
+from quantbench.core.upcast import float32_compute
+from quantbench.engines import ServerSettings
+from quantbench.engines.server import model_server
 from quantbench.metrics import RECOVERABLE, direction
 from quantbench.quality.suite import BASELINE_FORMAT, LoadedSuite, suites_dir
 from quantbench.quality.tasks import (
@@ -35,13 +38,14 @@ from quantbench.quality.tasks import (
     flips,
     item_intervals,
     run_tasks,
+    score,
+    served_lm,
     write_offline_suite,
 )
 from quantbench.sources import data, models
 from quantbench.tracking import TAG, Tracker
 
 if TYPE_CHECKING:
-    from quantbench.core.measures import Reference
     from quantbench.engines import ServingEngine
 
 log = logging.getLogger(__name__)
@@ -153,8 +157,6 @@ def evaluate(
     """Score an already-loaded candidate against its base model (`baseline`, or the baseline run
     found in, or added to, `tracker`'s experiment: then the base is loaded beside the candidate; a
     job scores it before it loads a candidate)."""
-    from quantbench.core.measures import compare
-
     spec = p.suite.suite
     started = time.perf_counter()
     baseline = baseline or get_baseline(tracker, base, p)
@@ -261,8 +263,6 @@ def baseline_exists(tracker: Tracker, base: models.ResolvedModel, p: Plan) -> bo
 def get_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan) -> Baseline:
     """The base model's scores for this suite: reused when a baseline run exists, else made (the
     base loaded as stored and computed in float32 one module at a time: one copy of the model)."""
-    from quantbench.core.measures import Reference
-
     keys = _baseline_keys(base, p)
     found = tracker.find_runs(keys)
     if found:
@@ -279,8 +279,6 @@ def get_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan) -> Basel
 
 def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys: dict) -> Baseline:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from quantbench.core import environment
 
     spec = p.suite.suite
     tags = {
@@ -340,6 +338,7 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys:
 
 def _score_base(model, tokenizer, p: Plan):
     """The base model's reference over the suite's texts and its task values."""
+    # here, not at the top: there the name would clash with _intervals' loop variable `reference` (ruff F402)
     from quantbench.core.measures import reference
 
     spec = p.suite.suite
@@ -409,10 +408,6 @@ def engine_tasks(
     """Serve the checkpoint with the engine (eager: start-up time matters here, not decode speed) and score
     the suite's tasks through lm-eval's local-completions model against it. The server's log is
     appended to `logs` before it starts (the caller keeps it whatever happens)."""
-    from quantbench.engines import ServerSettings
-    from quantbench.engines.server import model_server
-    from quantbench.quality.tasks import score, served_lm
-
     spec = p.suite.suite
     directory = Path(tempfile.mkdtemp(prefix="qb-engine-"))
     logs.append(directory / "engine.log")

@@ -16,6 +16,7 @@ Any other lm-eval task name works when its data is reachable (the hub, online).
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -26,9 +27,15 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import yaml
+
+from quantbench.core import intervals
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.files import write_if_changed
+from quantbench.core.intervals import mcnemar_p
 from quantbench.core.logs import relay
+from quantbench.core.paths import hub_reachable
+from quantbench.metrics import RECOVERABLE, direction
 
 log = logging.getLogger(__name__)
 # lm-eval's bar over a task's requests is the longest wait of an evaluation: shown as one bar of ours
@@ -107,8 +114,6 @@ TASK_YAML = {
 
 def write_offline_suite(text: str, directory: Path) -> dict[str, int]:
     """Write JSONL data and task YAML for the offline tasks into `directory`; item counts."""
-    import yaml
-
     directory.mkdir(parents=True, exist_ok=True)
     items = {"qb_pydoc_lastword": lastword_items(text), "qb_pydoc_continuation": continuation_items(text)}
     for name, rows in items.items():
@@ -161,8 +166,6 @@ def _task_manager(suite_dir: str):
 
 def check_tasks(tasks: list[str], suite_dir: Path) -> None:
     """Unknown tasks (with close matches) and tasks whose data needs the hub while offline."""
-    from quantbench.core.paths import hub_reachable
-
     if not tasks:  # a suite of quality passes alone (suites/offline.yaml) needs no lm-eval
         return
     known = set(_task_manager(str(suite_dir)).all_tasks)
@@ -187,8 +190,6 @@ def check_tasks(tasks: list[str], suite_dir: Path) -> None:
 
 
 def _close(word: str, known: set[str]) -> list[str]:
-    import difflib
-
     return difflib.get_close_matches(word, known, n=5, cutoff=0.6)
 
 
@@ -281,8 +282,6 @@ def flips(
     """Answers that changed between right and wrong, over the items both scored, and (for the
     candidate against the base) McNemar's exact test of whether they changed more often one way
     than the other."""
-    from quantbench.core.intervals import mcnemar_p
-
     pairs = _paired_flips(base, cand)
     total = len(pairs)
     right_to_wrong = sum(was and not now for was, now in pairs)
@@ -328,9 +327,6 @@ def item_intervals(base: Items, cand: Items, metrics: dict[str, float], boot) ->
     """Intervals of `task/<t>/<m>`, `recovery/task/<t>/<m>` and the flips, from a paired bootstrap
     over the items both models scored; and a note for every metric left without one."""
     import torch
-
-    from quantbench.core import intervals
-    from quantbench.metrics import RECOVERABLE, direction
 
     out: dict[str, float] = {}
     notes: list[str] = []

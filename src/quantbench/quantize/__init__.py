@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from quantbench.core.errors import UserError, did_you_mean
+from quantbench.sources.checkpoint import skeleton
 
 # method (or method/format, where a recipe's `format:` picks another engine) -> "module:object"
 BACKENDS = {
@@ -197,8 +198,6 @@ def recipe_layers(config, ignore: list[str]) -> list[tuple[str, int, int]]:
     the model's `checkpoint.skeleton` (no weights), matched as llm-compressor matches targets
     (`checkpoint.linear_layers` has every Linear layer but the head, with no recipe)."""
     from compressed_tensors.utils import match_named_modules
-
-    from quantbench.sources.checkpoint import skeleton
 
     return [
         (name, m.in_features, m.out_features) for name, m in match_named_modules(skeleton(config), ["Linear"], ignore)

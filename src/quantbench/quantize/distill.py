@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import transformers
 
 from quantbench.core.errors import UserError
 from quantbench.core.logs import relay
+from quantbench.core.measures import compare, reference
 from quantbench.quantize import Backend, Inputs, Produced
 from quantbench.recipe import short
 from quantbench.recipe.methods import DistillSpec
@@ -169,8 +171,6 @@ class DistillBackend(Backend):
         training (`distill/kld_before`, `distill/kld_after`, `distill/ppl_*`). Returns the student
         and the run's distill/* summary metrics."""
         from transformers import TrainingArguments
-
-        from quantbench.core.measures import compare, reference
 
         spec = self.spec
         teacher = teacher.float().eval().requires_grad_(False)  # bf16 autocast still runs its matmuls
@@ -375,8 +375,6 @@ def prune_layers(teacher, keep: list[int]) -> torch.nn.Module:
 def training_windows(ids: list[int], count: int, seq_len: int, seed: int, bos: int | None = None) -> list[dict]:
     """`count` windows of `seq_len` tokens at seeded random offsets (the text is reused as needed),
     each starting with `bos` when the tokenizer wants one (data.span: the text then fills seq_len - 1)."""
-    import random
-
     rng = random.Random(seed)
     step = data.span(seq_len, bos)
     head = [] if bos is None else [bos]

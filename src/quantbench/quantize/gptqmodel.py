@@ -29,8 +29,10 @@ import re
 import subprocess
 import sys
 import tempfile
+from importlib.metadata import version as dist_version
 from pathlib import Path
 
+from quantbench.core.processes import stop_group
 from quantbench.quantize import (
     Backend,
     Inputs,
@@ -39,6 +41,7 @@ from quantbench.quantize import (
     group_size_problem,
     recipe_layers,
 )
+from quantbench.quantize.stage import deterministic
 from quantbench.recipe.methods import AWQSpec, GPTQSpec
 
 if importlib.util.find_spec("gptqmodel") is None:  # named by the registry; the package is imported by the child only
@@ -109,8 +112,6 @@ class GPTQModelBackend(Backend):
         return model.dtype if self.format == "awq" else model.computes_in()
 
     def loaders(self) -> str:
-        from importlib.metadata import version as dist_version
-
         version = dist_version("gptqmodel")
         if self.format == "gptq":
             return f"GPTQ (gptqmodel {version}) — transformers (+optimum, gptqmodel), vLLM, SGLang"
@@ -129,8 +130,6 @@ class GPTQModelBackend(Backend):
         """Quantize the base model with GPTQModel and save it into `dest`, in a child process
         (seeded and deterministic like the produce step: quantize/stage.py). It computes in `compute`
         (default: `dtype`) and saves the tensors it leaves unquantized in `dtype`."""
-        from quantbench.core.processes import stop_group
-
         job = {
             "base": str(base_path),
             "dtype": dtype,
@@ -234,8 +233,6 @@ def _child(job_file: str) -> None:
     import torch
     from gptqmodel import BACKEND, GPTQModel
     from transformers import AutoTokenizer
-
-    from quantbench.quantize.stage import deterministic
 
     job = json.loads(Path(job_file).read_text())
     spec = (AWQSpec if job["spec"]["method"] == "awq" else GPTQSpec).model_validate(job["spec"])

@@ -5,12 +5,13 @@ config_groups entry per scheme, the recipe's own scheme last on every other Line
 
 from __future__ import annotations
 
+import difflib
 import hashlib
-from importlib import metadata
 import json
 import logging
 import sys
 from contextlib import contextmanager, redirect_stdout
+from importlib import metadata
 from pathlib import Path
 
 # llm-compressor configures its loguru sink on import, before a run's log file is added: a console
@@ -39,6 +40,7 @@ from quantbench.recipe.methods import (
     SmoothQuantSpec,
     SpinQuantSpec,
 )
+from quantbench.sources.checkpoint import linear_layers
 from quantbench.sources.shapes import BYTES, Shape
 
 log = logging.getLogger(__name__)
@@ -410,11 +412,7 @@ def config_groups(spec) -> tuple[dict[str, QuantizationScheme], list[str]]:
 def layer_problems(loaded, config) -> list[str]:
     """A mixed recipe on a model's shapes: every group size divides the input width of the layers
     that take it; every target of `layers:` names a layer; no layer is claimed by two schemes."""
-    import difflib
-
     from compressed_tensors.utils.match import match_name
-
-    from quantbench.sources.checkpoint import linear_layers
 
     spec = loaded.recipe.quantize
     shapes = linear_layers(config)

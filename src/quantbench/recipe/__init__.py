@@ -15,6 +15,7 @@ quantize:
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ from pydantic import (
     field_validator,
 )
 
+from quantbench import engines
+from quantbench.core import hardware
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.files import canonical_sha
 from quantbench.core.settings import parse_yaml, read_settings
@@ -66,8 +69,6 @@ class ModelSpec(Strict):
 
     def computes_in(self) -> str:
         """compute_dtype resolved on this device (quantbench.hardware)."""
-        from quantbench.core import hardware
-
         return hardware.compute_dtype(self.compute_dtype, self.dtype)
 
 
@@ -120,8 +121,6 @@ class BenchSpec(Strict):
     @field_validator("backend")
     @classmethod
     def _known_backend(cls, value: str) -> str:
-        from quantbench import engines
-
         choices = [b for b in engines.backend_choices() if b != "openai"]
         if value not in choices:
             raise ValueError(f"unknown value '{value}'." + did_you_mean(value, choices))
@@ -256,8 +255,6 @@ def check_file(path: Path, schema: type[Settings]) -> CheckedFile[Settings]:
 def _without(schema: type[Settings], data: dict, invalid: list[tuple]) -> Settings | None:
     """`data` validated with every field that has a problem removed (left at its default); None
     when that is not enough (a required field, or a problem that is not one field's)."""
-    import copy
-
     data = copy.deepcopy(data)
     for loc in invalid:
         parent: Any = data

@@ -3,6 +3,7 @@ scored, how to load it. Written atomically; rewritten when later stages add metr
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,6 +11,8 @@ from typing import TYPE_CHECKING
 import yaml
 
 from quantbench.core.files import atomic_write
+from quantbench.recipe import schemes
+from quantbench.sources.checkpoint import linear_layers
 
 if TYPE_CHECKING:
     from quantbench.recipe import LoadedRecipe
@@ -94,11 +97,6 @@ def _interval(metrics: dict[str, float], key: str) -> str:
 def layer_groups(checkpoint: Path) -> str:
     """The scheme of every layer group of a compressed-tensors checkpoint (its config_groups and
     ignore list), with how many of the model's Linear layers each takes, as a markdown section."""
-    import json
-
-    from quantbench.recipe import schemes
-    from quantbench.sources.checkpoint import linear_layers
-
     config_path = checkpoint / "config.json"
     if not config_path.is_file():
         return ""

@@ -21,6 +21,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tabulate import tabulate
+
 from quantbench import metrics as catalogue
 from quantbench.core import tables
 from quantbench.core.errors import UserError, check_creatable_dir
@@ -521,7 +523,6 @@ def stacks_table(stacks: list[Stack]) -> str:
     """One row per step name (in the order the stacks first name them), per stack its throughput,
     step and cumulative multipliers with their intervals and the quality cost; then per stack the
     last step over the first measured directly, the product of its multipliers, its device."""
-    from tabulate import tabulate
 
     def times(value, ci) -> str:
         return f"{value:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "") if value is not None else "—"

@@ -16,13 +16,12 @@ from quantbench.metrics import (
     direction,
     without_interval_suffix,
 )
+from quantbench.quality.suite import suites_dir
+from quantbench.quality.tasks import OFFLINE_TASKS
 
 
 def known_tasks() -> set[str]:
     """The offline tasks plus every task named in the suites directory's files."""
-    from quantbench.quality.suite import suites_dir
-    from quantbench.quality.tasks import OFFLINE_TASKS
-
     tasks = set(OFFLINE_TASKS)
     for path in suites_dir().glob("*.yaml"):
         try:

@@ -14,13 +14,16 @@ it formats; verdict_page.py draws the report artifact.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench.core import intervals, tables
 from quantbench.core.errors import UserError
-from quantbench.release import gate
+from quantbench.release import gate, verdict_page
 from quantbench.release.gate import Check, LoadedPolicy
 from quantbench.sources.checkpoint import ARTIFACT
 from quantbench.tracking import TAG, Tracker
@@ -127,8 +130,6 @@ class Verdict:
 
 
 def _wrap(text: str, first: str, rest: str) -> str:
-    import textwrap
-
     return textwrap.fill(text, WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)
 
 
@@ -360,11 +361,6 @@ def publish(verdict: Verdict, *, experiment: str | None = None) -> None:
     """Write the verdict into its run: the description MLflow renders on the run page, and the
     report (verdict.html, with verdict.png: the KLD distribution, quality by position, the speed
     curve) under Artifacts."""
-    import shutil
-    import tempfile
-
-    from quantbench.release import verdict_page
-
     run = Tracker(experiment, reap=False).existing(verdict.run_id)
     if run is None:
         return

@@ -10,6 +10,7 @@ this machine, or downloads that artifact once into the cache and verifies it aga
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -23,6 +24,7 @@ from pathlib import Path
 from quantbench.core.errors import UserError
 from quantbench.core.files import atomic_write, file_sha
 from quantbench.core.paths import cache_dir
+from quantbench.sources.verify import gguf_tokenizer
 from quantbench.tracking import TAG, tracking_uri
 
 log = logging.getLogger(__name__)
@@ -263,8 +265,6 @@ def gguf_checkpoint(file: Path, field: str) -> Path:
         return view
     from transformers import AutoConfig
 
-    from quantbench.sources.verify import gguf_tokenizer
-
     field_ = GGUFReader(file).fields.get("general.file_type")
     try:
         kind = gguf_py.LlamaFileType(int(field_.contents())).name.removeprefix("MOSTLY_") if field_ else "unknown"
@@ -334,8 +334,6 @@ def weights_sha(path: Path) -> str | None:
     and bytes, in name order. Sharding and file metadata do not change it; one changed weight does.
     None when the checkpoint holds no safetensors file. A GGUF checkpoint: its file's sha256 (the
     file is written by llama-quantize, which is deterministic for the same input and type)."""
-    import hashlib
-
     gguf = gguf_file(path)
     if gguf is not None:
         return file_sha(gguf)
@@ -364,8 +362,6 @@ def weights_size_mb(path: Path) -> float:
 def skeleton(config):
     """The model a config describes, built on the meta device: every module and shape, no weights,
     nothing loaded or allocated. A quantized checkpoint's config gives its unquantized shapes."""
-    import copy
-
     import torch
     from transformers import AutoModelForCausalLM
 

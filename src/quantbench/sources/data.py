@@ -26,10 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from importlib import metadata
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Literal
 
 from quantbench.core.errors import UserError, did_you_mean
+from quantbench.core.paths import hub_reachable
 
 BUILTIN_TEXTS = ("python-docs", "numpy-license")
 EVALUATION_ONLY = ("numpy-license",)  # out-of-domain evaluation text: never calibration or training
@@ -38,7 +41,6 @@ Split = Literal["calibration", "evaluation"]
 
 def python_docs_topics(split: Split) -> list[str]:
     """The topic names of one split: one topic in five (by a hash of its name) is evaluation."""
-    from pydoc_data.topics import topics
 
     def in_evaluation(key: str) -> bool:
         return int(hashlib.sha256(key.encode()).hexdigest(), 16) % 5 == 0
@@ -48,15 +50,11 @@ def python_docs_topics(split: Split) -> list[str]:
 
 def python_docs(split: Split) -> str:
     """One split of the Python documentation, topics in sorted order joined by blank lines."""
-    from pydoc_data.topics import topics
-
     return "\n\n".join(topics[k] for k in python_docs_topics(split))
 
 
 def numpy_license() -> str:
     """The licence file of the installed numpy (see the module docstring)."""
-    from importlib import metadata
-
     for file in metadata.distribution("numpy").files or []:
         # numpy-X.dist-info/LICENSE.txt (or .../licenses/LICENSE.txt in newer wheels)
         if file.name == "LICENSE.txt" and (file.parent.name.endswith(".dist-info") or file.parent.name == "licenses"):
@@ -114,8 +112,6 @@ def _jsonl_text(path: Path, field: str, text_field: str) -> str:
 
 
 def _hub_text(source: str, field: str, text_field: str, split: str) -> str:
-    from quantbench.core.paths import hub_reachable
-
     if not hub_reachable():
         raise UserError(f"{field}: '{source}' needs the Hugging Face hub, which is not reachable from here (offline)")
     from datasets import load_dataset

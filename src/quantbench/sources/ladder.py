@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantbench.core.paths import cache_dir
+from quantbench.sources.checkpoint import skeleton
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +155,6 @@ def _write_streamed(config, dest: Path) -> None:
     """Every tensor of the model the config describes (names and shapes from its skeleton on the
     meta device), written shard by shard: one tensor and one shard in memory at a time."""
     from safetensors.torch import save_file
-
-    from quantbench.sources.checkpoint import skeleton
 
     names = {key: tuple(tensor.shape) for key, tensor in skeleton(config).state_dict().items()}
     if config.tie_word_embeddings:

@@ -15,6 +15,7 @@ recipe names the hub:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -26,10 +27,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.core.files import atomic_write, file_sha
 from quantbench.core.paths import cache_dir, hub_reachable
-from quantbench.sources.checkpoint import WEIGHT_SUFFIXES, check_gguf, check_weights, load_config
+from quantbench.core.settings import parse_yaml
+from quantbench.sources.checkpoint import WEIGHT_SUFFIXES, check_gguf, check_weights, load_config, local_checkpoint
+from quantbench.sources.verify import copy_ids, gguf_tokenizer, reference_logits, verify_copy
+from quantbench.tracking import TAG, Tracker, tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -185,9 +191,6 @@ def _classify(source: str, field: str) -> tuple[str, Any]:  # (kind, a str or a 
 
 def _run_checkpoint(source: str, field: str, experiment: str | None = None) -> tuple[str, Path, str]:
     """`run:ID` / `recipe:NAME` -> (run id, its checkpoint dir, a name for cards and run names)."""
-    from quantbench.sources.checkpoint import local_checkpoint
-    from quantbench.tracking import TAG, Tracker, tracking_uri
-
     tracker = Tracker(experiment)
     kind, _, value = source.partition(":")
     if kind == "recipe":
@@ -242,8 +245,6 @@ def _one_conversion(dest: Path):
     """One conversion into `dest` at a time across processes (test workers, parallel jobs on a fresh
     cache): a second waits for the first, then finds its result. Without it the second replaced the
     first's finished directory while the first was reading its tokenizer from it."""
-    import fcntl
-
     locks = cache_dir() / "locks"  # not beside it: a failed conversion leaves nothing in models/
     locks.mkdir(parents=True, exist_ok=True)
     with open(locks / f"{dest.name}.lock", "a") as handle:
@@ -321,8 +322,6 @@ def conversion_dtype(gguf: Path):
 
 
 def available_memory() -> int:
-    import psutil
-
     return psutil.virtual_memory().available
 
 
@@ -332,8 +331,6 @@ def _convert_gguf(source: str, gguf: Path, dest: Path, field: str = "model.sourc
     (verify.verify_copy: same token ids, special tokens, logits), renamed into place when sane."""
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
-
-    from quantbench.sources.verify import copy_ids, gguf_tokenizer, reference_logits, verify_copy
 
     log.info("converting %s to a safetensors checkpoint in %s (once)", gguf, dest)
     fields = GGUFReader(gguf).fields
@@ -435,8 +432,6 @@ def _card_license(path: Path) -> str:
     if card.is_file():
         text = card.read_text(errors="replace")
         if text.startswith("---"):
-            from quantbench.core.settings import parse_yaml
-
             try:
                 front = parse_yaml(text.split("---", 2)[1], str(card), unique_keys=False)[0] or {}
             except UserError:

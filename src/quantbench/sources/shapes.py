@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quantbench.sources.checkpoint import skeleton
+
 GiB = 2**30
 MiB = 2**20
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -29,9 +31,6 @@ class Shape:
 
     @classmethod
     def from_config(cls, config, stored: str | None = None) -> Shape:
-
-        from quantbench.sources.checkpoint import skeleton
-
         model = skeleton(config)
         params = {id(p): p.numel() for p in model.parameters()}
         layers = getattr(getattr(model, "model", model), "layers", None) or []

@@ -19,14 +19,19 @@ with the file's own special tokens and BOS/EOS flags (`gguf_tokenizer`), then ve
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from quantbench.core.files import atomic_write, canonical_sha
+from quantbench.core.measures import _windows, perplexity
+from quantbench.core.paths import cache_dir
+from quantbench.sources import data
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +229,6 @@ def check_perplexity(
     """The model's NLL and predictive entropy on `token_ids` against the unigram baseline."""
     import torch
 
-    from quantbench.core.measures import _windows
-
     windows = _windows(token_ids, window)
     nll = entropy = 0.0
     count = 0
@@ -264,11 +267,6 @@ def check_base_perplexity(
     check's text, so the job needs no second pass for it. The other framing (with a BOS at the start
     of every window, or without) is scored on the first OTHER_FRAMING_WINDOWS windows, and the
     framing used on the same windows, for bos_hint (one pass, when there is no BOS token)."""
-    from quantbench.core.measures import perplexity
-    from quantbench.sources import data
-
-    import time
-
     use_bos = wants_bos and bos_token_id is not None
     ids = data.framed(text_ids, window, bos_token_id if use_bos else None)[:tokens]
     started = time.perf_counter()
@@ -302,8 +300,6 @@ def bos_hint(result: PerplexityCheck) -> str | None:
 
 
 def _check_path(key: dict) -> Path:
-    from quantbench.core.paths import cache_dir
-
     return cache_dir() / "checks" / f"{canonical_sha(key)[:32]}.json"
 
 
@@ -326,8 +322,6 @@ def cached_check(key: dict, compute) -> PerplexityCheck:
 
 def tokenizer_sha(path: Path) -> str:
     """sha256 over a checkpoint's tokenizer files (what turns text into the ids a check scored)."""
-    import hashlib
-
     digest = hashlib.sha256()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
         file = path / name

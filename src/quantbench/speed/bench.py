@@ -29,6 +29,7 @@ from quantbench.core import environment, hardware, intervals
 from quantbench.core.busy import Busy, BusyWatch
 from quantbench.core.errors import UserError
 from quantbench.engines import ServerSettings, ServingEngine
+from quantbench.engines.server import EndpointError, model_server
 from quantbench.sources import data, models
 from quantbench.sources.checkpoint import load_model, weights_size_mb
 from quantbench.speed.measure import (
@@ -36,11 +37,12 @@ from quantbench.speed.measure import (
     Profile,
     SweepRates,
     bench_pair,
-    prefix_prompts,
     hf_measurer,
     load_profile,
+    prefix_prompts,
     prompts,
 )
+from quantbench.speed.serving import check_endpoint, long_context_quality, openai_measurer
 from quantbench.tracking import TAG
 
 log = logging.getLogger(__name__)
@@ -117,8 +119,6 @@ def prepare(
     for length in [*profile.prompt_tokens, *profile.context_tokens]:
         prompts(ids, length, 1, profile.seed)
     if backend == "openai":
-        from quantbench.speed.serving import check_endpoint
-
         if not (endpoints and all(endpoints)):
             raise UserError(
                 "--backend openai needs --endpoint URL (the checkpoint) and --base-endpoint URL (its base model)"
@@ -327,8 +327,6 @@ def _long_context_quality(plan: Plan, served: dict[str, tuple[str, str]]) -> dic
     if plan.one_at_a_time:
         log.info("bench: no quality at long context: the two servers never ran together (not enough memory)")
         return {}
-    from quantbench.engines.server import EndpointError
-    from quantbench.speed.serving import long_context_quality
 
     [ids] = prompts(plan.token_ids, max(profile.context_tokens), 1, profile.seed)
     log.info("bench: scoring candidate and base as served on a %d-token prompt (prompt log-probabilities)", len(ids))
@@ -383,8 +381,6 @@ def _measurers(
             "base": hf_measurer(lambda: AutoModelForCausalLM.from_pretrained(base.path, dtype=base_dtype), profile),
         }
         return
-    from quantbench.engines.server import model_server
-    from quantbench.speed.serving import openai_measurer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     texts = prefix_prompts(plan.token_ids, profile.prefix, tokenizer, profile.seed) if profile.prefix else None
@@ -467,8 +463,6 @@ class _OneServerAtATime:
             self.served.clear()
 
     def _switch(self, name: str):
-        from quantbench.engines.server import model_server
-
         if self.running != name:
             self._stop()
             path, settings = self.models[name]

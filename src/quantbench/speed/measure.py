@@ -23,6 +23,7 @@ interval, `speedup/<metric>.ci_low` / `.ci_high`, from the paired repetitions
 from __future__ import annotations
 
 import difflib
+import gc
 import os
 import random
 import re
@@ -33,9 +34,10 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationInfo, field_validator, model_validator
+from tqdm import tqdm
 
 from quantbench.core.errors import UserError
-from quantbench.core.intervals import pct
+from quantbench.core.intervals import HIGH, LOW, pct, ratio_interval
 from quantbench.core.logs import terminal
 from quantbench.core.processes import PeakRSS
 from quantbench.recipe import load_named
@@ -336,7 +338,6 @@ def _named(cause: BaseException) -> str:
 
 def hf_measurer(load, profile: Profile):
     """Backend hf: load the model, measure one repetition, free it; peak RSS growth meanwhile."""
-    import gc
 
     def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
         with PeakRSS() as mem:
@@ -363,8 +364,6 @@ def bench_pair(
     `one_at_a_time`: every repetition of the candidate, then every one of the base (A A A B B B):
     for models whose servers do not fit in memory together; repetition i of each is still paired,
     but drift between the two halves is no longer shared (said in bench.json)."""
-    from tqdm import tqdm
-
     # servers: every repetition its own prompts (`prompts_per_repetition`); in-process, a batch of the
     # largest level starting at the repetition's index
     reps = profile.repetitions + profile.warmup
@@ -424,8 +423,6 @@ def speedup_intervals(samples: dict[str, dict[str, list[float]]], profile: Profi
     summarised as the metrics are); the interval is Student's t on the log ratios
     (intervals.ratio_interval). {} with fewer than 3 pairs: no interval is made up. None for the
     95th percentiles: one repetition holds one or two timings, no tail to pair."""
-    from quantbench.core.intervals import HIGH, LOW, ratio_interval
-
     cand, base = samples.get("candidate", {}), samples.get("base", {})
     pairs = min((len(v) for v in [*cand.values(), *base.values()]), default=0)
     ratios: dict[str, list[float]] = {}

@@ -26,6 +26,7 @@ fidelity against `vllm bench serve` is measured by bench/serving_fidelity.py.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import statistics
 import threading
@@ -461,8 +462,6 @@ def scores_against(
 ) -> dict[str, float]:
     """`name`/ppl_ratio and `name`/top1_agreement from per-position log-probabilities and most likely
     tokens, over every position and (where they span more than one) per bucket of positions."""
-    import math
-
     # position i scores token i + 1: its context holds i + 1 tokens
     edges = [e for e in POSITION_EDGES if e < len(cand)] + [len(cand)]
     buckets = list(zip(edges, edges[1:])) if len(edges) > 2 else []

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from quantbench.core import environment
 from quantbench.core.errors import UserError
 from quantbench.core.logs import terminal
@@ -118,7 +120,6 @@ def run(plan: Plan) -> SpecResult:
 def measure(target, draft, rows: list[list[int]], new_tokens: int, warmup: int) -> dict:
     """Greedy generation of `new_tokens` per prompt, alone and with the draft, interleaved."""
     import torch
-    from tqdm import tqdm
 
     out: dict = {
         "alone_tok_s": [],
