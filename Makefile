@@ -146,6 +146,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/python tools/shape.py
 
 # The suite on WORKERS pytest-xdist workers (2: much of it waits on servers and child processes, and
 # the other worker uses that time); tests that must share a worker are grouped in tests/conftest.py.

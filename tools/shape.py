@@ -1,0 +1,162 @@
+"""The package's shape, as `make lint` checks it (tests/test_static.py runs it too): no module
+under src/quantbench over 600 lines, no function over 80, and no import of quantbench's own
+modules inside a function (third-party packages may be imported lazily: the heavy ones are, so
+that `quantbench --help` and the job modules do not load torch, transformers or MLflow).
+
+What is over a limit today is listed in SHAPE_DEBT below with its size now: it may shrink (then
+lower or drop its line), never grow, and nothing new may join it. Exit 1 naming each breach.
+
+    python tools/shape.py            # check
+    python tools/shape.py --debt     # print what is over a limit now, in SHAPE_DEBT's form
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "quantbench"
+MODULE_LINES = 600
+FUNCTION_LINES = 80
+
+# "module" or "module:function" -> its size today (lines; for "module:imports", quantbench imports
+# inside its functions). Shrink it as code is split; never raise a number.
+SHAPE_DEBT: dict[str, int] = {
+    "quantbench.cli.bench:imports": 1,
+    "quantbench.cli.compare:imports": 1,
+    "quantbench.cli.evaluate:imports": 1,
+    "quantbench.cli.gate:imports": 2,
+    "quantbench.cli.noise:imports": 1,
+    "quantbench.cli.quantize:imports": 1,
+    "quantbench.cli.recipes:imports": 1,
+    "quantbench.cli.stack:imports": 2,
+    "quantbench.cli.sweep:imports": 1,
+    "quantbench.cli.tune:add_parser": 108,
+    "quantbench.cli.tune:imports": 3,
+    "quantbench.cli.validate:imports": 2,
+    "quantbench.jobs.prepare:prepare": 112,
+    "quantbench.jobs.stack.command:run": 113,
+    "quantbench.jobs.stack.schema:configs": 147,
+    "quantbench.quality.stage:imports": 1,
+    "quantbench.quantize.distill:DistillBackend.train": 96,
+    "quantbench.release.compare": 601,
+    "quantbench.release.verdict:build": 109,
+    "quantbench.speed.bench:bench": 83,
+    "quantbench.speed.serving:load_level": 101,
+    "quantbench.tracking": 604,
+    "quantbench.tune.command:_run": 135,
+    "quantbench.tune.cost:get_vllm": 95,
+    "quantbench.tune.cost:imports": 13,
+    "quantbench.tune.gguf:imports": 3,
+    "quantbench.tune.plan:imports": 1,
+    "quantbench.tune.plan:prepare": 124,
+    "quantbench.tune.sensitivity": 652,
+    "quantbench.tune.sensitivity:_fisher": 83,
+    "quantbench.tune.sensitivity:imports": 2,
+}
+
+
+def measure() -> dict[str, int]:
+    """Everything over a limit now, keyed as SHAPE_DEBT is."""
+    over: dict[str, int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE.parent).with_suffix("").as_posix().replace("/", ".")
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MODULE_LINES:
+            over[module] = lines
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if size > FUNCTION_LINES:
+                    over[f"{module}:{_qualname(tree, node)}"] = size
+        # an import counted once even inside nested functions: count the outermost functions' only
+        inner = sum(1 for node in _outermost_functions(tree) for sub in ast.walk(node) if _internal_import(sub))
+        if inner:
+            over[f"{module}:imports"] = inner
+    return over
+
+
+def _internal_import(node: ast.AST) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return bool(node.level) or (node.module or "").split(".")[0] == "quantbench"
+    return isinstance(node, ast.Import) and any(a.name.split(".")[0] == "quantbench" for a in node.names)
+
+
+def _outermost_functions(tree: ast.AST):
+    """Functions not inside another function (methods included)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield child
+            else:
+                stack.append(child)
+
+
+def _qualname(tree: ast.AST, target: ast.AST) -> str:
+    def walk(node: ast.AST, prefix: str):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if child is target:
+                    return name
+                found = walk(child, name + ".")
+                if found:
+                    return found
+            else:
+                found = walk(child, prefix)
+                if found:
+                    return found
+        return None
+
+    return walk(tree, "") or "?"
+
+
+def breaches(over: dict[str, int]) -> list[str]:
+    found = []
+    for key, size in sorted(over.items()):
+        allowed = SHAPE_DEBT.get(key)
+        what = (
+            "quantbench imports inside functions"
+            if key.endswith(":imports")
+            else ("lines (function)" if ":" in key else "lines (module)")
+        )
+        limit = 0 if key.endswith(":imports") else (FUNCTION_LINES if ":" in key else MODULE_LINES)
+        if allowed is None:
+            found.append(f"{key}: {size} {what}, over the limit of {limit}")
+        elif size > allowed:
+            found.append(f"{key}: {size} {what}, grown past its recorded {allowed} (limit {limit})")
+    return found
+
+
+def main(argv: list[str]) -> int:
+    over = measure()
+    if "--debt" in argv:
+        print("SHAPE_DEBT: dict[str, int] = {")
+        for key, size in sorted(over.items()):
+            print(f'    "{key}": {size},')
+        print("}")
+        return 0
+    problems = breaches(over)
+    for line in problems:
+        print(line)
+    stale = sorted(k for k in SHAPE_DEBT if k not in over or over[k] < SHAPE_DEBT[k])
+    for key in stale:
+        print(f"note: {key} is now {over.get(key, 'within the limit')} (recorded {SHAPE_DEBT[key]}): lower its line")
+    modules = sum(1 for k in over if ":" not in k)
+    functions = sum(1 for k in over if ":" in k and not k.endswith(":imports"))
+    imports = sum(v for k, v in over.items() if k.endswith(":imports"))
+    print(
+        f"shape: {modules} modules over {MODULE_LINES} lines, {functions} functions over {FUNCTION_LINES}, "
+        f"{imports} quantbench imports inside functions; {len(problems)} breaches"
+    )
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
