@@ -126,15 +126,25 @@ def test_a_bench_beside_cpu_bound_processes_says_it_was_busy_and_the_gate_calls_
 
     import psutil
 
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(psutil.cpu_count())]
+    # The burners are other jobs, not this one's: started by a launcher that exits at once, so they are
+    # no children of this process (the bench counts its own tree's CPU time, servers included, as its own).
+    launcher = (
+        "import subprocess, sys\n"
+        f"procs = [subprocess.Popen([sys.executable, '-c', 'while True: pass'], start_new_session=True,"
+        f" stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range({psutil.cpu_count()})]\n"
+        "print(' '.join(str(proc.pid) for proc in procs))\n"
+    )
+    pids = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, check=True).stdout.split()
+    burners = [psutil.Process(int(pid)) for pid in pids]
     try:
+        assert not {b.pid for b in burners} & {c.pid for c in psutil.Process().children(recursive=True)}
         write_recipe(workdir, "q", tiny_recipe(tiny_model_dir, "method: fp8\n")
                      + f"bench:\n  profile: {profile}\n  backend: hf\n")
         assert main(["quantize", "q", "--json"]) == 0
     finally:
         for proc in burners:
             proc.kill()
-            proc.wait()
+        psutil.wait_procs(burners, timeout=10)
     out, err = capsys.readouterr()
     result = last_json(out)
     assert "bench: the machine was too busy to measure speed here (other processes used" in err
