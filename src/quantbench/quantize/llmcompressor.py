@@ -29,7 +29,15 @@ from llmcompressor.logger import support_log_once
 from loguru import logger as _loguru
 
 from quantbench.core import logs
-from quantbench.quantize import Backend, Inputs, ProduceFootprint, Produced, calibration_card, group_size_problem
+from quantbench.quantize import (
+    Backend,
+    Inputs,
+    ProduceFootprint,
+    Produced,
+    calibration_card,
+    group_size_problem,
+    recipe_layers,
+)
 from quantbench.recipe import schemes
 from quantbench.recipe.methods import (
     AutoRoundSpec,
@@ -76,15 +84,6 @@ MIXED = (GPTQSpec, RTNSpec, AutoRoundSpec, SpinQuantSpec)  # the specs with `lay
 KV_CACHE_SCHEMES = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
 
 
-# recipe scheme -> (weights' type, bits, input activations' type or None), as the checkpoint's config says
-SCHEME_TYPES = {
-    "W4A16": ("int", 4, None),
-    "W8A16": ("int", 8, None),
-    "W8A8": ("int", 8, "int"),
-    "FP8_DYNAMIC": ("float", 8, "float"),
-}
-
-
 class LLMCompressorBackend(Backend):
     """llm-compressor's oneshot on the loaded base model, in place; saved compressed."""
 
@@ -102,23 +101,31 @@ class LLMCompressorBackend(Backend):
 
     def __init__(self, spec: GPTQSpec | AWQSpec | RTNSpec | AutoRoundSpec | SpinQuantSpec | FP8Spec | SmoothQuantSpec):
         self.spec = spec
-        self.calibrates = not isinstance(spec, (FP8Spec, RTNSpec)) or spec.kv_cache is not None
+        self.scheme = own_scheme(spec)
+        mixed = [schemes.get(name) for name in spec.layers] if isinstance(spec, MIXED) else []
+        self.calibrates = (
+            not isinstance(spec, (FP8Spec, RTNSpec))
+            or spec.kv_cache is not None
+            or any(s.calibrates for s in [self.scheme, *mixed])
+        )
         self.mixes_per_layer = isinstance(spec, MIXED)
 
     def quantization_config(self) -> dict:
-        """compressed-tensors' config sketched from the scheme: weight type and bits, dynamic input
-        activations, the storage format (integer weights packed when weight-only), the KV cache's
-        scheme (tests/helpers.assert_sketched holds it to what llm-compressor writes)."""
-        weights, bits, activations = SCHEME_TYPES[self.spec.scheme]
+        """compressed-tensors' config sketched from the scheme: weight type and bits, input
+        activations' type and bits, the storage format (integer weights packed when weight-only,
+        nvfp4 / mxfp4 packed, mxfp8), the KV cache's scheme (tests/helpers.assert_sketched holds it
+        to what llm-compressor writes)."""
+        weights, activations = self.scheme.weights or {}, self.scheme.activations
         group = {
-            "weights": {"type": weights, "num_bits": bits},
-            "input_activations": {"type": activations, "num_bits": 8} if activations else None,
+            "weights": {"type": weights["type"], "num_bits": weights["num_bits"]},
+            "input_activations": (
+                {"type": activations["type"], "num_bits": activations["num_bits"]} if activations else None
+            ),
         }
-        packed = activations is None and weights == "int"  # weight-only integer weights are packed
         quant = {
             "quant_method": "compressed-tensors",
             "config_groups": {"group_0": group},
-            "format": "pack-quantized" if packed else f"{weights}-quantized",
+            "format": self.scheme.stored_as,
         }
         if getattr(self.spec, "kv_cache", None):
             quant["kv_cache_scheme"] = {"type": "float", "num_bits": 8}
@@ -131,13 +138,12 @@ class LLMCompressorBackend(Backend):
                 + rotation_problems(loaded, config)
                 + self.experts_problem(loaded, config)
             )
-        group_size = (
-            default_scheme(self.spec).group_size
-            if isinstance(self.spec, MIXED)
-            else getattr(self.spec, "group_size", None)
-        )
+        scheme = self.scheme
+        # a floating-point format's group size is the format's: the recipe said it by its scheme
+        field = "scheme" if scheme.preset else "group_size"
         return (
-            (group_size_problem(loaded, config, group_size) if group_size else [])
+            (group_size_problem(loaded, config, scheme.group_size, field) if scheme.group_size else [])
+            + (block_problem(loaded, config, scheme) if scheme.block_shape else [])
             + rotation_problems(loaded, config)
             + self.experts_problem(loaded, config)
         )
@@ -157,12 +163,7 @@ class LLMCompressorBackend(Backend):
 
     def weight_bits(self, hidden: int) -> float:
         """Stored bits per quantized weight, scales included (a layer of `hidden` inputs and outputs)."""
-        spec = self.spec
-        if isinstance(spec, MIXED):
-            return default_scheme(spec).bits(hidden, hidden)
-        if isinstance(spec, AWQSpec):
-            return schemes.from_recipe("W4A16", spec.group_size, spec.symmetric).bits(hidden, hidden)
-        return 8 + 16 / hidden  # FP8 and W8A8: a byte a weight and a 16-bit scale per output channel
+        return self.scheme.bits(hidden, hidden)
 
     def footprint(self, shape, loaded, compute: str):
         """The produce step's memory: the loaded base (in place) and, while saving, its quantized
@@ -261,6 +262,9 @@ class LLMCompressorBackend(Backend):
                 ),
             ]
         if isinstance(spec, FP8Spec):
+            if blocks := spec.blocks():
+                groups = {"group_0": blocks.quantization_scheme(["Linear"])}
+                return [QuantizationModifier(config_groups=groups, ignore=spec.ignore, **kv)]
             return [QuantizationModifier(targets=["Linear"], scheme=spec.scheme, ignore=spec.ignore, **kv)]
         return [
             SmoothQuantModifier(smoothing_strength=spec.smoothing_strength),
@@ -392,6 +396,40 @@ def carry_autoround_zero_points(model) -> int:
 def default_scheme(spec) -> schemes.Scheme:
     """The scheme of every layer a mixed recipe's `layers:` does not name."""
     return schemes.from_recipe(spec.scheme, spec.group_size, spec.symmetric)
+
+
+def own_scheme(spec) -> schemes.Scheme:
+    """The scheme a recipe of any llm-compressor method gives every layer it quantizes (a mixed
+    recipe's: those its `layers:` does not name)."""
+    if isinstance(spec, MIXED):
+        return default_scheme(spec)
+    if isinstance(spec, AWQSpec):
+        return schemes.from_recipe("W4A16", spec.group_size, spec.symmetric)
+    if isinstance(spec, FP8Spec):
+        return spec.blocks() or schemes.SCHEMES["FP8"]
+    return schemes.SCHEMES["W8A8"]  # SmoothQuant
+
+
+def block_problem(loaded, config, scheme: schemes.Scheme) -> list[str]:
+    """A block scheme's blocks must tile every weight it quantizes: rows and columns both."""
+    assert scheme.block_shape is not None
+    rows, columns = scheme.block_shape
+    bad = [(name, i, o) for name, i, o in recipe_layers(config, loaded.recipe.quantize.ignore) if not scheme.fits(i, o)]
+    if not bad:
+        return []
+    shapes = sorted({(o, i) for _, i, o in bad})
+    detail = "; ".join(
+        f"{o}x{i} ({sum(1 for b in bad if (b[2], b[1]) == (o, i))} layers, e.g. "
+        f"{next(b[0] for b in bad if (b[2], b[1]) == (o, i))})"
+        for o, i in shapes
+    )
+    widths = {w for _, i, o in recipe_layers(config, loaded.recipe.quantize.ignore) for w in (i, o)}
+    sizes = [b for b in (128, 64, 32, 16) if all(w % b == 0 for w in widths)]
+    hint = f" Block sizes that tile every layer: {', '.join(map(str, sizes))} (quantize.block_size)." if sizes else ""
+    return [
+        f"{loaded.path}: {loaded.where('quantize', 'block_size')}: blocks of {rows}x{columns} do not tile these "
+        f"weights (rows x columns) of {loaded.recipe.model.source}: {detail}.{hint}"
+    ]
 
 
 def config_groups(spec) -> tuple[dict[str, QuantizationScheme], list[str]]:

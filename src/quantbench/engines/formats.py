@@ -1,0 +1,136 @@
+"""The floating-point formats (NVFP4, MXFP4, MXFP8, FP8 block, W4AFP8) as the engines meet them:
+which one a compressed-tensors config group stores, what vLLM needs to run each as stored (a CUDA
+compute capability, or AMX on a CPU: docs/engines.md cites vLLM 0.32.0's source for each), and why
+a transformers-based engine's speed is not theirs (it de-compresses them as they load)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantbench.core import hardware
+from quantbench.engines import model_config
+
+# The floating-point formats as vLLM 0.32.0 runs them (compressed-tensors' scheme classes and their
+# kernels; docs/engines.md cites the lines): format -> (the least CUDA compute capability that runs
+# it as stored, what that means, what vLLM-CPU does with it). NVFP4 / MXFP4 / MXFP8 have no CPU kernel
+# in vLLM-CPU's lists; FP8_BLOCK's CPU kernels need AMX tiles; W4AFP8 has one kernel, CUTLASS on 9.0.
+FLOAT_FORMATS = {
+    "NVFP4A16": ((7, 5), "Marlin's FP4 weight-only kernel", "no NVFP4 kernel ('Marlin FP4 not available')"),
+    "NVFP4": (
+        (10, 0),
+        "FP4 matmuls (Blackwell); below, Marlin runs it with 16-bit activations, not as W4A4",
+        "no NVFP4 kernel ('Failed to find a kernel that can implement the NVFP4 linear layer')",
+    ),
+    "MXFP4A16": ((8, 0), "Marlin's MXFP4 weight-only kernel", "no MXFP4 kernel ('Failed to find a kernel ... MXFP4')"),
+    "MXFP4": (
+        (10, 0),
+        "FP4 matmuls (Blackwell); below, Marlin drops the activations' quantization",
+        "no MXFP4 kernel ('Failed to find a kernel ... MXFP4')",
+    ),
+    "MXFP8A16": ((7, 5), "Marlin's FP8 weight-only kernel", "no MXFP8 kernel ('Failed to find a kernel ... MXFP8')"),
+    "MXFP8": (
+        (10, 0),
+        "MXFP8 matmuls (Blackwell); below, Marlin runs it weight-only",
+        "no MXFP8 kernel ('Failed to find a kernel ... MXFP8')",
+    ),
+    "FP8_BLOCK": ((8, 9), "FP8 matmuls (Ada, Hopper); 7.5-8.6 run it weight-only through Marlin", ""),
+    "W4AFP8": ((9, 0), "CUTLASS W4A8, on Hopper (9.0) only", "no W4AFP8 scheme off a Hopper GPU"),
+}
+# Served weight-only below their capability (Marlin), so a bench there measures another computation.
+_WEIGHT_ONLY_BELOW = {"NVFP4", "MXFP4", "MXFP8"}
+
+
+def vllm_unserved(
+    quant: dict, on: str, cpu: hardware.CPU, capability: tuple[int, int] | None, version: str
+) -> str | None:
+    """Why vLLM (`version`) does not serve a compressed-tensors checkpoint's floating-point format on
+    this device ("cpu" or "cuda"; `capability` the GPU's, None: unknown), or None."""
+    for name, group in (quant.get("config_groups") or {}).items():
+        fmt = float_format(group)
+        if fmt is None:
+            continue
+        least, how, on_cpu = FLOAT_FORMATS[fmt]
+        need = f"{fmt} needs a CUDA GPU of compute capability >= {least[0]}.{least[1]} ({how})"
+        if on == "cpu":
+            if fmt != "FP8_BLOCK":
+                return f"{need}; vLLM-CPU {version} has {on_cpu} (config group {name}); not measurable here"
+            block = (group.get("weights") or {}).get("block_structure") or [0, 0]
+            if "amx_tile" not in cpu.flags:
+                return (
+                    f"{need}; vLLM-CPU {version}'s FP8 block kernels need AMX tiles (Sapphire Rapids or newer), "
+                    f"which this CPU ({cpu.klass}) lacks; not measurable here"
+                )
+            if block[1] != 128:
+                return f"vLLM-CPU {version}'s FP8 block kernels take 128-wide blocks; this checkpoint's are {block[1]}"
+            continue
+        if capability is None:
+            continue  # a GPU whose capability the driver did not say: vLLM decides
+        if fmt == "W4AFP8" and capability != least:
+            return f"{need}; this GPU is {capability[0]}.{capability[1]}"
+        if capability < least and (fmt in _WEIGHT_ONLY_BELOW or capability < (7, 5)):
+            return f"{need}; this GPU is {capability[0]}.{capability[1]}: not measurable here as stored"
+    return None
+
+
+def float_format(group: dict) -> str | None:
+    """The floating-point format (a FLOAT_FORMATS key) of a compressed-tensors config group, or None."""
+    weights, acts = group.get("weights") or {}, group.get("input_activations")
+    kind, bits, scale = weights.get("type"), weights.get("num_bits", 8), str(weights.get("scale_dtype") or "")
+    if kind == "int" and bits == 4 and acts and acts.get("type") == "float":
+        return "W4AFP8"
+    if kind != "float":
+        return None
+    if weights.get("strategy") == "block":
+        return "FP8_BLOCK"
+    name = {("float8_e4m3fn", 4): "NVFP4", ("uint8", 4): "MXFP4", ("uint8", 8): "MXFP8"}.get(
+        (scale.split(".")[-1], bits)
+    )
+    return None if name is None else name + ("" if acts else "A16")
+
+
+def stored_float_format(checkpoint: Path | dict) -> str | None:
+    """The floating-point format a compressed-tensors checkpoint stores (its first config group in
+    one), or None."""
+    quant = model_config(checkpoint).get("quantization_config") or {}
+    if str(quant.get("quant_method") or "").lower() != "compressed-tensors":
+        return None
+    return next((f for g in (quant.get("config_groups") or {}).values() if (f := float_format(g))), None)
+
+
+def decompressed(checkpoint: Path | dict) -> str | None:
+    """Why a transformers-based engine's speed is not a floating-point checkpoint's: it de-compresses
+    NVFP4, MXFP4 and MXFP8 weights into 16-bit ones as they load (None: not such a checkpoint)."""
+    fmt = stored_float_format(checkpoint)
+    if fmt is None or fmt in ("FP8_BLOCK", "W4AFP8"):
+        return None
+    return (
+        f"transformers de-compresses {fmt} weights into 16-bit ones as they load, so a speed measured "
+        f"through it is not {fmt}'s; not measurable here"
+    )
+
+
+def _group(kind: str, bits: int, scale: str | None = None, acts: bool = False, **more) -> dict:
+    weights = {"type": kind, "num_bits": bits, "scale_dtype": scale, **more}
+    return {"weights": weights, "input_activations": {"type": "float", "num_bits": bits if kind == "float" else 8}
+            if acts else None}  # fmt: skip
+
+
+# A config group of each format, as much of it as the engines read (doctor asks about each)
+SKETCHES = {
+    "NVFP4A16": _group("float", 4, "torch.float8_e4m3fn"),
+    "NVFP4": _group("float", 4, "torch.float8_e4m3fn", acts=True),
+    "MXFP4A16": _group("float", 4, "torch.uint8"),
+    "MXFP4": _group("float", 4, "torch.uint8", acts=True),
+    "MXFP8A16": _group("float", 8, "torch.uint8"),
+    "MXFP8": _group("float", 8, "torch.uint8", acts=True),
+    "FP8_BLOCK": _group("float", 8, strategy="block", block_structure=[128, 128], acts=True),
+    "W4AFP8": _group("int", 4, acts=True),
+}
+
+
+def vllm_here(on: str, cpu: hardware.CPU, capability: tuple[int, int] | None, version: str) -> dict[str, str | None]:
+    """format -> why vLLM does not serve it on this device (None: it does), for `doctor`."""
+    return {
+        fmt: vllm_unserved({"config_groups": {"group_0": group}}, on, cpu, capability, version)
+        for fmt, group in SKETCHES.items()
+    }
