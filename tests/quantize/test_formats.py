@@ -211,7 +211,7 @@ def test_vllm_cpu_serves_none_of_the_new_formats_but_fp8_blocks_on_amx(name, why
         ("NVFP4", (9, 0), (10, 0)),  # below 10.0 Marlin serves it weight-only: not W4A4
         ("MXFP4", (8, 9), (10, 0)),
         ("NVFP4A16", (7, 0), (8, 0)),  # Marlin from 7.5
-        ("MXFP4A16", (7, 0), (8, 6)),
+        ("MXFP4A16", (7, 5), (8, 6)),  # Marlin's MXFP4 from 8.0
         ("FP8_BLOCK", (7, 0), (8, 0)),  # 7.5-8.6 weight-only through Marlin: still FP8 weights as stored
     ],
 )

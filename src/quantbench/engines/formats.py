@@ -36,8 +36,6 @@ FLOAT_FORMATS = {
     "FP8_BLOCK": ((8, 9), "FP8 matmuls (Ada, Hopper); 7.5-8.6 run it weight-only through Marlin", ""),
     "W4AFP8": ((9, 0), "CUTLASS W4A8, on Hopper (9.0) only", "no W4AFP8 scheme off a Hopper GPU"),
 }
-# Served weight-only below their capability (Marlin), so a bench there measures another computation.
-_WEIGHT_ONLY_BELOW = {"NVFP4", "MXFP4", "MXFP8"}
 
 
 def vllm_unserved(
@@ -67,7 +65,8 @@ def vllm_unserved(
             continue  # a GPU whose capability the driver did not say: vLLM decides
         if fmt == "W4AFP8" and capability != least:
             return f"{need}; this GPU is {capability[0]}.{capability[1]}"
-        if capability < least and (fmt in _WEIGHT_ONLY_BELOW or capability < (7, 5)):
+        # FP8 blocks run weight-only from 7.5 (still FP8 weights as stored); the others need `least`
+        if capability < ((7, 5) if fmt == "FP8_BLOCK" else least):
             return f"{need}; this GPU is {capability[0]}.{capability[1]}: not measurable here as stored"
     return None
 

@@ -318,7 +318,7 @@ def load_model(checkpoint: Path, **kwargs):
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.nn.Parameter) and weight.is_floating_point() and weight.dtype != model.dtype:
+        if isinstance(weight, torch.nn.Parameter) and weight.dtype in (torch.bfloat16, torch.float16, torch.float32):
             weight.data = weight.data.to(model.dtype)
     return loaded
 
