@@ -303,3 +303,17 @@ def test_a_mixed_checkpoint_holds_a_floating_point_format_beside_an_integer_one(
     stored = load_file(str(checkpoint / "model.safetensors"))
     assert torch.allclose(model.get_submodule(layer).weight, decoded(stored, layer, schemes.SCHEMES["NVFP4A16"]),
                           rtol=2 ** -8, atol=0)
+
+
+def test_the_verdict_of_a_format_no_engine_here_runs_says_why_speed_is_not_measured(workdir, tiny_model_dir, capsys):
+    if hardware.device() != "cpu":
+        pytest.skip("a GPU machine: whether vLLM runs it depends on the capability there")
+    write_recipe(workdir, "nv", tiny_recipe(tiny_model_dir, "method: rtn\nscheme: NVFP4A16\n"))
+    assert main(["quantize", "nv", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "speed: NVFP4A16 needs a CUDA GPU of compute capability >= 7.5" in out + err
+    assert "make bench RUN=" not in out + err
+    write_recipe(workdir, "w4", tiny_recipe(tiny_model_dir, "method: rtn\ngroup_size: 32\n"))
+    assert main(["quantize", "w4", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "measures decode and TTFT through its serving engine" in out + err

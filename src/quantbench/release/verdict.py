@@ -23,6 +23,7 @@ from pathlib import Path
 
 from quantbench.core import intervals, tables
 from quantbench.core.errors import UserError
+from quantbench.engines import formats, vllm_env
 from quantbench.release import gate, verdict_page
 from quantbench.release.gate import Check, LoadedPolicy
 from quantbench.sources.checkpoint import ARTIFACT
@@ -188,6 +189,17 @@ def _size_row(metrics: dict, checks: dict[str, Check]) -> Row | None:
     return Row("size", ", ".join(parts), "", check.threshold if check else "", _result(check))
 
 
+def unbenched_note(run_id: str, tags: dict[str, str]) -> str:
+    """How speed gets measured for a run with no bench, or, for a floating-point format that no
+    engine here runs as stored (NVFP4 on a CPU), why it cannot be here."""
+    checkpoint = Path(tags.get(TAG + "checkpoint", ""))
+    if (checkpoint / "config.json").is_file() and formats.stored_float_format(checkpoint):
+        why = vllm_env.unserved(checkpoint)
+        if why:
+            return f"speed: {why}"
+    return f"speed: `make bench RUN={run_id}` measures decode and TTFT through its serving engine"
+
+
 def _engine(tags: dict[str, str]) -> str:
     """The engine speed was measured through and the device it ran on (the class decides the
     kernels); the engine in full, with its version, is the run's tag bench_engine."""
@@ -258,7 +270,7 @@ def build(
                 _result(stage),
             )
         )
-        notes.append(f"speed: `make bench RUN={run_id}` measures decode and TTFT through its serving engine")
+        notes.append(unbenched_note(run_id, tags))
     if tags.get(TAG + "base_quantized", "none") != "none":
         rows.append(Row("base model", f"{tags[TAG + 'base_quantized']}, de-quantized"))
         notes.append(
