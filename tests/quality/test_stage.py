@@ -121,6 +121,19 @@ def test_quantize_evaluates_the_reloaded_checkpoint_and_reuses_the_baseline(work
     assert set(report["item_values"]["qb_pydoc_lastword"]["0"]) == {"acc", "perplexity"}
 
 
+def test_the_base_against_itself_loses_nothing(workdir, tiny_model_dir, suite, capsys):
+    """The control every policy must pass: the base scored as its own candidate agrees with itself
+    to float32 rounding (KLD ~4e-7 mean, ~2e-6 at p99 on the tiny model), so nothing is lost and
+    nothing flips."""
+    assert main(["evaluate", str(tiny_model_dir), "--base", str(tiny_model_dir), "--suite", suite, "--json"]) == 0
+    m = last_json(capsys.readouterr().out)["metrics"]
+    assert m["quality/kld_mean"] == pytest.approx(0, abs=1e-5) and m["quality/kld_p99"] == pytest.approx(0, abs=1e-5)
+    assert m["quality/top1_agreement"] == 1 and m["quality/flips_pct"] == 0
+    assert m["recovery/quality/ppl"] == pytest.approx(1, rel=1e-6)
+    tasks = [m[k] for k in m if k.startswith("recovery/task/") and not k.endswith(("ci_low", "ci_high"))]
+    assert len(tasks) >= 2 and tasks == pytest.approx([1.0] * len(tasks))
+
+
 def test_evaluate_by_run_id_and_by_directory(workdir, tiny_model_dir, suite, capsys):
     write_recipe(workdir, "a", tiny_recipe(tiny_model_dir, GPTQ))
     assert main(["quantize", "a", "--json"]) == 0
