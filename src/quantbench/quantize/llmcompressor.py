@@ -29,6 +29,7 @@ from llmcompressor.logger import support_log_once
 from loguru import logger as _loguru
 
 from quantbench.core import logs
+from quantbench.quantize import model_free
 from quantbench.quantize import (
     Backend,
     Inputs,
@@ -109,6 +110,9 @@ class LLMCompressorBackend(Backend):
             or any(s.calibrates for s in [self.scheme, *mixed])
         )
         self.mixes_per_layer = isinstance(spec, MIXED)
+        # model_free: rounded from the base's files one layer at a time; the job loads no model for it
+        self.model_free = bool(getattr(spec, "model_free", False))
+        self.takes_model = not self.model_free
 
     def quantization_config(self) -> dict:
         """compressed-tensors' config sketched from the scheme: weight type and bits, input
@@ -132,11 +136,13 @@ class LLMCompressorBackend(Backend):
         return quant
 
     def check(self, loaded, config) -> list[str]:
+        free = model_free.experts_problem(loaded, config) if self.model_free else []
         if isinstance(self.spec, MIXED) and self.spec.layers:
             return (
                 layer_problems(loaded, config)
                 + rotation_problems(loaded, config)
                 + self.experts_problem(loaded, config)
+                + free
             )
         scheme = self.scheme
         # a floating-point format's group size is the format's: the recipe said it by its scheme
@@ -146,7 +152,13 @@ class LLMCompressorBackend(Backend):
             + (block_problem(loaded, config, scheme) if scheme.block_shape else [])
             + rotation_problems(loaded, config)
             + self.experts_problem(loaded, config)
+            + free
         )
+
+    def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
+        if self.model_free:
+            model_free.weight_map(base.path)  # safetensors files to read, or a UserError naming model.source
+        return {}
 
     def experts_problem(self, loaded, config) -> list[str]:
         """Asymmetric integer weights (a zero point each group) on a mixture of experts: transformers
@@ -165,15 +177,25 @@ class LLMCompressorBackend(Backend):
         """Stored bits per quantized weight, scales included (a layer of `hidden` inputs and outputs)."""
         return self.scheme.bits(hidden, hidden)
 
+    def computes_in(self, model) -> str | None:
+        """Model-free rounding computes in the saved dtype: each tensor is cast to it as it is read
+        (the loaded path computes in the job's compute dtype and casts its scales when saving; the
+        two write the same bits where those dtypes agree)."""
+        return model.dtype if self.model_free else None
+
     def footprint(self, shape, loaded, compute: str):
         """The produce step's memory: the loaded base (in place) and, while saving, its quantized
         tensors compressed beside it; a calibrating method also caches every calibration window's
         activations at the layer it is working on (llm-compressor's sequential pipeline), and GPTQ
-        keeps a float32 Hessian per Linear layer of that layer."""
+        keeps a float32 Hessian per Linear layer of that layer. Model-free: no model; the largest
+        group of tensors read at once (a decoder layer, or the embeddings), its rounding's float32
+        temporaries, and the output shard being filled."""
         bits = self.weight_bits(shape.hidden)
         saved = BYTES[loaded.recipe.model.dtype]
         quantized = int(shape.quantized_params * bits / 8)
         checkpoint = quantized + (shape.params - shape.quantized_params) * saved
+        if self.model_free:
+            return model_free.footprint(shape, saved, checkpoint)
         held = [("its compressed tensors while saving", quantized)]
         fits = []
         if self.calibrates:
@@ -191,6 +213,8 @@ class LLMCompressorBackend(Backend):
     def produce(self, inputs: Inputs) -> Produced:
         from llmcompressor.core import reset_session
 
+        if self.model_free:
+            return model_free.produce(inputs, *self.groups())
         model = inputs.take_model()
         if not isinstance(self.spec, (FP8Spec, RTNSpec)):  # these rescale or update weights in place
             detach_from_files(model)
@@ -203,6 +227,26 @@ class LLMCompressorBackend(Backend):
             # it go, or the reload check loads the checkpoint beside a second copy of the model
             reset_session()
         return Produced(card="\n".join([calibration_card(inputs), *experts_card(inputs, self.calibrates)]))
+
+    def groups(self) -> tuple[dict[str, QuantizationScheme], list[str]]:
+        """compressed-tensors' config groups and ignore list of this recipe, as the modifiers use
+        them (the model-free path's config)."""
+        from compressed_tensors.quantization import preset_name_to_scheme
+
+        spec = self.spec
+        if isinstance(spec, MIXED):
+            groups, ignore = config_groups(spec)
+            for name, group in groups.items():  # the format each group is stored in, as the loaded path's save says it
+                group.format = (self.scheme if name == "group_0" else schemes.get(name)).stored_as
+            return groups, ignore
+        if isinstance(spec, FP8Spec):
+            blocks = spec.blocks()
+            scheme = (
+                blocks.quantization_scheme(["Linear"]) if blocks else preset_name_to_scheme(spec.scheme, ["Linear"])
+            )
+            scheme.format = self.scheme.stored_as
+            return {"group_0": scheme}, list(spec.ignore)
+        raise TypeError(f"{type(spec).__name__} has no model-free path")
 
     def modifiers(self) -> list:
         """The llm-compressor recipe for this spec, as modifier objects."""

@@ -28,6 +28,37 @@ class _LLMCompressorBase(_QuantizeBase):
     kv_cache: Literal["fp8"] | None = None
 
 
+class _ModelFree(Strict):
+    """`model_free: true`: the data-free schemes rounded straight from the base's safetensors
+    files, one decoder layer at a time, with no model loaded (quantize/model_free.py): what a model
+    too large for this machine's memory needs. The same weights as the loaded path (its arithmetic
+    is llm-compressor's own); no calibration, so nothing that calibrates (NVFP4's activation global
+    scale, `kv_cache`)."""
+
+    model_free: bool = False
+
+    def rounded_schemes(self) -> list[schemes.Scheme]:
+        """The schemes this recipe rounds with where one may calibrate (fp8's are dynamic)."""
+        return []
+
+    @model_validator(mode="after")
+    def _nothing_to_calibrate(self):
+        if not self.model_free:
+            return self
+        if getattr(self, "kv_cache", None):
+            raise ValueError(
+                "model_free: the FP8 KV cache's scales are calibrated on data; a model-free job reads no data "
+                "(kv_cache: null, or model_free: false)"
+            )
+        calibrating = [s.name for s in self.rounded_schemes() if s.calibrates]
+        if calibrating:
+            raise ValueError(
+                f"model_free: {', '.join(calibrating)} calibrates its activations' scales on data; a model-free job "
+                "rounds weights only (NVFP4A16 is NVFP4's weights with 16-bit activations; or model_free: false)"
+            )
+        return self
+
+
 class _LayerSchemes(_LLMCompressorBase):
     """Mixed precision: `layers` gives some layers another scheme than the recipe's. Keys are
     scheme names (quantbench.schemes: W4A16-G64, W4A16-G32, W8A16, W8A8, FP8, BF16 = unquantized),
@@ -148,7 +179,7 @@ class AWQSpec(_TwoEngines):
         return self
 
 
-class RTNSpec(_LayerSchemes):
+class RTNSpec(_LayerSchemes, _ModelFree):
     """Round-to-nearest: min-max scales (llm-compressor's QuantizationModifier); seconds on a small
     model. The cheapest way to a (mixed) compressed-tensors checkpoint. The floating-point formats
     (NVFP4A16, NVFP4, MXFP4A16, MXFP4, MXFP8A16, MXFP8) round their weights the same way; no
@@ -158,6 +189,9 @@ class RTNSpec(_LayerSchemes):
     scheme: Literal["W4A16", "W8A16", "W8A8", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"] = "W4A16"
     group_size: PositiveInt | None = 64  # None: one scale per output channel (W8A8: always per channel)
     symmetric: bool = True
+
+    def rounded_schemes(self) -> list[schemes.Scheme]:
+        return [schemes.from_recipe(self.scheme, self.group_size, self.symmetric), *map(schemes.get, self.layers)]
 
 
 class AutoRoundSpec(_LayerSchemes):
@@ -192,7 +226,7 @@ class SpinQuantSpec(_LayerSchemes):
     dampening_frac: float = Field(0.01, gt=0, lt=1)  # GPTQ
 
 
-class FP8Spec(_LLMCompressorBase):
+class FP8Spec(_LLMCompressorBase, _ModelFree):
     """FP8 weights and dynamic FP8 activations; needs no data (unless `kv_cache: fp8`, whose scales
     are calibrated). FP8_DYNAMIC: a weight scale per output channel, an activation scale per token;
     FP8_BLOCK: a weight scale per `block_size` x `block_size` block (DeepSeek's 128, what most large

@@ -1,0 +1,261 @@
+"""Model-free quantization (`quantize.model_free: true`): a data-free scheme applied to the base's
+safetensors files one decoder layer at a time, with no model built and no model loaded.
+
+The arithmetic is llm-compressor's own (`ModelFreePtqConverter`, what its `model_free_ptq` runs on
+each file): each weight is rounded by the same observers as the loaded-model path, NVFP4 / MXFP4
+global scales shared by q/k/v and by gate/up as there, and compressed by compressed-tensors. What
+differs is how much is read at once: `model_free_ptq` loads a whole input file per job (a typical 8B
+checkpoint's files are ~5 GB; one saved with transformers 5's default holds all 15 GB), where this
+reads one decoder layer's tensors (from whichever files hold them), each file mapped only while its
+tensors are copied out, and writes shards of at most SHARD_BYTES. Resident at its peak: one layer in
+the saved dtype, its rounding's temporaries, and the output shard being filled.
+
+Which tensors are quantized is decided as the loaded path decides: the Linear layers of the model's
+skeleton (built on the meta device from its config) that the recipe's targets and ignore list
+select; every other tensor (embeddings, norms, the head) is copied in the saved dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from compressed_tensors.quantization import QuantizationConfig
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quantbench.core import logs
+from quantbench.core.errors import UserError
+from quantbench.quantize import Inputs, ProduceFootprint, Produced, recipe_layers
+
+log = logging.getLogger(__name__)
+
+SHARD_BYTES = 1 << 30  # an output shard is written once it holds this much
+# resident while a group of tensors is rounded, in copies of the group as read (measured: bench/model_free.py)
+ROUNDING_COPIES = 3.0
+INDEX = "model.safetensors.index.json"
+# a decoder layer's tensors, whatever the architecture calls its stack ("model.layers.3.", "model.language_model.layers.3.")
+LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+# copied beside the weights (the tokenizer is saved by the job, as the loaded path saves it)
+COPIED = ("config.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class Written:
+    """What the files hold once written."""
+
+    shards: int
+    tensors: int
+    quantized: int  # weight matrices rounded
+    bytes: int
+    largest_group_bytes: int  # the most read at once (a decoder layer, or the embeddings), in the saved dtype
+
+
+def weight_map(source: Path) -> dict[str, str]:
+    """tensor name -> file name (relative to `source`) of a safetensors checkpoint, sharded or not."""
+    index = source / INDEX
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    single = source / "model.safetensors"
+    if not single.is_file():
+        raise UserError(
+            [
+                f"model.source ({source}): model_free reads safetensors weights; found neither {INDEX} nor model.safetensors"
+            ]
+        )
+    with safe_open(single, framework="pt") as f:
+        return {name: single.name for name in f.keys()}
+
+
+def layer_groups(names: dict[str, str]) -> list[dict[str, list[str]]]:
+    """The tensors read together: each decoder layer's (so that fused partners, q/k/v and gate/up,
+    are rounded with their shared global scale, wherever the files put them), every other tensor on
+    its own; as {file: [tensor names]}, in the order of the first file that holds each."""
+    groups: dict[str, dict[str, list[str]]] = {}
+    for name, file in names.items():
+        found = LAYER.match(name)
+        key = found.group(1) if found else name
+        groups.setdefault(key, {}).setdefault(file, []).append(name)
+    return list(groups.values())
+
+
+def elements(source: Path, names: dict[str, str]) -> dict[str, int]:
+    """Each tensor's number of elements, from the files' headers (nothing read but them)."""
+    counts = {}
+    by_file: dict[str, list[str]] = {}
+    for name, file in names.items():
+        by_file.setdefault(file, []).append(name)
+    for file, members in by_file.items():
+        with safe_open(source / file, framework="pt") as f:
+            for name in members:
+                numel = 1
+                for n in f.get_slice(name).get_shape():
+                    numel *= n
+                counts[name] = numel
+    return counts
+
+
+def matching_config(config: QuantizationConfig, names: dict[str, str], quantized: set[str]) -> QuantizationConfig:
+    """The config the converter matches tensors with: the recipe's groups and ignore list, and every
+    2-D weight that is not one of the Linear layers the loaded path would quantize (`quantized`, module
+    names) ignored by name (the converter matches names only: an embedding is a 2-D `.weight` too)."""
+    others = sorted({n.rpartition(".")[0] for n in names if n.endswith(".weight")} - quantized)
+    return config.model_copy(update={"ignore": [*(config.ignore or []), *others]}, deep=True)
+
+
+def quantize_files(
+    source: Path,
+    dest: Path,
+    config: QuantizationConfig,
+    quantized: set[str],
+    dtype: torch.dtype,
+    shard_bytes: int = SHARD_BYTES,
+    advance: Callable[[int], None] | None = None,
+) -> Written:
+    """Round `source`'s weights into `dest` (which exists), one decoder layer at a time.
+
+    `config`: the quantization config written into the checkpoint (the recipe's groups and ignore);
+    `quantized`: the module names the loaded path would quantize; `dtype`: what the checkpoint is
+    saved in (each tensor is cast to it before rounding, as the loaded path saves its model in the
+    recipe's dtype). `advance(n)` is called after each group with its bytes in the saved dtype."""
+    from llmcompressor.entrypoints.model_free.converter import ModelFreePtqConverter
+    from llmcompressor.entrypoints.model_free.save_utils import update_config
+    from llmcompressor.entrypoints.model_free.validate import validate_config
+
+    names = weight_map(source)
+    matching = validate_config(matching_config(config, names, quantized), None, [])
+    converter = ModelFreePtqConverter(matching)
+    pending: dict[str, torch.Tensor] = {}
+    written: list[tuple[Path, list[str]]] = []
+    totals = {"bytes": 0, "tensors": 0, "quantized": 0, "largest": 0}
+
+    def flush() -> None:
+        if not pending:
+            return
+        path = dest / f"part-{len(written) + 1:05d}.safetensors"
+        save_file(pending, str(path), metadata={"format": "pt"})
+        written.append((path, list(pending)))
+        pending.clear()
+
+    counts = elements(source, names)
+    held = 0  # bytes in `pending`
+    for group in layer_groups(names):
+        read = sum(counts[n] for members in group.values() for n in members) * dtype.itemsize  # in the saved dtype
+        totals["largest"] = max(totals["largest"], read)
+        if held and held + read > shard_bytes:  # it writes at most what it reads: the shard is written first
+            flush()
+            held = 0
+        tensors = {}
+        for file, members in group.items():
+            # mapped only while its tensors are copied out: a file's pages stay counted in this
+            # process's resident memory as long as it is mapped
+            with safe_open(source / file, framework="pt") as f:
+                for name in members:
+                    tensors[name] = f.get_tensor(name).to(dtype)
+        out = converter.process(tensors)
+        del tensors
+        totals["quantized"] += sum(name.endswith(".weight_scale") for name in out)  # one per rounded matrix
+        for name, tensor in out.items():
+            pending[name] = tensor.contiguous()
+            held += tensor.nbytes
+        totals["bytes"] += sum(t.nbytes for t in out.values())
+        totals["tensors"] += len(out)
+        del out
+        if advance:
+            advance(read)
+    flush()
+    index = _name_shards(dest, written)
+    if index is not None:
+        (dest / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": totals["bytes"]}, "weight_map": index}, indent=2)
+        )
+    for name in COPIED:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, dest / name)
+    update_config(dest, config)
+    _say_dtype(dest / "config.json", dtype)
+    return Written(len(written), totals["tensors"], totals["quantized"], totals["bytes"], totals["largest"])
+
+
+def _name_shards(dest: Path, written: list[tuple[Path, list[str]]]) -> dict[str, str] | None:
+    """The shards renamed as transformers names them: one file is model.safetensors (no index),
+    several are model-0000i-of-0000n.safetensors with an index (returned)."""
+    if len(written) == 1:
+        written[0][0].rename(dest / "model.safetensors")
+        return None
+    index = {}
+    for i, (path, names) in enumerate(written, 1):
+        final = f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        path.rename(dest / final)
+        index.update(dict.fromkeys(names, final))
+    return index
+
+
+def _say_dtype(config_path: Path, dtype: torch.dtype) -> None:
+    """config.json's dtype: what the unquantized tensors and scales are saved in."""
+    data = json.loads(config_path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    data["dtype"] = name
+    data.pop("torch_dtype", None)
+    config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def produce(inputs: Inputs, groups: dict, ignore: list[str]) -> Produced:
+    """The produce step of a model-free recipe: `groups` and `ignore` are compressed-tensors'
+    config groups and ignore list as the loaded path's modifiers would use them; the tokenizer is
+    saved as the loaded path saves it."""
+    from importlib import metadata
+
+    from tqdm import tqdm
+    from transformers import AutoConfig
+
+    source = inputs.base.path
+    selected = {name for name, _, _ in recipe_layers(AutoConfig.from_pretrained(source), ignore)}
+    dtype = getattr(torch, inputs.loaded.recipe.model.dtype)
+    total = sum(elements(source, weight_map(source)).values()) * dtype.itemsize
+    bar = tqdm(
+        total=total, desc="produce (model-free)", unit="B", unit_scale=True, unit_divisor=1024, file=logs.terminal()
+    )
+    with bar:
+        config = QuantizationConfig(config_groups=groups, ignore=ignore)
+        written = quantize_files(source, inputs.staging, config, selected, dtype, advance=bar.update)
+    inputs.tokenizer.save_pretrained(inputs.staging)
+    log.info(
+        "model-free: %d weight matrices rounded, %d tensors in %d shard(s), %.2f GiB; at most %.2f GiB read at once",
+        written.quantized, written.tensors, written.shards, written.bytes / 2**30, written.largest_group_bytes / 2**30,
+    )  # fmt: skip
+    return Produced(
+        card="- quantized model-free: the base's safetensors files rounded one decoder layer at a time "
+        f"(llm-compressor {metadata.version('llmcompressor')}'s model-free converter), no model loaded, no data"
+    )
+
+
+def footprint(shape, saved: int, checkpoint: int) -> ProduceFootprint:
+    """The produce step's memory, for a model of `shape` saved in `saved` bytes per element: no
+    model; the largest group read at once (a decoder layer, or the embeddings) with its rounding,
+    and the output shard being filled."""
+    read = max(shape.layer_params, shape.vocab * shape.hidden) * saved
+    held = [
+        ("the largest group of tensors read at once, and its rounding", int(read * ROUNDING_COPIES)),
+        ("the output shard being filled", min(checkpoint, SHARD_BYTES)),
+    ]
+    return ProduceFootprint(held, checkpoint, takes_model=False)
+
+
+def experts_problem(loaded, config) -> list[str]:
+    """A mixture of experts is not rounded model-free: its files hold each expert's matrices where
+    transformers 5 stacks them into 3-D tensors, and the two paths were not shown to agree on it."""
+    text = getattr(config, "text_config", config)
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 1
+    if experts <= 1:
+        return []
+    return [
+        f"quantize.model_free: {loaded.recipe.model.source} is a mixture of {experts} experts; model-free "
+        "rounding is verified on dense models only (set model_free: false)"
+    ]
