@@ -236,6 +236,51 @@ def test_w4afp8_runs_on_a_hopper_only():
     assert vllm_env.unserved(config, on="cuda", capability=(9, 0)) is None
     assert "on Hopper (9.0) only" in vllm_env.unserved(config, on="cuda", capability=(10, 0))
     assert "no W4AFP8 scheme off a Hopper GPU" in vllm_env.unserved(config, on="cpu", cpu=AMX)
+    group["weights"]["group_size"] = 64  # vLLM's W4A8 kernels take groups of 128 only
+    assert "groups of 128; this checkpoint's are 64" in vllm_env.unserved(config, on="cuda", capability=(9, 0))
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_w4afp8_is_int4_weights_and_fp8_activations_stored_as_its_bits_say(method, workdir, tiny_model_dir, capsys):
+    """W4AFP8 at group 32 (the tiny model's widths): INT4 weights packed, FP8 activations per token
+    (dynamic, so round-to-nearest needs no data), its stored bits as the scheme says, and reloaded
+    with the weights the file stores (INT4 codes times their scale)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    write_recipe(workdir, "f", tiny_recipe(tiny_model_dir, f"method: {method}\nscheme: W4AFP8\ngroup_size: 32\n"))
+    assert main(["quantize", "f", "--json"]) == 0, capsys.readouterr().err[-2000:]
+    result = last_json(capsys.readouterr().out)
+    checkpoint = workdir / result["checkpoint"]
+    scheme = schemes.from_recipe("W4AFP8", 32)
+    assert scheme.name == "W4AFP8-G32" and not scheme.calibrates
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    ours = schemes.SCHEMES["W4AFP8"].quantization_scheme(["Linear"])  # the preset, stored packed as vLLM reads it
+    assert ours.format == "pack-quantized" and ours.model_copy(update={"format": None}) == preset_name_to_scheme(
+        "W4AFP8", ["Linear"]
+    )
+    shapes = linear_layers(AutoConfig.from_pretrained(tiny_model_dir))
+    predicted = sum(scheme.bits(i, o, 32) * i * o for i, o, _ in shapes.values()) / sum(i * o for i, o, _ in shapes.values())
+    assert result["metrics"]["model/bits_per_weight"] == pytest.approx(predicted, rel=1e-9)
+    config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
+    assert config["format"] == scheme.stored_as
+    assert formats.stored_float_format(checkpoint) == "W4AFP8"
+    assert_sketched(workdir / "recipes" / "f.yaml", config)
+    model = load_model(checkpoint, dtype=torch.float32)
+    with torch.no_grad():  # the model's first forward de-compresses its packed layers (the modules alone cannot)
+        model(torch.tensor([[1, 2, 3, 4]]))
+    stored = load_file(str(checkpoint / "model.safetensors"))
+    layer = "model.layers.0.mlp.down_proj"
+    module = model.get_submodule(layer)
+    packed = stored[layer + ".weight_packed"].to(torch.int64)  # eight 4-bit codes an int32, low first, offset 8
+    codes = torch.stack([(packed >> (4 * k)) & 15 for k in range(8)], -1).reshape(packed.shape[0], -1) - 8
+    weight = codes.float() * stored[layer + ".weight_scale"].float().repeat_interleave(32, 1)
+    # the weight it computes with: one-hot rows pass FP8's per-token rounding exactly (1 -> 448 x 1/448)
+    with torch.no_grad():
+        used = module(torch.eye(weight.shape[1])).T
+    assert torch.allclose(used, weight, rtol=2**-8, atol=0)
+    assert result["metrics"]["check/reload_ppl"] > 1
 
 
 def test_auto_says_a_format_is_not_measurable_on_this_cpu_instead_of_timing_something_else():

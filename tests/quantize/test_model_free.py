@@ -20,6 +20,7 @@ SCHEMES = {
     "w8a16-mixed": "method: rtn\nscheme: W8A16\ngroup_size: null\nlayers:\n  W4A16-G32: ['re:.*mlp\\.down_proj$']\n  BF16: [model.layers.0.self_attn.o_proj]\n",
     "nvfp4a16": "method: rtn\nscheme: NVFP4A16\n",
     "mxfp4a16": "method: rtn\nscheme: MXFP4A16\n",
+    "w4afp8": "method: rtn\nscheme: W4AFP8\ngroup_size: 32\n",
     "fp8-dynamic": "method: fp8\n",
     "fp8-block": "method: fp8\nscheme: FP8_BLOCK\nblock_size: 32\n",
 }
@@ -167,3 +168,13 @@ def test_a_mixture_of_experts_is_refused_model_free(workdir, tmp_path, tiny_toke
     write_recipe(workdir, "r", tiny_recipe(moe, "method: fp8\nmodel_free: true\nignore: [lm_head, 're:.*mlp.gate$']\n"))
     assert main(["validate", "recipes/r.yaml"]) == 2
     assert "quantize.model_free: " in capsys.readouterr().err
+
+
+def test_a_data_free_job_that_cannot_fit_is_told_of_model_free(workdir, tiny_model_dir, capsys, monkeypatch):
+    from quantbench.jobs import footprint
+
+    monkeypatch.setenv(footprint.MEMORY_VAR, "0.2")
+    write_recipe(workdir, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n"))
+    assert main(["quantize", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "the produce stage needs about" in err and "--set quantize.model_free=true" in err, err

@@ -65,6 +65,9 @@ def vllm_unserved(
             continue  # a GPU whose capability the driver did not say: vLLM decides
         if fmt == "W4AFP8" and capability != least:
             return f"{need}; this GPU is {capability[0]}.{capability[1]}"
+        group_size = (group.get("weights") or {}).get("group_size")
+        if fmt == "W4AFP8" and group_size != 128:
+            return f"vLLM {version}'s W4A8 kernels take INT4 weights in groups of 128; this checkpoint's are {group_size}"
         # FP8 blocks run weight-only from 7.5 (still FP8 weights as stored); the others need `least`
         if capability < ((7, 5) if fmt == "FP8_BLOCK" else least):
             return f"{need}; this GPU is {capability[0]}.{capability[1]}: not measurable here as stored"

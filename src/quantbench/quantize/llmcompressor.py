@@ -208,6 +208,8 @@ class LLMCompressorBackend(Backend):
             ):
                 held.append(("one layer's Hessians", shape.hessian_bytes))
             fits.append("fewer calibration windows (--set calibration.samples=N) or shorter ones (calibration.seq_len)")
+        elif hasattr(self.spec, "model_free"):  # data-free: rounded from the files, no model loaded
+            fits.append("--set quantize.model_free=true (read one decoder layer at a time, no model loaded)")
         return ProduceFootprint(held, checkpoint, fits_with=fits)
 
     def produce(self, inputs: Inputs) -> Produced:

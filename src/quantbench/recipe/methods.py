@@ -140,7 +140,7 @@ class GPTQSpec(_LayerSchemes, _TwoEngines):
 
     method: Literal["gptq"]
     format: Literal["compressed-tensors", "gptq"] = "compressed-tensors"
-    scheme: Literal["W4A16", "W8A16", "NVFP4A16", "NVFP4", "MXFP4A16"] = "W4A16"
+    scheme: Literal["W4A16", "W8A16", "W4AFP8", "NVFP4A16", "NVFP4", "MXFP4A16"] = "W4A16"
     group_size: PositiveInt | None = 64  # None: one scale per output channel
     symmetric: bool = True
     dampening_frac: float = Field(0.01, gt=0, lt=1)
@@ -186,7 +186,9 @@ class RTNSpec(_LayerSchemes, _ModelFree):
     calibration data but for NVFP4, whose activations' global scale is calibrated."""
 
     method: Literal["rtn"]
-    scheme: Literal["W4A16", "W8A16", "W8A8", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"] = "W4A16"
+    scheme: Literal[
+        "W4A16", "W8A16", "W8A8", "W4AFP8", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"
+    ] = "W4A16"
     group_size: PositiveInt | None = 64  # None: one scale per output channel (W8A8: always per channel)
     symmetric: bool = True
 

@@ -55,8 +55,9 @@ class Scheme:
         w = self.weights
         if w is None:
             return None
-        if w["type"] == "int":
-            return "pack-quantized" if self.activations is None else "int-quantized"
+        if w["type"] == "int":  # INT4 beside FP8 activations (W4AFP8) packed too: what vLLM reads
+            packed = self.activations is None or (w["num_bits"] == 4 and self.activations["type"] == "float")
+            return "pack-quantized" if packed else "int-quantized"
         if w.get("scale_dtype") == "torch.float8_e4m3fn" and w["num_bits"] == 4:
             return "nvfp4-pack-quantized"
         if w.get("scale_dtype") == "torch.uint8":  # E8M0 exponents: OCP microscaling
@@ -87,7 +88,7 @@ class Scheme:
             scales = out_features * (in_features // w["group_size"] if w.get("group_size") else 1)
         zero_points = 0 if w.get("symmetric", True) else scales * w["num_bits"]
         scale_bits = 8 if w.get("scale_dtype") in ("torch.float8_e4m3fn", "torch.uint8") else dtype_bits
-        if self.activations is None and w["type"] == "int":  # pack-quantized: int32 words, int64 shape
+        if self.stored_as == "pack-quantized":  # int32 words, int64 shape
             stored = params * w["num_bits"] + 2 * 64
         elif w["num_bits"] == 4:  # nvfp4 / mxfp4: two values a byte
             stored = params * 4
@@ -120,6 +121,9 @@ class Scheme:
             targets=targets,
             weights=QuantizationArgs(**self.weights),
             input_activations=QuantizationArgs(**self.activations) if self.activations else None,
+            # compressed-tensors 0.19 would store W4AFP8's INT4 values a byte each (int-quantized: it packs
+            # only beside integer or no activations); vLLM's W4A8 scheme reads them packed
+            format="pack-quantized" if self.stored_as == "pack-quantized" and self.activations else None,
         )
 
 
@@ -247,6 +251,12 @@ SCHEMES: dict[str, Scheme] = {
             {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "group_size": None},
             _TOKEN_FP8,
         ),
+        Scheme(
+            "W4AFP8",
+            "INT4 weights, symmetric, a scale per 128 inputs; FP8 activations per token (dynamic)",
+            _int(4, 128),
+            _TOKEN_FP8,
+        ),
         Scheme("BF16", "left unquantized, stored in the model's 16-bit dtype", None),
     )
 } | FLOAT_FORMATS
@@ -363,6 +373,8 @@ def from_recipe(scheme: str, group_size: int | None, symmetric: bool = True) -> 
         return FLOAT_FORMATS[scheme]
     if scheme == "W8A8":
         weights, activations = _int(8, None), _TOKEN_INT8
+    elif scheme == "W4AFP8":
+        weights, activations = _int(4, group_size), _TOKEN_FP8
     else:
         weights, activations = _int({"W4A16": 4, "W8A16": 8}[scheme], group_size), None
     weights["symmetric"] = symmetric
