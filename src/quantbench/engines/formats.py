@@ -67,7 +67,9 @@ def vllm_unserved(
             return f"{need}; this GPU is {capability[0]}.{capability[1]}"
         group_size = (group.get("weights") or {}).get("group_size")
         if fmt == "W4AFP8" and group_size != 128:
-            return f"vLLM {version}'s W4A8 kernels take INT4 weights in groups of 128; this checkpoint's are {group_size}"
+            return (
+                f"vLLM {version}'s W4A8 kernels take INT4 weights in groups of 128; this checkpoint's are {group_size}"
+            )
         # FP8 blocks run weight-only from 7.5 (still FP8 weights as stored); the others need `least`
         if capability < ((7, 5) if fmt == "FP8_BLOCK" else least):
             return f"{need}; this GPU is {capability[0]}.{capability[1]}: not measurable here as stored"
@@ -126,7 +128,7 @@ SKETCHES = {
     "MXFP8A16": _group("float", 8, "torch.uint8"),
     "MXFP8": _group("float", 8, "torch.uint8", acts=True),
     "FP8_BLOCK": _group("float", 8, strategy="block", block_structure=[128, 128], acts=True),
-    "W4AFP8": _group("int", 4, acts=True),
+    "W4AFP8": _group("int", 4, acts=True, group_size=128),
 }
 
 

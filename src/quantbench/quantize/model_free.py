@@ -6,9 +6,10 @@ each file): each weight is rounded by the same observers as the loaded-model pat
 global scales shared by q/k/v and by gate/up as there, and compressed by compressed-tensors. What
 differs is how much is read at once: `model_free_ptq` loads a whole input file per job (a typical 8B
 checkpoint's files are ~5 GB; one saved with transformers 5's default holds all 15 GB), where this
-reads one decoder layer's tensors (from whichever files hold them), each file mapped only while its
-tensors are copied out, and writes shards of at most SHARD_BYTES. Resident at its peak: one layer in
-the saved dtype, its rounding's temporaries, and the output shard being filled.
+reads one decoder layer's tensors (from whichever files hold them), keeps no view of a file's mapping
+past its layer (its touched pages would stay resident), and writes shards of at most SHARD_BYTES
+tensor by tensor. Resident at its peak: one layer in the saved dtype, its rounding's temporaries,
+and the output shard being filled.
 
 Which tensors are quantized is decided as the loaded path decides: the Linear layers of the model's
 skeleton (built on the meta device from its config) that the recipe's targets and ignore list
@@ -21,6 +22,7 @@ import json
 import logging
 import re
 import shutil
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,6 @@ from pathlib import Path
 import torch
 from compressed_tensors.quantization import QuantizationConfig
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from quantbench.core import logs
 from quantbench.core.errors import UserError
@@ -36,7 +37,7 @@ from quantbench.quantize import Inputs, ProduceFootprint, Produced, recipe_layer
 
 log = logging.getLogger(__name__)
 
-SHARD_BYTES = 1 << 30  # an output shard is written once it holds this much
+SHARD_BYTES = 1 << 29  # an output shard is written once it holds this much (512 MiB)
 # resident while a group of tensors is rounded, in copies of the group as read (measured: bench/model_free.py)
 ROUNDING_COPIES = 3.0
 INDEX = "model.safetensors.index.json"
@@ -139,7 +140,7 @@ def quantize_files(
         if not pending:
             return
         path = dest / f"part-{len(written) + 1:05d}.safetensors"
-        save_file(pending, str(path), metadata={"format": "pt"})
+        save_streamed(pending, path)
         written.append((path, list(pending)))
         pending.clear()
 
@@ -153,11 +154,13 @@ def quantize_files(
             held = 0
         tensors = {}
         for file, members in group.items():
-            # mapped only while its tensors are copied out: a file's pages stay counted in this
-            # process's resident memory as long as it is mapped
             with safe_open(source / file, framework="pt") as f:
                 for name in members:
-                    tensors[name] = f.get_tensor(name).to(dtype)
+                    # a tensor read is a view of the file's mapping, which lives (with every page the
+                    # group touched) while any view of it does: what is not rounded (norms, embeddings)
+                    # is copied out, or the pages of each layer would stay resident until the end
+                    rounded = name.endswith(".weight") and name.removesuffix(".weight") in quantized
+                    tensors[name] = f.get_tensor(name).to(dtype, copy=not rounded)
         out = converter.process(tensors)
         del tensors
         totals["quantized"] += sum(name.endswith(".weight_scale") for name in out)  # one per rounded matrix
@@ -181,6 +184,34 @@ def quantize_files(
     update_config(dest, config)
     _say_dtype(dest / "config.json", dtype)
     return Written(len(written), totals["tensors"], totals["quantized"], totals["bytes"], totals["largest"])
+
+
+# torch dtype -> safetensors' name for it
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+    torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def save_streamed(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A safetensors file written tensor by tensor from the tensors' own memory (the header, then
+    each tensor's bytes): safetensors' `save_file` first copies every tensor into one bytes object,
+    a second shard's worth of memory at the moment of writing."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(raw)))
+        out.write(raw)
+        for tensor in tensors.values():
+            out.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _name_shards(dest: Path, written: list[tuple[Path, list[str]]]) -> dict[str, str] | None:
