@@ -195,7 +195,9 @@ class LLMCompressorBackend(Backend):
         quantized = int(shape.quantized_params * bits / 8)
         checkpoint = quantized + (shape.params - shape.quantized_params) * saved
         if self.model_free:
-            return model_free.footprint(shape, saved, checkpoint)
+            taken = [self.scheme, *(schemes.get(n) for n in getattr(self.spec, "layers", {}))]
+            microscale = any((s.weights or {}).get("scale_dtype") in schemes.MICROSCALE for s in taken)
+            return model_free.footprint(shape, saved, checkpoint, microscale)
         held = [("its compressed tensors while saving", quantized)]
         fits = []
         if self.calibrates:

@@ -38,8 +38,10 @@ from quantbench.quantize import Inputs, ProduceFootprint, Produced, recipe_layer
 log = logging.getLogger(__name__)
 
 SHARD_BYTES = 1 << 29  # an output shard is written once it holds this much (512 MiB)
-# resident while a group of tensors is rounded, in copies of the group as read (measured: bench/model_free.py)
-ROUNDING_COPIES = 3.0
+# resident while a group of tensors is rounded, in copies of the group as read: fitted to the 8B rung's
+# measured peaks (bench/model_free.py; docs/results.md): FP8 2.5, NVFP4A16 6 (a microscale format rounds
+# a fused set's modules together, each with its observer's float32 temporaries)
+ROUNDING_COPIES = {"microscale": 6.0, "other": 2.5}
 INDEX = "model.safetensors.index.json"
 # a decoder layer's tensors, whatever the architecture calls its stack ("model.layers.3.", "model.language_model.layers.3.")
 LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
@@ -267,13 +269,14 @@ def produce(inputs: Inputs, groups: dict, ignore: list[str]) -> Produced:
     )
 
 
-def footprint(shape, saved: int, checkpoint: int) -> ProduceFootprint:
+def footprint(shape, saved: int, checkpoint: int, microscale: bool) -> ProduceFootprint:
     """The produce step's memory, for a model of `shape` saved in `saved` bytes per element: no
-    model; the largest group read at once (a decoder layer, or the embeddings) with its rounding,
-    and the output shard being filled."""
+    model; the largest group read at once (a decoder layer, or the embeddings) with its rounding
+    (`microscale`: an NVFP4 / MX format among its schemes), and the output shard being filled."""
     read = max(shape.layer_params, shape.vocab * shape.hidden) * saved
+    copies = ROUNDING_COPIES["microscale" if microscale else "other"]
     held = [
-        ("the largest group of tensors read at once, and its rounding", int(read * ROUNDING_COPIES)),
+        ("the largest group of tensors read at once, and its rounding", int(read * copies)),
         ("the output shard being filled", min(checkpoint, SHARD_BYTES)),
     ]
     return ProduceFootprint(held, checkpoint, takes_model=False)

@@ -150,6 +150,7 @@ def _float(bits: int, group: int, scale_dtype: str, **more) -> dict:
 
 _NV = "torch.float8_e4m3fn"  # NVFP4: an FP8 (E4M3) scale per 16 values, a float32 scale per tensor
 _MX = "torch.uint8"  # OCP microscaling: an 8-bit power-of-two exponent (E8M0) per 32 values
+MICROSCALE = (_NV, _MX)  # the scale dtypes of the microscale formats (NVFP4, MXFP4, MXFP8)
 
 
 def fp8_block(block: int = 128) -> Scheme:
