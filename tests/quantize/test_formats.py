@@ -355,6 +355,13 @@ def test_the_verdict_of_a_format_no_engine_here_runs_says_why_speed_is_not_measu
     out, err = capsys.readouterr()
     assert "speed: NVFP4A16 needs a CUDA GPU of compute capability >= 7.5" in out + err
     assert "make bench RUN=" not in out + err
+    # the gate's bench stage says the same, not "run make bench" (which would refuse)
+    (workdir / "policies").mkdir(exist_ok=True)
+    (workdir / "policies" / "speed.yaml").write_text("stages: [quantize, bench]\n")
+    assert main(["gate", last_json(out)["run_id"], "--policy", "speed", "--json"]) == 1
+    gated = last_json(capsys.readouterr().out)
+    [bench] = [c for c in gated["checks"] if c["check"] == "stage bench"]
+    assert bench["passed"] is False and bench["note"].startswith("NVFP4A16 needs a CUDA GPU of compute capability >= 7.5")
     write_recipe(workdir, "w4", tiny_recipe(tiny_model_dir, "method: rtn\ngroup_size: 32\n"))
     assert main(["quantize", "w4", "--json"]) == 0
     out, err = capsys.readouterr()

@@ -32,6 +32,7 @@ from quantbench import metrics as catalogue
 from quantbench.core import intervals, tables
 from quantbench.core.errors import UserError
 from quantbench.core.files import canonical_sha
+from quantbench.engines import formats, vllm_env
 from quantbench.recipe import load_named
 from quantbench.recipe.common import Strict
 from quantbench.release import names
@@ -233,6 +234,8 @@ def evaluate_policy(
         )
         if stage == "bench" and tags.get(TAG + "bench_partial") == "true":
             present, note = False, "the last bench was partial (its server died)"
+        elif stage == "bench" and not present and (why := unmeasurable_here(tags)):
+            note = why  # a floating-point format no engine here runs as stored: `make bench` would refuse
         checks.append(Check(f"stage {stage}", "present" if present else "missing", "present", present, note))
     if policy.licenses is not None:
         license_ = tags.get(TAG + "license", "unknown")
@@ -268,6 +271,15 @@ def evaluate_policy(
     )
     checks.append(Check("checkpoint", "present" if found else "missing", "present", found, note))
     return checks
+
+
+def unmeasurable_here(tags: dict[str, str]) -> str | None:
+    """Why no engine on this machine can time a run's checkpoint as stored (a floating-point format
+    such as NVFP4 on a CPU: engines/formats.py), or None (its checkpoint is elsewhere, or it can)."""
+    checkpoint = Path(tags.get(TAG + "checkpoint", ""))
+    if (checkpoint / "config.json").is_file() and formats.stored_float_format(checkpoint):
+        return vllm_env.unserved(checkpoint)
+    return None
 
 
 def _metric_checks(

@@ -23,7 +23,6 @@ from pathlib import Path
 
 from quantbench.core import intervals, tables
 from quantbench.core.errors import UserError
-from quantbench.engines import formats, vllm_env
 from quantbench.release import gate, verdict_page
 from quantbench.release.gate import Check, LoadedPolicy
 from quantbench.sources.checkpoint import ARTIFACT
@@ -192,11 +191,8 @@ def _size_row(metrics: dict, checks: dict[str, Check]) -> Row | None:
 def unbenched_note(run_id: str, tags: dict[str, str]) -> str:
     """How speed gets measured for a run with no bench, or, for a floating-point format that no
     engine here runs as stored (NVFP4 on a CPU), why it cannot be here."""
-    checkpoint = Path(tags.get(TAG + "checkpoint", ""))
-    if (checkpoint / "config.json").is_file() and formats.stored_float_format(checkpoint):
-        why = vllm_env.unserved(checkpoint)
-        if why:
-            return f"speed: {why}"
+    if why := gate.unmeasurable_here(tags):
+        return f"speed: {why}"
     return f"speed: `make bench RUN={run_id}` measures decode and TTFT through its serving engine"
 
 
