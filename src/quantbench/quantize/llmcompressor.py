@@ -178,26 +178,22 @@ class LLMCompressorBackend(Backend):
         return self.scheme.bits(hidden, hidden)
 
     def computes_in(self, model) -> str | None:
-        """Model-free rounding computes in the saved dtype: each tensor is cast to it as it is read
-        (the loaded path computes in the job's compute dtype and casts its scales when saving; the
-        two write the same bits where those dtypes agree)."""
+        """Model-free rounding computes in the saved dtype (the same bits as the loaded path where
+        the job's compute dtype is that one)."""
         return model.dtype if self.model_free else None
 
     def footprint(self, shape, loaded, compute: str):
         """The produce step's memory: the loaded base (in place) and, while saving, its quantized
         tensors compressed beside it; a calibrating method also caches every calibration window's
         activations at the layer it is working on (llm-compressor's sequential pipeline), and GPTQ
-        keeps a float32 Hessian per Linear layer of that layer. Model-free: no model; the largest
-        group of tensors read at once (a decoder layer, or the embeddings), its rounding's float32
-        temporaries, and the output shard being filled."""
+        keeps a float32 Hessian per Linear layer of that layer. Model-free: model_free.footprint."""
         bits = self.weight_bits(shape.hidden)
         saved = BYTES[loaded.recipe.model.dtype]
         quantized = int(shape.quantized_params * bits / 8)
         checkpoint = quantized + (shape.params - shape.quantized_params) * saved
         if self.model_free:
             taken = [self.scheme, *(schemes.get(n) for n in getattr(self.spec, "layers", {}))]
-            microscale = any((s.weights or {}).get("scale_dtype") in schemes.MICROSCALE for s in taken)
-            return model_free.footprint(shape, saved, checkpoint, microscale)
+            return model_free.footprint(shape, saved, checkpoint, taken)
         held = [("its compressed tensors while saving", quantized)]
         fits = []
         if self.calibrates:

@@ -34,6 +34,7 @@ from safetensors import safe_open
 from quantbench.core import logs
 from quantbench.core.errors import UserError
 from quantbench.quantize import Inputs, ProduceFootprint, Produced, recipe_layers
+from quantbench.recipe.schemes import MICROSCALE
 
 log = logging.getLogger(__name__)
 
@@ -269,10 +270,11 @@ def produce(inputs: Inputs, groups: dict, ignore: list[str]) -> Produced:
     )
 
 
-def footprint(shape, saved: int, checkpoint: int, microscale: bool) -> ProduceFootprint:
-    """The produce step's memory, for a model of `shape` saved in `saved` bytes per element: no
-    model; the largest group read at once (a decoder layer, or the embeddings) with its rounding
-    (`microscale`: an NVFP4 / MX format among its schemes), and the output shard being filled."""
+def footprint(shape, saved: int, checkpoint: int, taken: list) -> ProduceFootprint:
+    """The produce step's memory, for a model of `shape` saved in `saved` bytes per element and
+    rounded in the schemes `taken`: no model; the largest group read at once (a decoder layer, or
+    the embeddings) with its rounding, and the output shard being filled."""
+    microscale = any((s.weights or {}).get("scale_dtype") in MICROSCALE for s in taken)
     read = max(shape.layer_params, shape.vocab * shape.hidden) * saved
     copies = ROUNDING_COPIES["microscale" if microscale else "other"]
     held = [
