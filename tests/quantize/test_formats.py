@@ -318,7 +318,9 @@ def test_a_tune_does_not_choose_a_floating_point_format():
 
     with pytest.raises(UserError, match="--schemes: NVFP4A16 is not a tune choice"):
         schemes.tune_scheme("nvfp4a16")
-    assert schemes.tune_scheme("W4A16-G64").name == "W4A16-G64"
+    with pytest.raises(UserError, match="--schemes: W4AFP8 is not a tune choice"):  # FP8 activations beside INT4
+        schemes.tune_scheme("W4AFP8")
+    assert schemes.tune_scheme("W4A16-G64").name == "W4A16-G64" and schemes.tune_scheme("W8A8").name == "W8A8"
 
 
 def test_a_mixed_checkpoint_holds_a_floating_point_format_beside_an_integer_one(workdir, tiny_model_dir, capsys):

@@ -334,7 +334,10 @@ def tune_scheme(name: str, field: str = "--schemes", gguf: bool = False) -> Sche
     type; UserError naming `field` with the choices (and why a K-quant is not one)."""
     if not gguf:
         scheme = get(name, field)
-        if scheme.preset:
+        float_activations = (
+            scheme.weights and scheme.weights["type"] == "int" and (scheme.activations or {}).get("type") == "float"
+        )
+        if scheme.preset or float_activations:  # the floating-point formats, and W4AFP8's FP8 activations
             raise UserError(
                 f"{field}: {scheme.name} is not a tune choice: a tune rounds the integer schemes and FP8 per layer "
                 f"(its sensitivity pass has no {scheme.name} rounding); quantize it whole instead "
