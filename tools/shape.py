@@ -1,7 +1,8 @@
 """The package's shape, as `make lint` checks it (tests/test_static.py runs it too): no module
 under src/quantbench over 600 lines, no function over 80, and no import of quantbench's own
 modules inside a function (third-party packages may be imported lazily: the heavy ones are, so
-that `quantbench --help` and the job modules do not load torch, transformers or MLflow).
+that `quantbench --help` and the job modules do not load torch, transformers or MLflow; so may the
+few modules of quantbench's own that LAZY lists, with its reason).
 
 What is over a limit today is listed in SHAPE_DEBT below with its size now: it may shrink (then
 lower or drop its line), never grow, and nothing new may join it. Exit 1 naming each breach.
@@ -21,25 +22,22 @@ PACKAGE = ROOT / "src" / "quantbench"
 MODULE_LINES = 600
 FUNCTION_LINES = 80
 
+# Imports of quantbench's own modules that may stay inside functions, and why: the heavy ones.
+# A command's module (cli/<command>.py) loads the modules of the job it runs when it runs, not when
+# `quantbench --help` builds the parser (they import torch: ~2 s here; tests/cli/test_cli.py holds
+# --help free of torch, transformers and MLflow).
+LAZY_COMMANDS = "quantbench.cli."
+LAZY_MODULES = {
+    "quantbench.quantize.llmcompressor": "imports torch and llm-compressor (12 s)",
+}
+
 # "module" or "module:function" -> its size today (lines; for "module:imports", quantbench imports
 # inside its functions). Shrink it as code is split; never raise a number.
 SHAPE_DEBT: dict[str, int] = {
-    "quantbench.cli.bench:imports": 1,
-    "quantbench.cli.compare:imports": 1,
-    "quantbench.cli.evaluate:imports": 1,
-    "quantbench.cli.gate:imports": 2,
-    "quantbench.cli.noise:imports": 1,
-    "quantbench.cli.quantize:imports": 1,
-    "quantbench.cli.recipes:imports": 1,
-    "quantbench.cli.stack:imports": 2,
-    "quantbench.cli.sweep:imports": 1,
     "quantbench.cli.tune:add_parser": 108,
-    "quantbench.cli.tune:imports": 3,
-    "quantbench.cli.validate:imports": 2,
     "quantbench.jobs.prepare:prepare": 112,
     "quantbench.jobs.stack.command:run": 113,
     "quantbench.jobs.stack.schema:configs": 147,
-    "quantbench.quality.stage:imports": 1,
     "quantbench.quantize.distill:DistillBackend.train": 96,
     "quantbench.release.compare": 601,
     "quantbench.release.verdict:build": 109,
@@ -47,14 +45,10 @@ SHAPE_DEBT: dict[str, int] = {
     "quantbench.speed.serving:load_level": 101,
     "quantbench.tracking": 604,
     "quantbench.tune.command:_run": 135,
-    "quantbench.tune.cost:get_vllm": 95,
-    "quantbench.tune.cost:imports": 13,
-    "quantbench.tune.gguf:imports": 3,
-    "quantbench.tune.plan:imports": 1,
-    "quantbench.tune.plan:prepare": 124,
-    "quantbench.tune.sensitivity": 652,
+    "quantbench.tune.cost:get_vllm": 92,
+    "quantbench.tune.plan:prepare": 122,
+    "quantbench.tune.sensitivity": 650,
     "quantbench.tune.sensitivity:_fisher": 83,
-    "quantbench.tune.sensitivity:imports": 2,
 }
 
 
@@ -74,10 +68,19 @@ def measure() -> dict[str, int]:
                 if size > FUNCTION_LINES:
                     over[f"{module}:{_qualname(tree, node)}"] = size
         # an import counted once even inside nested functions: count the outermost functions' only
-        inner = sum(1 for node in _outermost_functions(tree) for sub in ast.walk(node) if _internal_import(sub))
+        inner = [sub for node in _outermost_functions(tree) for sub in ast.walk(node) if _internal_import(sub)]
+        inner = [node for node in inner if not _lazy_allowed(module, node)]
         if inner:
-            over[f"{module}:imports"] = inner
+            over[f"{module}:imports"] = len(inner)
     return over
+
+
+def _lazy_allowed(module: str, node: ast.AST) -> bool:
+    """An import of quantbench's own inside a function that LAZY allows."""
+    if module.startswith(LAZY_COMMANDS):
+        return True
+    names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]  # type: ignore[attr-defined]
+    return any(name in LAZY_MODULES for name in names)
 
 
 def _internal_import(node: ast.AST) -> bool:

@@ -26,6 +26,7 @@ from quantbench.core import environment, hardware, intervals, paths
 from quantbench.core.errors import UserError
 from quantbench.core.logs import DETAIL
 from quantbench.core.measures import Reference, compare
+from quantbench.core.measures import reference as reference_of  # `reference` is a loop variable below
 from quantbench.core.upcast import float32_compute
 from quantbench.engines import ServerSettings
 from quantbench.engines.server import model_server
@@ -338,12 +339,9 @@ def _score_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan, keys:
 
 def _score_base(model, tokenizer, p: Plan):
     """The base model's reference over the suite's texts and its task values."""
-    # here, not at the top: there the name would clash with _intervals' loop variable `reference` (ruff F402)
-    from quantbench.core.measures import reference
-
     spec = p.suite.suite
-    ref = reference(model, p.token_ids, spec.window, spec.batch_size)
-    ref_ood = reference(model, p.ood_ids, spec.window, spec.batch_size) if p.ood_ids is not None else None
+    ref = reference_of(model, p.token_ids, spec.window, spec.batch_size)
+    ref_ood = reference_of(model, p.ood_ids, spec.window, spec.batch_size) if p.ood_ids is not None else None
     tasks = run_tasks(model, tokenizer, spec.tasks, p.tasks_dir, limit=spec.task_limit, batch_size=spec.task_batch_size)
     return ref, ref_ood, tasks
 

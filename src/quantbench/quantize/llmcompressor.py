@@ -140,7 +140,7 @@ class LLMCompressorBackend(Backend):
         if isinstance(self.spec, MIXED) and self.spec.layers:
             return (
                 layer_problems(loaded, config)
-                + rotation_problems(loaded, config)
+                + (self.spec.rotation_problems(loaded, config) if isinstance(self.spec, SpinQuantSpec) else [])
                 + self.experts_problem(loaded, config)
                 + free
             )
@@ -150,7 +150,7 @@ class LLMCompressorBackend(Backend):
         return (
             (group_size_problem(loaded, config, scheme.group_size, field) if scheme.group_size else [])
             + (block_problem(loaded, config, scheme) if scheme.block_shape else [])
-            + rotation_problems(loaded, config)
+            + (self.spec.rotation_problems(loaded, config) if isinstance(self.spec, SpinQuantSpec) else [])
             + self.experts_problem(loaded, config)
             + free
         )
@@ -531,33 +531,6 @@ def layer_problems(loaded, config) -> list[str]:
             f"divide the input width of {len(bad)} layer(s) of {source} it applies to (widths "
             f"{', '.join(map(str, widths))}; e.g. {bad[0]})"
         )
-    return problems
-
-
-def rotation_problems(loaded, config) -> list[str]:
-    """SpinQuant's Hadamard rotations need sizes they can be built for: R1 the hidden size, R2
-    the head dimension (hadamard: powers of two; random-hadamard: k * 2^n for the k that
-    compressed-tensors ships)."""
-    spec = loaded.recipe.quantize
-    if not isinstance(spec, SpinQuantSpec):
-        return []
-    from compressed_tensors.transform.utils.hadamard import (
-        _fetch_hadamard_divisor,
-        is_pow2,
-    )
-    from compressed_tensors.utils import get_head_dim
-
-    sizes = {"R1": ("hidden size", config.hidden_size), "R2": ("head dimension", get_head_dim(config))}
-    problems = []
-    for rotation in spec.rotations:
-        what, n = sizes[rotation]
-        ok = is_pow2(n) if spec.transform_type == "hadamard" else _fetch_hadamard_divisor(n, torch.float32) is not None
-        if not ok:
-            hint = " (try transform_type: random-hadamard)" if spec.transform_type == "hadamard" else ""
-            problems.append(
-                f"{loaded.path}: {loaded.where('quantize', 'transform_type')}: no {spec.transform_type} "
-                f"matrix of size {n}, the {what} of {loaded.recipe.model.source}, for rotation {rotation}{hint}"
-            )
     return problems
 
 

@@ -227,6 +227,27 @@ class SpinQuantSpec(_LayerSchemes):
     quantizer: Literal["gptq", "rtn"] = "gptq"  # what rounds the rotated weights
     dampening_frac: float = Field(0.01, gt=0, lt=1)  # GPTQ
 
+    def rotation_problems(self, loaded, config) -> list[str]:
+        """The rotations need sizes they can be built for: R1 the hidden size, R2 the head
+        dimension (hadamard: powers of two; random-hadamard: k * 2^n for the k that
+        compressed-tensors ships). One line per rotation that cannot be, naming the field."""
+        import torch
+        from compressed_tensors.transform.utils.hadamard import _fetch_hadamard_divisor, is_pow2
+        from compressed_tensors.utils import get_head_dim
+
+        sizes = {"R1": ("hidden size", config.hidden_size), "R2": ("head dimension", get_head_dim(config))}
+        problems = []
+        for rotation in self.rotations:
+            what, n = sizes[rotation]
+            hadamard = self.transform_type == "hadamard"
+            if not (is_pow2(n) if hadamard else _fetch_hadamard_divisor(n, torch.float32) is not None):
+                hint = " (try transform_type: random-hadamard)" if hadamard else ""
+                problems.append(
+                    f"{loaded.path}: {loaded.where('quantize', 'transform_type')}: no {self.transform_type} "
+                    f"matrix of size {n}, the {what} of {loaded.recipe.model.source}, for rotation {rotation}{hint}"
+                )
+        return problems
+
 
 class FP8Spec(_LLMCompressorBase, _ModelFree):
     """FP8 weights and dynamic FP8 activations; needs no data (unless `kv_cache: fp8`, whose scales

@@ -43,9 +43,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from quantbench import engines
+from quantbench.core import environment, hardware
 from quantbench.core.errors import UserError
 from quantbench.core.files import atomic_write, canonical_sha
+from quantbench.core.logs import log_file
 from quantbench.core.paths import cache_dir
+from quantbench.engines import ServerSettings, llamacpp
+from quantbench.engines import llamacpp_build as build
+from quantbench.engines.server import http_client, model_server, stream_one
+from quantbench.recipe import schemes
+from quantbench.sources.checkpoint import gguf_tensors
+from quantbench.tune import gguf as gguf_tune
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +92,6 @@ def path(key: str) -> Path:
 
 
 def table_key(tools, cpu_name: str, threads: int, base_fingerprint: str, types: list[str]) -> str:
-    from quantbench.engines import llamacpp_build as build
 
     return canonical_sha(
         {
@@ -104,10 +112,6 @@ def get(base, types: list[str], tuned: list[str], log_path: Path | None = None, 
     """The cost table of `types` on this machine for `base` (a resolved model), measured once and
     cached (`remeasure`: measured again, the cached one replaced); `tuned` are the GGUF tensor base
     names a tune chooses types for."""
-    from quantbench.core import environment, hardware
-    from quantbench.engines import llamacpp
-    from quantbench.engines import llamacpp_build as build
-    from quantbench.tune import gguf as gguf_tune
 
     tools = build.ensure("the latency cost table")
     cpu_name = f"{environment.describe().get('cpu', 'unknown CPU')} ({hardware.cpu().klass})"
@@ -190,7 +194,6 @@ def _store(table: CostTable) -> CostTable:
 
 
 def _tuned_weights(file: Path, tuned: list[str]) -> int:
-    from quantbench.sources.checkpoint import gguf_tensors
 
     names = {f"{n}.weight" for n in tuned}
     return sum(elements for name, _, elements, _ in gguf_tensors(file) if name in names)
@@ -222,9 +225,6 @@ def get_vllm(
     """vLLM's cost table of `schemes_asked` on this machine for `base` (a resolved model; `shapes`:
     its quantizable layers, `unquantized` those a tune leaves alone), measured once and cached.
     `compiled`: vLLM compiles its graphs, as a bench's server does by default."""
-    from quantbench import engines
-    from quantbench.core import environment, hardware
-    from quantbench.recipe import schemes
 
     engine = engines.get("vllm")
     engine.ensure("the latency cost table")
@@ -323,8 +323,6 @@ def _uniform_checkpoint(base, scheme, left: list[str], dest: Path, log_path: Pat
         from llmcompressor import oneshot
         from llmcompressor.modifiers.quantization import QuantizationModifier
 
-        from quantbench.core.logs import log_file
-
         groups = {"group_0": scheme.quantization_scheme(["Linear"])}
         with cpu_safe_pinning(), log_file(log_path):
             oneshot(model=model, recipe=[QuantizationModifier(config_groups=groups, ignore=["lm_head", *left])])
@@ -338,8 +336,6 @@ PROMPT = "The Python standard library offers"
 
 def _served_decode_ms(engine, checkpoint: Path, log_path: Path, compiled: bool) -> list[float]:
     """Decode ms/token of `ROUNDS` streamed completions of `TOKENS` tokens (after one to warm up)."""
-    from quantbench.engines import ServerSettings
-    from quantbench.engines.server import http_client, model_server, stream_one
 
     config = json.loads((checkpoint / "config.json").read_text())
     max_len = min(1024, int(config.get("max_position_embeddings") or 1024))  # a prompt and TOKENS fit

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from quantbench.core.errors import UserError
+from quantbench.engines import llamacpp
+from quantbench.sources.checkpoint import gguf_tensors
 from quantbench.tune.patterns import block_groups
 
 log = logging.getLogger(__name__)
@@ -56,8 +58,6 @@ def fixed_bytes(base_gguf: Path, tuned: set[str]) -> float:
     (norms, biases) as stored."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from quantbench.sources.checkpoint import gguf_tensors
-
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[EMBEDDINGS]]
     tensors = gguf_tensors(base_gguf)
     total = float(os.path.getsize(base_gguf) - sum(t[3] for t in tensors))
@@ -84,8 +84,6 @@ def patterns(names: list[str]) -> list[str]:
 
 def fitting(base_gguf: Path, names: list[str], kind: str) -> list[str]:
     """The tensors of `names` (GGUF base names) whose rows a `kind` block divides."""
-    from quantbench.engines import llamacpp
-
     rows = llamacpp.matrix_rows(base_gguf)
     return [n for n in names if rows[f"{n}.weight"] % llamacpp.block(kind) == 0]
 
@@ -95,8 +93,6 @@ def uniform_file(
 ) -> Path:
     """The base with every tensor of `names` that `kind` fits in `kind`, the embeddings pinned (as
     candidates have them), every other tensor in `EMBEDDINGS`; weighed by `imatrix` if given."""
-    from quantbench.engines import llamacpp
-
     cmd = [tools.tool("llama-quantize")]
     for pattern in patterns(fitting(base_gguf, names, kind)):
         cmd += ["--tensor-type", f"{pattern}={kind.lower()}"]

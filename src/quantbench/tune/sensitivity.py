@@ -41,11 +41,12 @@ from typing import Literal
 
 import torch
 
+from quantbench.core import environment
 from quantbench.core.errors import UserError
 from quantbench.core.files import canonical_sha
 from quantbench.core.logs import terminal
 from quantbench.recipe import schemes
-from quantbench.sources import data
+from quantbench.sources import data, models
 from quantbench.tracking import TAG, Tracker
 
 log = logging.getLogger(__name__)
@@ -194,9 +195,6 @@ def get(
         )
         return Sensitivity.from_json(doc, run.run_id)
     windows = sensitivity_windows(tokenizer, text, calibration, settings)
-    from quantbench.core import environment
-    from quantbench.sources import models
-
     tags = {
         TAG + "role": "sensitivity",
         TAG + "sensitivity_key": k,
