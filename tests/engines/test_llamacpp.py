@@ -146,6 +146,57 @@ def test_a_gguf_recipe_is_quantized_reloaded_and_benched_through_llama_server(ti
     assert llama_servers() == []  # both stopped
 
 
+@pytest.mark.slow  # the real llama.cpp, a llama-server process
+@pytest.mark.llamacpp
+def test_mxfp4_layers_are_rounded_as_gguf_py_rounds_them_and_served_by_llama_server(tiny_gguf, workdir, capsys):
+    """The MXFP4 recipe's shape (gguf-mxfp4): every linear layer MXFP4 through llama-quantize's
+    --tensor-type, the rest Q8_0. What llama.cpp writes is gguf-py's MXFP4 rounding of the base's
+    F16 file to the last bit (so a tune's in-process rounding is the file's), transformers reloads
+    it de-quantized, and llama-server runs it on this CPU."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, GGUFReader, quants
+
+    from quantbench.engines import llamacpp
+    from quantbench.recipe import schemes
+    from quantbench.sources import models
+
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE)
+    linear = "[attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down]"
+    write_recipe(
+        workdir, "tiny-mxfp4",
+        f"model:\n  source: {tiny_gguf}\n  dtype: float32\nquantize:\n  method: gguf\n  type: Q8_0\n"
+        f"  layers:\n    MXFP4: {linear}\n"
+        "check:\n  base_ppl_bound: false\n  ppl_tokens: 512\n  window: 128\nbench:\n  profile: tiny\n",
+    )  # fmt: skip
+    assert main(["quantize", "tiny-mxfp4", "--json"]) == 0, capsys.readouterr().err[-3000:]
+    checkpoint = Path(last_json(capsys.readouterr().out)["checkpoint"])
+    written = {t.name: t for t in GGUFReader(checkpoint / "model.gguf").tensors}
+    blocks = {n: t for n, t in written.items() if n.startswith("blk.") and len(t.shape) == 2}
+    assert len(blocks) == 14 and {t.tensor_type.name for t in blocks.values()} == {"MXFP4"}
+    assert written["token_embd.weight"].tensor_type.name == "Q8_0"
+    base = {t.name: t for t in GGUFReader(llamacpp.base_gguf(models.resolve(str(tiny_gguf)).path)).tensors}
+    for name, tensor in blocks.items():
+        stored = quants.dequantize(tensor.data, GGMLQuantizationType.MXFP4)
+        f16 = quants.dequantize(base[name].data, GGMLQuantizationType.F16).reshape(stored.shape)
+        ours = schemes.GGUF_TUNE_TYPES["MXFP4"].fake_quantize(torch.from_numpy(np.ascontiguousarray(f16)))
+        assert np.array_equal(ours.numpy(), stored), name
+        assert not np.array_equal(f16, stored), name  # rounded, not copied
+    [run] = runs()
+    m, tags = run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED"
+    # 4-bit values and one 8-bit scale per block of 32
+    assert m["model/bits_per_weight"] == pytest.approx(4.25)
+    # reloaded de-quantized by transformers and checked on held-out text (a random model's perplexity
+    # is about its vocabulary's size, rounded or not: 1.0005 here)
+    assert m["check/ppl_ratio"] == pytest.approx(1, abs=0.05)
+    # served as stored by llama-server, beside the base's F16 file
+    assert tags["quantbench.bench_server"] == "llamacpp" and tags["quantbench.bench_dtype"] == "Q8_0"
+    assert m["speed/c1/throughput_tok_s"] > 0 and m["base_speed/c1/throughput_tok_s"] > 0
+    assert llama_servers() == []
+
+
 @pytest.mark.slow  # the real llama.cpp and a llama-server process that fails
 @pytest.mark.llamacpp
 def test_a_gguf_llama_server_cannot_load_fails_with_its_own_words(tiny_gguf, tmp_path):

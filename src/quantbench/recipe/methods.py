@@ -301,7 +301,7 @@ GGUF_TENSOR_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"
 # what a tensor may be given (llama-quantize --tensor-type NAME=TYPE): ggml's tensor types
 GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                      "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS",
-                     "TQ1_0", "TQ2_0")  # fmt: skip
+                     "TQ1_0", "TQ2_0", "MXFP4")  # fmt: skip
 
 
 class GGUFSpec(Strict):
