@@ -132,7 +132,8 @@ def read_freeze(path: Path) -> Node:
     except OSError as exc:
         raise UserError(f"{path}: cannot read the node's freeze list: {exc.strerror}") from None
     packages: dict[str, str] = {}
-    python, platforms, problems = "", (), []
+    python, problems = "", []
+    platforms: tuple[str, ...] = ()
     for number, raw in enumerate(lines, 1):
         line = raw.strip()
         if line.startswith("#"):
@@ -164,7 +165,7 @@ def read_freeze(path: Path) -> Node:
 
 def read_pins(path: Path) -> dict[str, str]:
     """name -> version of a constraints file's `name==version` lines (canonical names)."""
-    pins = {}
+    pins: dict[str, str] = {}
     for line in path.read_text().splitlines():
         name, sep, version = line.split("#")[0].strip().partition("==")
         if sep:
@@ -175,7 +176,8 @@ def read_pins(path: Path) -> dict[str, str]:
 def make_plan(node: Node, pins: dict[str, str], declared: list[str] | None = None) -> Plan:
     """What to carry: every need the node lacks, at our pin; the rest is the node's. `declared`: quantbench's
     own requirements (names), to say which of them the check does without."""
-    taken, node_has = {}, {}
+    taken: dict[str, str] = {}
+    node_has: dict[str, tuple[str, str | None]] = {}
     problems = []
     for name in map(canonicalize_name, NEEDS):
         if name in node.packages:
@@ -186,12 +188,12 @@ def make_plan(node: Node, pins: dict[str, str], declared: list[str] | None = Non
             taken[name] = pins[name]
     if problems:
         raise UserError(problems)
-    model = {canonicalize_name(n): version for n, (version, _) in MODEL.items()}
+    model: dict[str, str] = {canonicalize_name(n): version for n, (version, _) in MODEL.items()}
     declared_names = {canonicalize_name(n) for n in declared or []}
-    not_needed = {
+    not_needed: dict[str, str] = {
         n: why for n, why in NOT_NEEDED.items() if not declared_names or canonicalize_name(n) in declared_names
     }
-    why = {n: NEEDS[n] for n in taken if n in NEEDS} | {
+    why: dict[str, str] = {n: NEEDS[n] for n in taken if n in NEEDS} | {
         canonicalize_name(n): w for n, w in NEEDS.items() if canonicalize_name(n) in taken
     }
     return Plan(node.source, node.python, list(node.platforms), taken, model, node_has, not_needed, why=why)
@@ -199,7 +201,7 @@ def make_plan(node: Node, pins: dict[str, str], declared: list[str] | None = Non
 
 def target_environment(python: str) -> dict[str, str]:
     """Marker values of a Linux x86-64 CPython `python` (X.Y), for a wheel's Requires-Dist lines."""
-    env = default_environment()
+    env = {k: str(v) for k, v in default_environment().items()}
     env.update(
         python_version=python,
         python_full_version=python + ".0",
@@ -313,7 +315,7 @@ def _wheels(dest: Path, plan: Plan) -> list[Path]:
 def _required(lines: list[str], python: str) -> list[str]:
     """The names a wheel requires on the target (no extras, no other platform's)."""
     env = {**target_environment(python), "extra": ""}
-    names = []
+    names: list[str] = []
     for line in lines:
         try:
             req = Requirement(line)
@@ -361,7 +363,7 @@ def mib(n: float) -> str:
 
 def report(plan: Plan) -> str:
     """The plan as a person reads it: taken, left out, unmet, sizes."""
-    by_name = {canonicalize_name(f.split("-")[0]): s for f, s in plan.sizes.items()}
+    by_name: dict[str, int] = {canonicalize_name(f.split("-")[0]): s for f, s in plan.sizes.items()}
     wheels = sum(s for n, s in by_name.items() if n in plan.taken)
     lines = [f"wheelhouse for Python {plan.python} ({plan.platforms[0]}), node: {plan.node}", ""]
     lines.append(f"taken ({len(plan.taken)} wheels{', ' + mib(wheels) if by_name else ''}):")
@@ -378,10 +380,10 @@ def report(plan: Plan) -> str:
     for name, why in sorted(plan.not_needed.items()):
         lines.append(f"  {name:22s} {why}")
     for name, version in plan.model.items():
-        size = next((s for f, s in plan.sizes.items() if canonicalize_name(f.split("-")[0]) == name), None)
+        stored = next((s for f, s in plan.sizes.items() if canonicalize_name(f.split("-")[0]) == name), None)
         lines.append("")
         lines.append(
-            f"beside the wheels: {name} {version}{' (' + mib(size) + ')' if size else ''}: {MODEL[name][1]}; "
+            f"beside the wheels: {name} {version}{' (' + mib(stored) + ')' if stored else ''}: {MODEL[name][1]}; "
             "it travels on its own (dest/model), outside the wheels' budget"
         )
     if plan.unmet:
@@ -391,8 +393,8 @@ def report(plan: Plan) -> str:
     if by_name:
         lines.append("")
         total = f"total: {mib(wheels)} of wheels"
-        for archive, size in plan.packed.items():
-            total += f"; packed for travel ({archive}): {mib(size)}"
+        for archive, packed in plan.packed.items():
+            total += f"; packed for travel ({archive}): {mib(packed)}"
         travel = min([wheels, *plan.packed.values()])
         verdict = "within" if travel <= GOAL_MIB * 2**20 else "OVER"
         lines.append(f"{total}; goal {GOAL_MIB} MiB: {verdict}")

@@ -289,7 +289,7 @@ def choose(
             hint = f". `{flag} {other.name}` measures it through {other.label}" if other else ""
             raise UserError(f"{flag} {requested}: {problem}{hint}")
         return Choice(engine, f"asked for ({flag} {requested})")
-    reasons = []
+    reasons: list[str] = []
     for engine in _candidates(requested):
         if not engine.auto_picks(checkpoint):
             continue

@@ -129,7 +129,7 @@ def stream_one(url: str, body: dict, client=None) -> Stream:
     counted = total is not None
     if not times:  # the model ended at once (its first token an end of sequence; a server without ignore_eos)
         return Stream(end, end, [end], [int(total or 0)], counted, drafted, computed, cached)
-    if counted and total != sum(counts):  # a chunk held several tokens (or none): the server's total counts
+    if total is not None and total != sum(counts):  # a chunk held several tokens (or none): the server's total counts
         counts[-1] = max(0, counts[-1] + total - sum(counts))
     return Stream(times[0], end, times, counts, counted, drafted, computed, cached)
 
