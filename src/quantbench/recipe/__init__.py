@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
@@ -386,7 +387,7 @@ def _explain(
     exc: ValidationError,
     data: dict,
     node: yaml.Node | None,
-    applied: list[tuple[tuple[str, ...], str]] = (),
+    applied: Sequence[tuple[tuple[str, ...], str]] = (),
     schema: type[BaseModel] | None = None,
 ) -> list[str]:
     """One line per problem: the field, where it was written (a line of the file, or the --set
@@ -434,7 +435,7 @@ def _yaml_line(node: yaml.Node | None, loc: tuple) -> int | None:
     return line
 
 
-def _message(err: dict, loc: tuple, data: dict, schema: type[BaseModel]) -> str:
+def _message(err: Mapping[str, Any], loc: tuple, data: dict, schema: type[BaseModel]) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
         allowed = _allowed_keys(loc[:-1], data, schema)
@@ -475,7 +476,7 @@ def _allowed_keys(loc: tuple, data: dict, schema: type[BaseModel]) -> list[str]:
                 cls = sections[0]
             else:  # the quantize union: the section's method picks the class
                 method = value.get("method") if isinstance(value, dict) else None
-                cls = METHODS.get(method)
+                cls = METHODS.get(str(method))
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
             return []
     return list(cls.model_fields)

@@ -211,6 +211,9 @@ class AutoRoundSpec(_LayerSchemes):
     lr: float | None = Field(None, gt=0)  # None: auto-round's default (1 / iters)
 
 
+_ROTATIONS: tuple[Literal["R1", "R2"], ...] = ("R1", "R2")
+
+
 class SpinQuantSpec(_LayerSchemes):
     """SpinQuant's offline rotations, then GPTQ (or RTN): Hadamard rotations R1 (the residual
     stream) and R2 (attention heads) are fused into the weights, which spreads outliers across
@@ -221,7 +224,7 @@ class SpinQuantSpec(_LayerSchemes):
     scheme: Literal["W4A16", "W8A16"] = "W4A16"
     group_size: PositiveInt | None = 64
     symmetric: bool = True
-    rotations: list[Literal["R1", "R2"]] = Field(default_factory=lambda: ["R1", "R2"])
+    rotations: list[Literal["R1", "R2"]] = Field(default_factory=lambda: list(_ROTATIONS))
     # hadamard: sizes that are powers of two; random-hadamard: also k * 2^n for known k (576 = 36 * 16)
     transform_type: Literal["hadamard", "random-hadamard"] = "random-hadamard"
     quantizer: Literal["gptq", "rtn"] = "gptq"  # what rounds the rotated weights

@@ -117,6 +117,8 @@ class Scheme:
                 if scheme.input_activations is not None:  # FP8_BLOCK's activations: groups of a block's width
                     scheme.input_activations.group_size = self.block_shape[1]
             return scheme
+        if self.weights is None:
+            raise ValueError(f"{self.name} leaves the weights unquantized: it has no quantization scheme")
         return QuantizationScheme(
             targets=targets,
             weights=QuantizationArgs(**self.weights),
