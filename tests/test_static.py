@@ -3,7 +3,7 @@ over src/, tests/ and bench/, ruff's formatter's check over src/, mypy over src/
 contracts (the layers from cli down to core; only quantbench.tracking imports mlflow; no import cycles
 between sibling modules), tools/shape.py (module and function length, imports inside functions); and that mypy's settings still catch
 an import of a name a quantbench module no longer has (what shipped `tune.py` importing the
-removed `vllm_python`), and type mismatches in the packages checked in full (core, engines, recipe)."""
+removed `vllm_python`), and type mismatches in the packages checked in full (core, engines, quantize, recipe)."""
 
 import os
 import subprocess
@@ -46,10 +46,11 @@ def test_mypy_catches_an_import_of_a_removed_name(tmp_path):
                           '[attr-defined]') and count.startswith("Found 1 error in 1 file"), done.stdout
 
 
-def test_mypy_checks_types_in_core_engines_and_recipe_only_so_far(tmp_path):
-    """pyproject.toml turns every error code on for quantbench.core, .engines and .recipe: the same
-    mismatch is an error there and not (yet) in another package."""
-    for package in ("core", "engines", "recipe", "jobs"):
+def test_mypy_checks_types_in_core_engines_quantize_and_recipe_only_so_far(tmp_path):
+    """pyproject.toml turns every error code on for quantbench.core, .engines, .quantize and .recipe:
+    the same mismatch is an error there and not (yet) in another package."""
+    checked = ("core", "engines", "quantize", "recipe")
+    for package in (*checked, "jobs"):
         (tmp_path / "quantbench" / package).mkdir(parents=True)
         (tmp_path / "quantbench" / package / "__init__.py").write_text("")
         (tmp_path / "quantbench" / package / "probe.py").write_text('def width() -> int:\n    return "576"\n')
@@ -57,7 +58,7 @@ def test_mypy_checks_types_in_core_engines_and_recipe_only_so_far(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "quantbench"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
     errors = sorted(line.split(":")[0] for line in done.stdout.splitlines() if ": error:" in line)
-    assert errors == [f"quantbench/{p}/probe.py" for p in ("core", "engines", "recipe")], done.stdout + done.stderr
+    assert errors == [f"quantbench/{p}/probe.py" for p in checked], done.stdout + done.stderr
     assert "[return-value]" in done.stdout
 
 

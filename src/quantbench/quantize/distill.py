@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -154,6 +155,7 @@ class DistillBackend(Backend):
                 setattr(config, key, value)
             torch.manual_seed(self.spec.seed)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        assert self.keep is not None  # chosen in prepare for a pruned student
         return prune_layers(teacher, self.keep)
 
     def produce(self, inputs: Inputs) -> Produced:
@@ -174,7 +176,7 @@ class DistillBackend(Backend):
 
         spec = self.spec
         teacher = teacher.float().eval().requires_grad_(False)  # bf16 autocast still runs its matmuls
-        student = self.student(teacher).eval()
+        student: Any = self.student(teacher).eval()  # a transformers model (its config, its generation_config)
         student.config.use_cache = False
         student.generation_config = teacher.generation_config
         counts = {"distill/student_params": _params(student), "distill/teacher_params": _params(teacher)}
@@ -388,8 +390,9 @@ def last_checkpoint(workdir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.rsplit("-", 1)[1]), default=None)
 
 
-def _params(model) -> int:
-    return sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
+def _params(model) -> float:
+    """Parameters, each tensor once (tied ones share storage), as the float a metric is."""
+    return float(sum({p.data_ptr(): p.numel() for p in model.parameters()}.values()))
 
 
 def _ranges(indices: list[int]) -> str:

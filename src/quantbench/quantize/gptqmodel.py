@@ -95,6 +95,7 @@ class GPTQModelBackend(Backend):
     def produce(self, inputs: Inputs) -> Produced:
         inputs.drop_model()  # the child loads its own copy
         model = inputs.loaded.recipe.model
+        assert inputs.calibration is not None  # it calibrates: the job made the windows
         self.write(
             inputs.base.path,
             model.dtype,
@@ -155,6 +156,7 @@ class GPTQModelBackend(Backend):
             )
             try:
                 with log_path.open("ab") as out:
+                    assert proc.stdout is not None  # stdout=PIPE
                     while chunk := os.read(proc.stdout.fileno(), 65536):
                         sys.stderr.buffer.write(chunk)
                         sys.stderr.flush()
@@ -176,7 +178,9 @@ def config(spec: GPTQSpec | AWQSpec):
 
     bits = 8 if spec.scheme == "W8A16" else 4
     group = spec.group_size or -1  # -1: one scale per output channel
-    skip = {f"-:{_pattern(name)}": {} for name in spec.ignore if name != "lm_head"}  # lm_head stays unquantized
+    skip: dict[str, dict] = {
+        f"-:{_pattern(name)}": {} for name in spec.ignore if name != "lm_head"
+    }  # lm_head stays unquantized
     if isinstance(spec, AWQSpec):
         return QuantizeConfig(
             bits=bits,

@@ -13,6 +13,7 @@ import sys
 from contextlib import contextmanager, redirect_stdout
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 # llm-compressor configures its loguru sink on import, before a run's log file is added: a console
 # sink on the sys.stdout of that moment, where --json prints, at INFO ("No accelerator available!
@@ -59,7 +60,7 @@ _loguru.add(
     logs.library_sink,
     level="WARNING",
     format="{time:HH:mm:ss} llm-compressor {level}: {message}",
-    filter=support_log_once,
+    filter=support_log_once,  # type: ignore[arg-type]  # typed for a dict, called with loguru's record (one)
 )
 # Its sequential pipeline draws two bars per layer ("(3/31): Calibrating", "Propagating"): one bar of ours instead
 logs.relay(r"\((\d+)/(\d+)\): Calibrating", "produce (layers)", "layer")
@@ -126,7 +127,7 @@ class LLMCompressorBackend(Backend):
                 {"type": activations["type"], "num_bits": activations["num_bits"]} if activations else None
             ),
         }
-        quant = {
+        quant: dict[str, Any] = {
             "quant_method": "compressed-tensors",
             "config_groups": {"group_0": group},
             "format": self.scheme.stored_as,
@@ -325,6 +326,7 @@ class LLMCompressorBackend(Backend):
             from datasets import Dataset
             from datasets.table import InMemoryTable
 
+            assert calibration is not None  # the job makes windows for a method that calibrates
             columns = {"input_ids": calibration, "attention_mask": [[1] * len(row) for row in calibration]}
             # A fingerprint of our own, from the ids: without one, datasets 5.2 hashes the whole table,
             # which fails on Python 3.12 ("Can't pickle <class 'MonthDayNano'>", any dill from 0.3.8
@@ -562,11 +564,11 @@ def cpu_safe_pinning():
         yield
         return
     original = IntermediatesCache.pin_memory
-    IntermediatesCache.pin_memory = _no_pinning
+    IntermediatesCache.pin_memory = _no_pinning  # type: ignore[method-assign]
     try:
         yield
     finally:
-        IntermediatesCache.pin_memory = original
+        IntermediatesCache.pin_memory = original  # type: ignore[method-assign]
 
 
 def _no_pinning(self, batch_index: int, input_names: list[str] | None = None) -> None:
