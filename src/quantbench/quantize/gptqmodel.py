@@ -178,9 +178,8 @@ def config(spec: GPTQSpec | AWQSpec):
 
     bits = 8 if spec.scheme == "W8A16" else 4
     group = spec.group_size or -1  # -1: one scale per output channel
-    skip: dict[str, dict] = {
-        f"-:{_pattern(name)}": {} for name in spec.ignore if name != "lm_head"
-    }  # lm_head stays unquantized
+    # lm_head stays unquantized
+    skip: dict[str, dict] = {f"-:{_pattern(name)}": {} for name in spec.ignore if name != "lm_head"}
     if isinstance(spec, AWQSpec):
         return QuantizeConfig(
             bits=bits,
