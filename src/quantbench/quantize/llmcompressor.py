@@ -49,6 +49,7 @@ from quantbench.recipe.methods import (
     RTNSpec,
     SmoothQuantSpec,
     SpinQuantSpec,
+    rotation_problems,
 )
 from quantbench.sources.checkpoint import linear_layers
 from quantbench.sources.shapes import BYTES, Shape
@@ -141,7 +142,7 @@ class LLMCompressorBackend(Backend):
         if isinstance(self.spec, MIXED) and self.spec.layers:
             return (
                 layer_problems(loaded, config)
-                + (self.spec.rotation_problems(loaded, config) if isinstance(self.spec, SpinQuantSpec) else [])
+                + rotation_problems(loaded, config)
                 + self.experts_problem(loaded, config)
                 + free
             )
@@ -151,7 +152,7 @@ class LLMCompressorBackend(Backend):
         return (
             (group_size_problem(loaded, config, scheme.group_size, field) if scheme.group_size else [])
             + (block_problem(loaded, config, scheme) if scheme.block_shape else [])
-            + (self.spec.rotation_problems(loaded, config) if isinstance(self.spec, SpinQuantSpec) else [])
+            + rotation_problems(loaded, config)
             + self.experts_problem(loaded, config)
             + free
         )

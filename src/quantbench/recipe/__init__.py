@@ -476,7 +476,7 @@ def _allowed_keys(loc: tuple, data: dict, schema: type[BaseModel]) -> list[str]:
                 cls = sections[0]
             else:  # the quantize union: the section's method picks the class
                 method = value.get("method") if isinstance(value, dict) else None
-                cls = METHODS.get(str(method))
+                cls = METHODS.get(method) if isinstance(method, str) else None
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
             return []
     return list(cls.model_fields)

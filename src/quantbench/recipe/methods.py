@@ -252,6 +252,12 @@ class SpinQuantSpec(_LayerSchemes):
         return problems
 
 
+def rotation_problems(loaded, config) -> list[str]:
+    """SpinQuant's rotation sizes the model cannot take (none for a recipe of another method)."""
+    spec = loaded.recipe.quantize
+    return spec.rotation_problems(loaded, config) if isinstance(spec, SpinQuantSpec) else []
+
+
 class FP8Spec(_LLMCompressorBase, _ModelFree):
     """FP8 weights and dynamic FP8 activations; needs no data (unless `kv_cache: fp8`, whose scales
     are calibrated). FP8_DYNAMIC: a weight scale per output channel, an activation scale per token;

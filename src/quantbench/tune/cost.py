@@ -92,7 +92,6 @@ def path(key: str) -> Path:
 
 
 def table_key(tools, cpu_name: str, threads: int, base_fingerprint: str, types: list[str]) -> str:
-
     return canonical_sha(
         {
             "build": build.key(),
@@ -194,7 +193,6 @@ def _store(table: CostTable) -> CostTable:
 
 
 def _tuned_weights(file: Path, tuned: list[str]) -> int:
-
     names = {f"{n}.weight" for n in tuned}
     return sum(elements for name, _, elements, _ in gguf_tensors(file) if name in names)
 

@@ -14,7 +14,7 @@ from quantbench.engines import llamacpp
 from quantbench.engines import llamacpp_build as build
 from quantbench.quantize import make_backend
 from quantbench.recipe import LoadedRecipe, load_recipe, resolve_recipe_path, schemes
-from quantbench.recipe.methods import SpinQuantSpec
+from quantbench.recipe.methods import rotation_problems
 from quantbench.release import gate
 from quantbench.sources import models
 from quantbench.sources.checkpoint import linear_layers, skeleton
@@ -151,7 +151,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     allocate.check_fits({n: s[0] for n, s in stuck.items()}, names, base.source)
     # the templates' own group sizes do not matter (each candidate gets its schemes); what the
     # method needs of the model's shapes does (SpinQuant's rotation sizes)
-    problems = [p for t in (template, *alternatives) for p in _rotation_problems(t, config)]
+    problems = [p for t in (template, *alternatives) for p in rotation_problems(t, config)]
     if problems:
         raise UserError(problems)
     dtype_bits = 32 if template.recipe.model.dtype == "float32" else 16
@@ -258,9 +258,3 @@ def _check_budget(
         allocate.check_bits(request.bits, cheapest, sum(i * o for i, o, _ in shapes.values()), names, stored(max))
     if request.max_size_mb is not None:
         allocate.check_size(request.max_size_mb, cheapest, fixed_bytes, names)
-
-
-def _rotation_problems(loaded: LoadedRecipe, config) -> list[str]:
-    """SpinQuant's rotation sizes the model cannot take (none for another method)."""
-    spec = loaded.recipe.quantize
-    return spec.rotation_problems(loaded, config) if isinstance(spec, SpinQuantSpec) else []
