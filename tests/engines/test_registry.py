@@ -4,6 +4,7 @@ and `--server` choices, in a recipe's `bench.backend`, and is what `auto` picks 
 `quantbench bench` then measures through it end to end, and stops it."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,8 +41,7 @@ class EchoServer(ServingEngine):
         return "echo server 1.0"
 
     def server_command(self, checkpoint, port, settings: ServerSettings, tmp):
-        cmd = [sys.executable, str(SCRIPT), "serve", "--port", str(port), "--model", str(checkpoint), "--gap-ms", str(GAP_MS)]
-        return cmd, {}
+        return echo_command(checkpoint, port, GAP_MS), {}
 
 
 @pytest.fixture
@@ -51,8 +51,18 @@ def echo():
     engines.unregister("echo")
 
 
+def echo_command(checkpoint, port: int, gap_ms: float, *extra: str) -> list[str]:
+    """The echo server's command line, marked with this test process's pid (--owner): the other
+    xdist worker's echo servers are not this test's to count."""
+    return [sys.executable, str(SCRIPT), "serve", "--port", str(port), "--model", str(checkpoint),
+            "--gap-ms", str(gap_ms), "--owner", str(os.getpid()), *extra]
+
+
 def echo_servers() -> list:
-    return [p for p in psutil.process_iter(["cmdline"]) if str(SCRIPT) in (p.info["cmdline"] or [])]
+    """The echo servers this test process started that are still running (orphans included)."""
+    mine = ["--owner", str(os.getpid())]
+    return [p for p in psutil.process_iter(["cmdline"])
+            if str(SCRIPT) in (cmd := p.info["cmdline"] or []) and any(cmd[i:i + 2] == mine for i in range(len(cmd)))]
 
 
 def test_a_registered_engine_is_in_every_choice_and_first_for_auto(echo, tiny_model_dir, capsys):

@@ -6,7 +6,6 @@ servers of known capacity (tests/engines/echo_server.py with parallel slots)."""
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from quantbench.engines import ServerSettings
 from quantbench.engines.server import Stream
 from quantbench.speed.measure import Profile, SweepRates, bench_pair, sweep_rates
 from quantbench.speed.serving import level_holds, meets_slo, oversaturated, refine_slo_rate, slo_bracket, slo_rate
-from tests.engines.test_registry import SCRIPT, EchoServer, echo_servers
+from tests.engines.test_registry import EchoServer, echo_command, echo_servers
 from tests.helpers import last_json, runs
 
 
@@ -166,8 +165,7 @@ class SlotEcho(EchoServer):
 
     def server_command(self, checkpoint, port, settings: ServerSettings, tmp):
         gap = GAP_MS["fast" if checkpoint.name == "fast" else "base"]
-        return [sys.executable, str(SCRIPT), "serve", "--port", str(port), "--model", str(checkpoint),
-                "--gap-ms", str(gap), "--slots", "2"], {}
+        return echo_command(checkpoint, port, gap, "--slots", "2"), {}
 
 
 
