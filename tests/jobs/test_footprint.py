@@ -44,6 +44,7 @@ def test_tied_embeddings_are_counted_once_and_experts_all():
     assert moe.params - one.params == layers * (7 * 3 * hidden * inter + 7 * hidden)  # 7 more experts; router rows
     # the experts are quantized (transformers keeps them as stacked 3-D tensors), the router is not
     assert moe.quantized_params - one.quantized_params == layers * 7 * 3 * hidden * inter
+    assert moe.expert_params == layers * 8 * 3 * hidden * inter and tied.expert_params == 0  # stacked ones only
 
 
 def test_qwen_and_gemma_shapes():
@@ -99,6 +100,42 @@ def test_the_plan_adds_what_each_stage_holds(tmp_path):
     assert {s.name: s.ram for s in timed.stages}["prepare"] == (
         footprint.RUNTIME + 2 * shape.params + window + shape.window_activations(256)
     )
+
+
+def test_a_mixture_of_experts_base_is_planned_with_its_experts_file_pages(tmp_path):
+    """transformers 5 stacks a MoE checkpoint's per-expert tensors into a copy as it loads, and the
+    files' pages stay mapped beside it (the moe-8x rung: every stage that loads the base was ~1 GiB
+    short before). Those pages are counted where the base is loaded, and do not decide the fit; a
+    server whose loader stacks them holds the copy too, one that maps or reads the weights does not."""
+    from quantbench import engines
+    from quantbench.speed.bench import Plan
+    from quantbench.speed.measure import Profile
+
+    moe = Shape.from_config(config("qwen3_moe", **ladder.RUNGS["moe-8x"].config))
+    dense = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.2-1b"].config))
+    pages = moe.expert_params * 2
+    checkpoint = moe.params  # one byte a weight
+    produce = ProduceFootprint([("compressed", checkpoint)], checkpoint)
+    for shape, extra in ((moe, pages), (dense, 0)):
+        stages = {s.name: s for s in plan(shape, produce, outputs=tmp_path).stages}
+        assert stages["prepare"].ram == footprint.RUNTIME + 2 * shape.params + extra + shape.window_activations(512)
+        assert stages["produce"].ram == footprint.RUNTIME + 2 * shape.params + extra + checkpoint
+        assert stages["prepare"].reclaimable == stages["produce"].reclaimable == extra
+        # the checkpoint is de-quantized as it loads: a copy already, nothing more
+        assert stages["check"].ram == footprint.RUNTIME + checkpoint + 2 * shape.params + shape.window_activations(512)
+    assert "the experts' file pages, read once as they are stacked 0.56" in "; ".join(
+        {s.name: s for s in plan(moe, produce, outputs=tmp_path).stages}["prepare"].held
+    )
+    profile = Profile(prompt_tokens=[16], output_tokens=4, concurrency=[1])
+    served = {}
+    for name in ("transformers", "vllm", "hf"):
+        bench = Plan("p", profile, [], engines.get(name))
+        served[name] = footprint.bench_stage(moe, bench, checkpoint, "bfloat16", 100 * GiB).ram
+    kv = 2 * moe.layers * moe.kv_dim * 2 * (16 + 4 + 64)
+    two_servers = footprint.RUNTIME + 2 * (2**30 + kv) + 2 * moe.params + checkpoint
+    assert served["transformers"] == two_servers + 2 * pages  # each server stacks its experts
+    assert served["vllm"] == footprint.RUNTIME + 2 * (int(2.5 * GiB) + GiB) + 2 * moe.params + checkpoint
+    assert served["hf"] == footprint.RUNTIME + 2 * moe.params + pages
 
 
 def test_memory_cap_and_its_bad_values(monkeypatch):

@@ -81,6 +81,10 @@ class ServingEngine:
     kv_cache_types: ClassVar[tuple[str, ...]] = ()
     # a server's own resident memory besides its weights and KV cache (a job's memory plan)
     runtime_bytes: ClassVar[int] = 2**30
+    # it loads through transformers 5, which stacks a mixture of experts' per-expert tensors into
+    # 3-D ones (de-quantized, where the checkpoint is quantized) as it loads: a copy of the experts
+    # beside the files' pages, which stay mapped while the other layers are views of them
+    stacks_experts: ClassVar[bool] = False
     # the dtypes it can be asked to serve a model in (a stack step's `dtype:`); None: any
     dtypes: ClassVar[tuple[str, ...] | None] = None
     # its own tools score a model's quality when served with one of its smaller KV-cache types (a
@@ -164,10 +168,12 @@ class ServingEngine:
         """The size of the KV cache the server allocated (MiB), as its log says, if it says."""
         return None
 
-    def server_memory(self, weights: int, kv_per_token: int, max_len: int, slots: int) -> int:
-        """Resident memory of one server of a model of `weights` bytes (as it loads them) with room for
-        `slots` requests of `max_len` tokens (`kv_per_token` bytes each): for a job's memory plan."""
-        return weights + kv_per_token * max_len * slots + self.runtime_bytes
+    def server_memory(self, weights: int, kv_per_token: int, max_len: int, slots: int, experts: int = 0) -> int:
+        """Resident memory of one server of a model of `weights` bytes (as stored) with room for
+        `slots` requests of `max_len` tokens (`kv_per_token` bytes each), `experts` the bytes of its
+        experts in 16 bits (a mixture of experts): for a job's memory plan."""
+        copy = experts if self.stacks_experts else 0
+        return weights + copy + kv_per_token * max_len * slots + self.runtime_bytes
 
     def max_model_len(self, checkpoint: Path) -> int | None:
         """The longest context the checkpoint allows (its config's max_position_embeddings)."""

@@ -15,6 +15,7 @@ class InProcess(ServingEngine):
     name = "hf"
     label = "in-process transformers generate"
     kind = "in-process"
+    stacks_experts = True
 
     def status(self) -> tuple[bool, str | None, str]:
         return True, metadata.version("transformers"), "in-process generate (bench --backend hf): not a serving engine"

@@ -69,7 +69,7 @@ class LlamaServer(ServingEngine):
     def __init__(self) -> None:
         self.tools: build.Tools | None = None
 
-    def server_memory(self, weights: int, kv_per_token: int, max_len: int, slots: int) -> int:
+    def server_memory(self, weights: int, kv_per_token: int, max_len: int, slots: int, experts: int = 0) -> int:
         """The file it maps (its working set: pages it reads at every token), the KV cache, and its
         compute buffers, which grow with the model: fitted to two servers at once on the size ladder
         (docs/results.md; AVX512-BF16): 0.55 GiB besides the mapped files at 1B, 3.0 GiB at 8B."""

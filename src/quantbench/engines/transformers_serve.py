@@ -21,6 +21,7 @@ class TransformersServe(ServingEngine):
     name = "transformers"
     label = "transformers serve"
     kind = "server"
+    stacks_experts = True
 
     def unavailable(self) -> str | None:
         if _cli().exists() and all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn", "openai")):

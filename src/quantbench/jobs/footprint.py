@@ -34,6 +34,11 @@ RUNTIME = int(0.75 * GiB)
 
 # what a stage holds as pages of a file it read once and no longer reads (see StagePlan.reclaimable)
 READ_ONCE = "the checkpoint as stored"
+# a mixture of experts' base: transformers 5 stacks the per-expert tensors into a copy as it loads,
+# and the files' pages stay mapped while the other layers are views of them (the moe-8x rung:
+# ~1.4 GiB of file pages beside the model's 1.2 GiB, with every stage planned ~1 GiB short before)
+EXPERT_PAGES = "the experts' file pages, read once as they are stacked"
+RECLAIMABLE = (READ_ONCE, EXPERT_PAGES)
 
 
 @dataclass
@@ -181,10 +186,12 @@ def plan(
 ) -> Footprint:
     """Each stage's peak memory and disk, from the shapes alone (see the module's docstring)."""
     model_c = shape.weights(compute)
+    pages = (EXPERT_PAGES, shape.expert_params * shape.stored_bytes)  # 0 for a dense model
     stages = []
     held = [
         ("runtime", RUNTIME),
         (f"the base in {compute}", model_c),
+        pages,
         ("a window", shape.window_activations(check_window)),
     ]
     if estimate_window:
@@ -206,12 +213,13 @@ def plan(
         held = [
             ("runtime", RUNTIME),
             ("the base as stored", stored),
+            pages,
             ("one layer in float32", shape.layer_params * 4),
             ("a batch of windows", shape.window_activations(suite.window, suite.batch_size)),
             ("the reference kept", _reference_bytes(shape, evaluation)),
         ]
         stages.append(_stage("baseline", held, fits_with=["evaluate.suite with a smaller batch_size or window"]))
-    base_held = [("runtime", RUNTIME)] + ([(f"the base in {compute}", model_c)] if produce.takes_model else [])
+    base_held = [("runtime", RUNTIME)] + ([(f"the base in {compute}", model_c), pages] if produce.takes_model else [])
     stages.append(
         _stage(
             "produce",
@@ -254,7 +262,7 @@ def _stage(name: str, held: list[tuple[str, int]], disk: int = 0, temp_disk: int
         temp_disk,
         [_part(w, n) for w, n in held if n],
         list(fits_with),
-        sum(n for w, n in held if w == READ_ONCE),
+        sum(n for w, n in held if w in RECLAIMABLE),
     )
 
 
@@ -270,12 +278,15 @@ def bench_stage(shape: Shape, bench, checkpoint_bytes: int, compute: str, availa
     engine, profile = bench.engine, bench.profile
     if engine.kind != "server":  # in-process: one model at a time, de-quantized
         held = [("runtime", RUNTIME), (f"one model in {compute}", shape.weights(compute))]
+        if engine.stacks_experts:
+            held.append((EXPERT_PAGES, shape.expert_params * shape.stored_bytes))
         return _stage("bench", held)
     longest = max([*profile.prompt_tokens, *profile.context_tokens, 0]) + profile.output_tokens + 64
     kv = 2 * shape.layers * shape.kv_dim * 2  # bytes per token of a 16-bit KV cache
     slots = max(profile.concurrency)
-    base = engine.server_memory(shape.params * 2, kv, longest, slots)
-    candidate = engine.server_memory(checkpoint_bytes, kv, longest, slots)
+    experts = shape.expert_params * 2  # in 16 bits, where the engine's loader stacks them
+    base = engine.server_memory(shape.params * 2, kv, longest, slots, experts)
+    candidate = engine.server_memory(checkpoint_bytes, kv, longest, slots, experts)
     fits = ["a bench profile with fewer concurrent requests or shorter prompts"]
     together = [("runtime", RUNTIME), (f"the candidate's {engine.label} server", candidate),
                 (f"the base's {engine.label} server", base)]  # fmt: skip

@@ -28,6 +28,9 @@ class Shape:
     kv_dim: int  # key/value width per layer (heads × head dim), for a KV cache
     experts: int = 1
     stored_bytes: int = 2  # per parameter as the base is saved
+    # of `params`, those of a mixture of experts' stacked 3-D expert tensors: transformers 5 builds
+    # them from a checkpoint's per-expert tensors as it loads (a copy, beside the files' pages)
+    expert_params: int = 0
 
     @classmethod
     def from_config(cls, config, stored: str | None = None) -> Shape:
@@ -37,10 +40,11 @@ class Shape:
         # what a recipe quantizes: the weight matrices of the decoder layers (Linear layers, and the
         # stacked experts of a mixture of experts, which transformers 5 keeps as 3-D tensors), not the
         # embeddings or the head. A GPTQ Hessian is in_features² (the last dimension) per matrix, per expert.
-        quantized, layer_params, hessians = 0, 0, 0
+        quantized, layer_params, hessians, stacked = 0, 0, 0, 0
         for layer in layers:
             matrices = [p for name, p in layer.named_parameters() if p.dim() >= 2 and not _router(name)]
             quantized += sum(p.numel() for p in matrices)
+            stacked += sum(p.numel() for p in matrices if p.dim() == 3)
             layer_params = max(layer_params, sum(p.numel() for p in layer.parameters()))
             hessians = max(hessians, sum(4 * p.shape[-1] ** 2 * (p.shape[0] if p.dim() == 3 else 1) for p in matrices))
         text = getattr(config, "text_config", config)
@@ -65,6 +69,7 @@ class Shape:
             kv_dim=kv_heads * head_dim,
             experts=int(experts),
             stored_bytes=BYTES.get(saved.removeprefix("torch."), 2),
+            expert_params=stacked,
         )
 
     def weights(self, dtype: str) -> int:
