@@ -208,17 +208,7 @@ def plan(
         held = converting
     stages.append(_stage("prepare", held, disk=produce.prepare_disk, fits_with=fits))
     if evaluation is not None and not baseline_cached:
-        suite = evaluation.suite.suite
-        stored = shape.params * shape.stored_bytes
-        held = [
-            ("runtime", RUNTIME),
-            ("the base as stored", stored),
-            pages,
-            ("one layer in float32", shape.layer_params * 4),
-            ("a batch of windows", shape.window_activations(suite.window, suite.batch_size)),
-            ("the reference kept", _reference_bytes(shape, evaluation)),
-        ]
-        stages.append(_stage("baseline", held, fits_with=["evaluate.suite with a smaller batch_size or window"]))
+        stages.append(baseline_stage(shape, evaluation))
     base_held = [("runtime", RUNTIME)] + ([(f"the base in {compute}", model_c), pages] if produce.takes_model else [])
     stages.append(
         _stage(
@@ -252,6 +242,21 @@ def plan(
     if bench is not None:
         stages.append(bench_stage(shape, bench, produce.checkpoint, compute, available))
     return Footprint(stages, available, free_disk(outputs), outputs, shape)
+
+
+def baseline_stage(shape: Shape, evaluation) -> StagePlan:
+    """The base's reference distributions for the suite: the base as stored, computed in float32 one
+    module at a time (core/upcast.py), the reference kept as it grows."""
+    suite = evaluation.suite.suite
+    held = [
+        ("runtime", RUNTIME),
+        ("the base as stored", shape.params * shape.stored_bytes),
+        (EXPERT_PAGES, shape.expert_params * shape.stored_bytes),
+        ("one layer in float32", shape.layer_params * 4),
+        ("a batch of windows", shape.window_activations(suite.window, suite.batch_size)),
+        ("the reference kept", _reference_bytes(shape, evaluation)),
+    ]
+    return _stage("baseline", held, fits_with=["evaluate.suite with a smaller batch_size or window"])
 
 
 def _stage(name: str, held: list[tuple[str, int]], disk: int = 0, temp_disk: int = 0, fits_with=()) -> StagePlan:
