@@ -52,8 +52,7 @@ def main() -> None:
     from quantbench import engines
     from quantbench.core import environment
     from quantbench.core.logs import configure_console
-    from quantbench.engines import ServerSettings
-    from quantbench.engines import vllm_env
+    from quantbench.engines import ServerSettings, vllm_env
     from quantbench.engines.server import http_client, model_server, stream_one
     from quantbench.sources import data, models
     from quantbench.speed.measure import prompts

@@ -45,8 +45,7 @@ def main() -> None:
     from quantbench.core import hardware
     from quantbench.core.intervals import ratio_interval
     from quantbench.core.logs import configure_console
-    from quantbench.engines import ServerSettings, get
-    from quantbench.engines import llamacpp
+    from quantbench.engines import ServerSettings, get, llamacpp
     from quantbench.engines import llamacpp_build as build
     from quantbench.engines.server import http_client, model_server, stream_one
     from quantbench.sources import data, models

@@ -35,15 +35,18 @@ def test_mypy_is_clean():
 
 def test_mypy_catches_an_import_of_a_removed_name(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("def bench_backend() -> str:\n"
-                     "    from quantbench.speed.serving import vllm_python\n\n"
-                     "    return 'serve' if vllm_python() else 'hf'\n")
+    probe.write_text(
+        "def bench_backend() -> str:\n"
+        "    from quantbench.speed.serving import vllm_python\n\n"
+        "    return 'serve' if vllm_python() else 'hf'\n"
+    )
     done = tool("mypy", "src", str(probe))
     assert done.returncode == 1, done.stdout + done.stderr
     # the file's name only: mypy's cache may replay the error under the path an earlier run's probe had
     [error, count] = done.stdout.splitlines()
-    assert error.endswith('probe.py:2: error: Module "quantbench.speed.serving" has no attribute "vllm_python"  '
-                          '[attr-defined]') and count.startswith("Found 1 error in 1 file"), done.stdout
+    assert error.endswith(
+        'probe.py:2: error: Module "quantbench.speed.serving" has no attribute "vllm_python"  [attr-defined]'
+    ) and count.startswith("Found 1 error in 1 file"), done.stdout
 
 
 def test_mypy_checks_types_in_core_engines_quantize_and_recipe_only_so_far(tmp_path):
@@ -65,14 +68,20 @@ def test_mypy_checks_types_in_core_engines_quantize_and_recipe_only_so_far(tmp_p
 def test_import_contracts_are_kept():
     """lint-imports reads the package it imports: this tree's src/, whatever the environment installed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([str(Path(sys.executable).with_name("lint-imports"))], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("lint-imports"))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0 and "Contracts: 5 kept, 0 broken." in done.stdout, done.stdout + done.stderr
 
 
 def test_the_package_keeps_its_shape():
-    """tools/shape.py: no module over 600 lines, no function over 80, no quantbench import inside a
-    function, beyond what its SHAPE_DEBT records (which may shrink, never grow)."""
+    """tools/shape.py: no module over 600 lines, no function over 80, no import inside a function but
+    of a heavy package it lists, beyond what its SHAPE_DEBT records (which may shrink, never grow)."""
     done = subprocess.run([sys.executable, "tools/shape.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -91,10 +100,17 @@ def test_the_shape_check_catches_a_long_module_and_an_inner_import(tmp_path, mon
     (package / "cli").mkdir()
     (package / "cli" / "job.py").write_text("def run():\n    from quantbench.jobs import pipeline\n")
     (package / "heavy.py").write_text("def f():\n    from quantbench.quantize.llmcompressor import oneshot\n")
+    # a heavy third-party package may be imported lazily; the standard library and light ones may not
+    (package / "lazy.py").write_text("def f():\n    import torch\n    from transformers import AutoConfig\n")
+    (package / "light.py").write_text("def f():\n    import json\n\n\ndef g():\n    import torch, tqdm\n")
     monkeypatch.setattr(shape, "PACKAGE", package)
     over = shape.measure()
-    assert over == {"quantbench.long": 604, "quantbench.long:imports": 1}
-    monkeypatch.setattr(shape, "SHAPE_DEBT", {"quantbench.long": 604})
-    assert shape.breaches(over) == ["quantbench.long:imports: 1 quantbench imports inside functions, over the limit of 0"]
-    monkeypatch.setattr(shape, "SHAPE_DEBT", {"quantbench.long": 600, "quantbench.long:imports": 1})
+    assert over == {"quantbench.long": 604, "quantbench.long:imports": 1, "quantbench.light:imports": 2}
+    monkeypatch.setattr(shape, "SHAPE_DEBT", {"quantbench.long": 604, "quantbench.light:imports": 2})
+    assert shape.breaches(over) == [
+        "quantbench.long:imports: 1 imports inside functions (not in a LAZY list), over the limit of 0"
+    ]
+    monkeypatch.setattr(
+        shape, "SHAPE_DEBT", {"quantbench.long": 600, "quantbench.long:imports": 1, "quantbench.light:imports": 2}
+    )
     assert shape.breaches(over) == ["quantbench.long: 604 lines (module), grown past its recorded 600 (limit 600)"]

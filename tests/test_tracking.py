@@ -54,9 +54,7 @@ def sigterm_interrupts():
     """SIGTERM handled as the commands that own runs handle it (processes.interrupt)."""
     import signal
 
-    from quantbench.core.processes import interrupt
-
-    from quantbench.core.processes import forget_signals
+    from quantbench.core.processes import forget_signals, interrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     yield

@@ -1,8 +1,8 @@
 """The package's shape, as `make lint` checks it (tests/test_static.py runs it too): no module
-under src/quantbench over 600 lines, no function over 80, and no import of quantbench's own
-modules inside a function (third-party packages may be imported lazily: the heavy ones are, so
-that `quantbench --help` and the job modules do not load torch, transformers or MLflow; so may the
-few modules of quantbench's own that LAZY lists, with its reason).
+under src/quantbench over 600 lines, no function over 80, and no import inside a function but of
+a heavy third-party package that LAZY_PACKAGES lists with its reason (so that `quantbench --help`
+and the job modules do not load torch, transformers or MLflow), or of the few modules of
+quantbench's own that LAZY_COMMANDS and LAZY_MODULES allow, with theirs.
 
 What is over a limit today is listed in SHAPE_DEBT below with its size now: it may shrink (then
 lower or drop its line), never grow, and nothing new may join it. Exit 1 naming each breach.
@@ -31,8 +31,33 @@ LAZY_MODULES = {
     "quantbench.quantize.llmcompressor": "imports torch and llm-compressor (12 s)",
 }
 
-# "module" or "module:function" -> its size today (lines; for "module:imports", quantbench imports
-# inside its functions). Shrink it as code is split; never raise a number.
+# Third-party packages that may be imported inside a function (by their top-level name), and why:
+# what importing them costs (`python -c "import X"`, AVX512-BF16 CPU, 2 cores, warm page cache), or
+# that they are optional. Anything else (the standard library, light packages such as tqdm or
+# tabulate) is imported at module level.
+LAZY_PACKAGES = {
+    "torch": "1.8 s",
+    "transformers": "1.0 s; its models pull torch",
+    "llmcompressor": "torch, transformers and compressed-tensors",
+    "compressed_tensors": "7 s (torch, transformers)",
+    "gptqmodel": "torch; an optional quantizer",
+    "lm_eval": "its evaluator pulls torch, transformers and datasets",
+    "datasets": "1.1 s",
+    "mlflow": "2.7 s; tracking.py alone talks to it",
+    "ray": "0.9 s; optional (quantbench[ray])",
+    "grpc": "Ray's; optional",
+    "matplotlib": "0.3 s; plots only",
+    "scipy": "0.14 s, its submodules more",
+    "numpy": "0.13 s; kept off --help",
+    "gguf": "0.18 s (numpy); GGUF files only",
+    "httpx": "0.16 s; servers only",
+    "safetensors": "its torch half imports torch",
+    "huggingface_hub": "the hub only (never reached offline)",
+    "loguru": "optional (llm-compressor's); 0.08 s kept off --help",
+}
+
+# "module" or "module:function" -> its size today (lines; for "module:imports", imports inside its
+# functions that the LAZY lists do not allow). Shrink it as code is split; never raise a number.
 SHAPE_DEBT: dict[str, int] = {
     "quantbench.cli.tune:add_parser": 108,
     "quantbench.jobs.prepare:prepare": 112,
@@ -72,7 +97,7 @@ def measure() -> dict[str, int]:
             sub
             for node in _outermost_functions(tree)
             for sub in ast.walk(node)
-            if _internal_import(sub) and not _lazy_allowed(module, sub)
+            if isinstance(sub, (ast.Import, ast.ImportFrom)) and not _lazy_allowed(module, sub)
         ]
         if inner:
             over[f"{module}:imports"] = len(inner)
@@ -80,17 +105,19 @@ def measure() -> dict[str, int]:
 
 
 def _lazy_allowed(module: str, node: ast.Import | ast.ImportFrom) -> bool:
-    """An import of quantbench's own inside a function that LAZY allows."""
+    """An import inside a function that the LAZY lists allow."""
+    names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+    if not _internal_import(node):
+        return all(name.split(".")[0] in LAZY_PACKAGES for name in names)
     if module.startswith(LAZY_COMMANDS):
         return True
-    names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
     return any(name in LAZY_MODULES for name in names)
 
 
-def _internal_import(node: ast.AST) -> bool:
+def _internal_import(node: ast.Import | ast.ImportFrom) -> bool:
     if isinstance(node, ast.ImportFrom):
         return bool(node.level) or (node.module or "").split(".")[0] == "quantbench"
-    return isinstance(node, ast.Import) and any(a.name.split(".")[0] == "quantbench" for a in node.names)
+    return any(a.name.split(".")[0] == "quantbench" for a in node.names)
 
 
 def _outermost_functions(tree: ast.AST):
@@ -129,7 +156,7 @@ def breaches(over: dict[str, int]) -> list[str]:
     for key, size in sorted(over.items()):
         allowed = SHAPE_DEBT.get(key)
         what = (
-            "quantbench imports inside functions"
+            "imports inside functions (not in a LAZY list)"
             if key.endswith(":imports")
             else ("lines (function)" if ":" in key else "lines (module)")
         )
@@ -160,7 +187,7 @@ def main(argv: list[str]) -> int:
     imports = sum(v for k, v in over.items() if k.endswith(":imports"))
     print(
         f"shape: {modules} modules over {MODULE_LINES} lines, {functions} functions over {FUNCTION_LINES}, "
-        f"{imports} quantbench imports inside functions; {len(problems)} breaches"
+        f"{imports} imports inside functions outside the LAZY lists; {len(problems)} breaches"
     )
     return 1 if problems else 0
 

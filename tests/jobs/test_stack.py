@@ -401,9 +401,8 @@ def test_best_finds_the_fastest_passing_subset_and_measures_it(workdir, tiny_mod
 @pytest.mark.slow  # the real llama.cpp (built on first use) and llama-server processes
 @pytest.mark.llamacpp
 def test_a_stack_through_llama_server_stops_every_server(workdir, tmp_path_factory, capsys):
-    from tests import gguf_files as gg
-
     from quantbench.sources import models
+    from tests import gguf_files as gg
 
     vocab = gg.gpt2_bpe_vocab(400, add_bos=False)
     # attention heads of 32 (2 of the hidden 64): whole blocks of an 8-bit KV cache

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from quantbench.cli import main
-from tests.helpers import verdict_rows, last_json, runs, tiny_recipe, write_recipe
+from tests.helpers import last_json, runs, tiny_recipe, verdict_rows, write_recipe
 
 TINY_SUITE = """\
 tokens: 640

@@ -79,10 +79,9 @@ def test_files_are_read_one_layer_at_a_time_whatever_their_shards_hold(tmp_path,
 
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
     from safetensors.torch import save_file
-
-    from quantbench.quantize import model_free
-    from quantbench.quantize import recipe_layers
     from transformers import AutoConfig
+
+    from quantbench.quantize import model_free, recipe_layers
 
     whole = tensors(tiny_model_dir)
     split = tmp_path / "split"

@@ -8,7 +8,7 @@ import pytest
 
 from quantbench.cli import main
 from quantbench.speed.measure import Profile, load_profile, summarize
-from tests.helpers import verdict_rows, last_json, runs, tiny_recipe, write_recipe
+from tests.helpers import last_json, runs, tiny_recipe, verdict_rows, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_PROFILE = "prompt_tokens: [16, 32]\noutput_tokens: 6\nconcurrency: [1, 2]\nrepetitions: 2\nwarmup: 1\nbase_dtype: float32\n"

@@ -14,8 +14,6 @@ from tests.engines.test_registry import echo_servers
 from tests.helpers import runs
 
 
-
-
 def bench(tiny_model_dir, *extra: str) -> list[str]:
     return ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--profile", "long", *extra]
 

@@ -3,7 +3,7 @@ HTML, PNG."""
 
 from __future__ import annotations
 
-from quantbench.cli.common import common, run_stage, print_json
+from quantbench.cli.common import common, print_json, run_stage
 
 
 def add_parser(sub) -> None:

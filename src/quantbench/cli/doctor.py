@@ -14,10 +14,10 @@ import sys
 from importlib import metadata
 
 from quantbench import engines
-from quantbench.engines import formats, vllm_env
 from quantbench.cli.common import common, print_json
 from quantbench.core import hardware
 from quantbench.core.environment import _cpu_model
+from quantbench.engines import formats, vllm_env
 
 
 def _version(dist: str) -> str | None:

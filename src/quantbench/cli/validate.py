@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 import sys
+from pathlib import Path
 
 from quantbench.cli.common import common, print_json
 from quantbench.core.errors import UserError

@@ -7,8 +7,8 @@ no MLflow run. Also here: `check_without_model` (what `quantbench validate` chec
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass

@@ -24,8 +24,8 @@ from quantbench.quantize import (
     LLAMACPP_RUNTIME,
     Backend,
     Inputs,
-    ProduceFootprint,
     Produced,
+    ProduceFootprint,
     calibration_card,
 )
 from quantbench.recipe.methods import GGUFSpec

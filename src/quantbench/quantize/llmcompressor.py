@@ -30,14 +30,14 @@ from llmcompressor.logger import support_log_once
 from loguru import logger as _loguru
 
 from quantbench.core import logs
-from quantbench.quantize import model_free
 from quantbench.quantize import (
     Backend,
     Inputs,
-    ProduceFootprint,
     Produced,
+    ProduceFootprint,
     calibration_card,
     group_size_problem,
+    model_free,
     recipe_layers,
 )
 from quantbench.recipe import schemes

@@ -25,15 +25,17 @@ import shutil
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import torch
 from compressed_tensors.quantization import QuantizationConfig
 from safetensors import safe_open
+from tqdm import tqdm
 
 from quantbench.core import logs
 from quantbench.core.errors import UserError
-from quantbench.quantize import Inputs, ProduceFootprint, Produced, recipe_layers
+from quantbench.quantize import Inputs, Produced, ProduceFootprint, recipe_layers
 from quantbench.recipe.schemes import MICROSCALE
 
 log = logging.getLogger(__name__)
@@ -244,9 +246,7 @@ def produce(inputs: Inputs, groups: dict, ignore: list[str]) -> Produced:
     """The produce step of a model-free recipe: `groups` and `ignore` are compressed-tensors'
     config groups and ignore list as the loaded path's modifiers would use them; the tokenizer is
     saved as the loaded path saves it."""
-    from importlib import metadata
 
-    from tqdm import tqdm
     from transformers import AutoConfig
 
     source = inputs.base.path

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import re
 import tempfile
 import time
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from tqdm import tqdm
 
 from quantbench.core import environment
 from quantbench.core.errors import UserError
@@ -250,7 +252,6 @@ def _recipe_windows(n_tokens: int, calibration, bos: int | None = None) -> list[
     available = n_tokens // step
     if calibration.samples > available:
         return []
-    import random
 
     starts = random.Random(calibration.seed).sample(range(available), calibration.samples)
     return [(i * step, (i + 1) * step) for i in starts]
@@ -261,7 +262,6 @@ def held_back_windows(
 ) -> list[list[int]]:
     """`count` windows of `seq_len` tokens whose text overlaps none of the `exclude` ranges, chosen by
     `seed`, each starting with `bos` when the tokenizer wants one (data.windows)."""
-    import random
 
     step = data.span(seq_len, bos)
     free = [
@@ -470,7 +470,6 @@ class _Replay:
 
 @torch.inference_mode()
 def _measured(model, modules, ids, units, scheme_list, rounding=None) -> tuple[list[list[float | None]], str]:
-    from tqdm import tqdm
 
     replay = _Replay(model, ids)
     how = replay.check()
@@ -508,7 +507,6 @@ def _fisher(model, modules, ids, units, scheme_list, rounding=None) -> list[list
     of the weights; for dynamically quantized input activations (W8A8, FP8), 1/2 sum_t (g_t . e_t)^2
     with g_t the gradient at the unit's input and e_t the rounding error of that token, an
     unbiased estimate of e^T F e for the input's full Fisher."""
-    from tqdm import tqdm
 
     model.float()
     params = {name: modules[name].weight for unit in units for name in unit.layers}

@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from tabulate import tabulate
+
 from quantbench.core.intervals import ratio_interval
 from quantbench.jobs.stack.measure import StepResult, _profile
 from quantbench.jobs.stack.schema import BASE, Workload
@@ -110,7 +112,6 @@ def policy_checks(policy, quality_metrics: dict[str, float]) -> tuple[bool, list
 
 def table(report: dict) -> str:
     """The ledger for a terminal or Markdown: one row per step."""
-    from tabulate import tabulate
 
     def interval(ci) -> str:
         return f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""

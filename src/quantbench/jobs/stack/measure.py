@@ -13,6 +13,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 from quantbench import engines
 from quantbench.core import hardware
 from quantbench.core.logs import terminal
@@ -80,7 +82,6 @@ def measure(
 ) -> list[StepResult]:
     """Every step in every round, in order; servers started once each (one after the other) and
     stopped at the end whatever happens. A step that fails is marked and left out of later rounds."""
-    from tqdm import tqdm
     from transformers import AutoTokenizer
 
     workload = stack.workload
