@@ -77,14 +77,8 @@ RECIPES = {
 }  # fmt: skip
 ORDER = list(ladder.RUNGS)
 # the mixture of experts: AWQ symmetric (transformers 5 cannot reload asymmetric experts; the job
-# refuses the default), and no GGUF: llama.cpp's converter maps a Qwen3-MoE file's vocabulary with
-# Qwen's conventions, which SmolLM2's tokenizer on this layout does not survive (the job refuses the
-# conversion as another model; tests/quantize/test_moe.py holds both)
+# refuses the default)
 MOE_SETS = {"awq-int4": ["quantize.symmetric=true"]}
-MOE_SKIPS = {
-    "gguf-q4_k_m": "llama.cpp's converter rewrites SmolLM2's vocabulary on a Qwen3-MoE layout",
-    "gguf-q8_0": "llama.cpp's converter rewrites SmolLM2's vocabulary on a Qwen3-MoE layout",
-}
 
 
 def params_of(path: Path) -> int:
@@ -206,9 +200,6 @@ def main() -> int:
               f"({model}, ready in {time.time() - started:.0f} s)", flush=True)  # fmt: skip
         for recipe in recipes:
             if ORDER.index(rung) > ORDER.index(RECIPES[recipe][1]) and rung in DENSE:
-                continue
-            if rung not in DENSE and recipe in MOE_SKIPS:
-                print(f"{rung:<13} {recipe:<12}  skipped: {MOE_SKIPS[recipe]}", flush=True)
                 continue
             if args.dry_run:
                 print(f"would run {recipe} on {rung}")

@@ -19,6 +19,11 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# Every process a test starts (servers, quantbench commands and theirs) inherits this test process's
+# pid here: a test that checks its servers stopped counts its own (tests/helpers.py `ours`), not
+# the other worker's or another session's (the CI of stop 48 failed on the other worker's echo servers).
+os.environ["QUANTBENCH_TEST_OWNER"] = str(os.getpid())
+
 TINY = {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 3,
         "num_key_value_heads": 1, "vocab_size": 512}
 

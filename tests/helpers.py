@@ -7,6 +7,23 @@ import os
 import textwrap
 from pathlib import Path
 
+import psutil
+
+OWNER = "QUANTBENCH_TEST_OWNER"
+
+
+def ours(procs) -> list:
+    """Of `procs` (psutil processes), those that run and were started from this test process, directly
+    or through a command it ran: their environment carries its QUANTBENCH_TEST_OWNER (tests/conftest.py)."""
+    found = []
+    for proc in procs:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(OWNER) == os.environ[OWNER]:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass  # gone meanwhile
+    return found
+
 
 def write_recipe(workdir: Path, name: str, body: str) -> Path:
     path = workdir / "recipes" / f"{name}.yaml"

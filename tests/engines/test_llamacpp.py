@@ -18,7 +18,7 @@ from quantbench.core.hardware import CPU
 from quantbench.engines import llamacpp_build as build
 from tests import gguf_files as gg
 from tests.conftest import TINY_PROFILE
-from tests.helpers import assert_sketched, last_json, runs, write_recipe
+from tests.helpers import assert_sketched, last_json, ours, runs, write_recipe
 
 AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi2"})
 AMX = AVX2 | {"avx512f", "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_int8", "amx_bf16"}
@@ -76,7 +76,8 @@ def test_auto_serves_gguf_checkpoints_through_llama_cpp_and_nothing_else(tiny_mo
 
 
 def llama_servers() -> list:
-    return [p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"]
+    """The llama-server processes this test process started that still run."""
+    return ours(p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server")
 
 
 @pytest.fixture(scope="module")

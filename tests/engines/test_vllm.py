@@ -26,7 +26,7 @@ import pytest
 from quantbench import engines
 from quantbench.cli import main
 from quantbench.core import hardware
-from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+from tests.helpers import last_json, ours, runs, tiny_recipe, write_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]  # real server processes, vLLM's environment
 
@@ -46,7 +46,7 @@ def vllm():
 
 
 def vllm_servers() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if "vllm.entrypoints.openai.api_server" in (p.info["cmdline"] or [])]
+    return ours(p for p in psutil.process_iter(["cmdline"]) if "vllm.entrypoints.openai.api_server" in (p.info["cmdline"] or []))
 
 
 @pytest.fixture

@@ -138,6 +138,19 @@ def test_a_mixture_of_experts_base_is_planned_with_its_experts_file_pages(tmp_pa
     assert served["hf"] == footprint.RUNTIME + 2 * moe.params + pages
 
 
+def test_a_gguf_file_type_is_sized_from_the_shape():
+    """llama-quantize's MXFP4_MOE gives the experts' 3-D tensors MXFP4 (4.25 bits) and the rest Q8_0
+    (8.5): a mixture of experts' file from its expert share, a dense model's all Q8_0."""
+    from quantbench.quantize import gguf
+
+    moe = Shape.from_config(config("qwen3_moe", **ladder.RUNGS["moe-8x"].config))
+    dense = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.2-1b"].config))
+    rest = moe.params - moe.expert_params
+    assert gguf.file_bytes("MXFP4_MOE", moe) == int(moe.expert_params * 4.25 / 8 + rest * 8.5 / 8)
+    assert gguf.file_bytes("mxfp4_moe", dense) == gguf.file_bytes("Q8_0", dense) == int(dense.params * 8.5 / 8)
+    assert gguf.file_bytes("F16", dense) == dense.params * 2
+
+
 def test_memory_cap_and_its_bad_values(monkeypatch):
     monkeypatch.setenv(footprint.MEMORY_VAR, "1.5")
     assert footprint.available_ram() == int(1.5 * GiB)

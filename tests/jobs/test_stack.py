@@ -12,7 +12,7 @@ import pytest
 
 from quantbench.cli import main
 from tests.conftest import TINY_PROFILE, TINY_SUITE
-from tests.helpers import last_json, runs, tiny_recipe, write_recipe
+from tests.helpers import last_json, ours, runs, tiny_recipe, write_recipe
 
 WORKLOAD = "workload:\n  prompt_tokens: 16\n  output_tokens: 4\n  requests: 2\n  repetitions: 3\n  warmup: 0\n"
 
@@ -449,7 +449,7 @@ def test_a_stack_through_llama_server_stops_every_server(workdir, tmp_path_facto
     [of_student] = [r for r in runs() if r.data.tags.get("quantbench.base_model") == str(student)]
     assert of_student.data.tags["quantbench.recipe"] == "tiny-q8"
     assert of_student.data.metrics["check/ppl_ratio"] == pytest.approx(1, abs=0.1)  # against the student
-    assert [p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"] == []
+    assert ours(p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server") == []
     [parent] = [r for r in runs() if r.data.tags.get("quantbench.role") == "stack"]
     from mlflow import MlflowClient
 
@@ -497,4 +497,4 @@ def test_a_prefix_cache_step_reuses_the_shared_prefix_and_a_rate_step_arrives_op
     spans = [sum(random.Random(f"{rnd}-rate-4.0").expovariate(4) for _ in range(3)) for rnd in (1, 2, 3)]
     assert arrivals["level_requests_s"] <= 4 / min(spans) * 1.01
     assert arrivals["level_requests_s"] < steps["server"]["level_requests_s"]
-    assert [p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"] == []
+    assert ours(p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server") == []

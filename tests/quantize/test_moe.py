@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from quantbench.cli import main
+from quantbench.sources import data
 from tests.helpers import last_json, runs, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.slow  # quantize jobs on models of a few million parameters (~15-40 s each)
@@ -88,20 +89,42 @@ def test_a_checkpoint_whose_experts_do_not_reload_is_refused(workdir, tmp_path, 
 
 
 @pytest.mark.llamacpp
-def test_llama_cpp_converts_a_mixture_of_experts_and_a_tokenizer_it_changes_is_refused(workdir, tmp_path, capsys):
-    """llama.cpp's converter writes the mixture of experts (Qwen3-MoE layout) as a GGUF; quantbench then
-    reads it back through transformers, whose GGUF reader maps a qwen3moe file's vocabulary with
-    Qwen's own conventions: with SmolLM2's tokenizer on this layout the tokens differ, so the GGUF is
-    not the same model and the job is refused before any run, naming the first token that differs. A
-    real Qwen3-MoE, with Qwen's tokenizer, is what that mapping is for (not reachable offline here)."""
+def test_llama_cpp_quantizes_a_mixture_of_experts_into_mxfp4_moe_and_serves_it(workdir, tmp_path, capsys):
+    """llama.cpp's converter writes the mixture of experts (a Qwen3-MoE layout with SmolLM2's tokenizer)
+    as a GGUF whose tokenizer.ggml.pre says "smollm"; transformers' GGUF reader would split its text as
+    Qwen's ("\\n\\n" one token where the model has two), quantbench's as llama.cpp does, so the file is
+    the same model and is kept. MXFP4_MOE rounds the experts' 3-D tensors to MXFP4 and every other
+    tensor to Q8_0; transformers reloads it de-quantized and llama-server serves it on this CPU."""
+    from gguf import GGUFReader
     from transformers import AutoTokenizer
 
     from quantbench.sources import models
+    from quantbench.sources.verify import gguf_tokenizer
+    from tests.conftest import TINY_PROFILE
+    from tests.engines.test_llamacpp import llama_servers
 
     tokenizer = AutoTokenizer.from_pretrained(models.resolve("builtin:smollm2-135m-instruct").path)
     moe = build_moe(tmp_path / "qwen3moe", tokenizer, vocab=len(tokenizer))
-    write_recipe(workdir, "moe-q8", tiny_recipe(moe, "method: gguf\ntype: Q8_0\n"))
-    assert main(["quantize", "moe-q8"]) == 2
-    err = capsys.readouterr().err
-    assert "its tokenizer does not reproduce" in err and "llama.cpp's converter wrote another vocabulary" in err
-    assert runs() == [] and not (workdir / "outputs").exists()
+    (workdir / "profiles").mkdir()
+    (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE)
+    write_recipe(workdir, "moe-mxfp4", tiny_recipe(moe, "method: gguf\ntype: MXFP4_MOE\n")
+                 + "bench:\n  profile: tiny\n  backend: llamacpp\n")  # fmt: skip
+    assert main(["quantize", "moe-mxfp4", "--json"]) == 0, capsys.readouterr().err[-3000:]
+    checkpoint = Path(last_json(capsys.readouterr().out)["checkpoint"])
+    gguf = checkpoint / "model.gguf"
+    types = {t.name: t.tensor_type.name for t in GGUFReader(gguf).tensors}
+    experts = {n: t for n, t in types.items() if "_exps." in n}
+    assert len(experts) == 2 * 3 and set(experts.values()) == {"MXFP4"}  # gate, up, down of 2 layers
+    assert {t for n, t in types.items() if n.startswith("blk.") and n.endswith("attn_q.weight")} == {"Q8_0"}
+    assert "\n\n" in data.python_docs("evaluation")[:4000]
+    sample = "Returns\n\nThe value 2026 of x\n"
+    assert gguf_tokenizer(gguf)(sample)["input_ids"] == tokenizer(sample)["input_ids"]
+    [run] = runs()
+    m, tags = run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED"
+    # the experts are nearly all the weights of this tiny model: 4.25 bits there, 8.5 elsewhere
+    assert 4.25 < m["model/bits_per_weight"] < 8.5
+    assert m["check/ppl_ratio"] == pytest.approx(1, abs=0.05)  # a random model: ~its vocabulary's size either way
+    assert tags["quantbench.bench_server"] == "llamacpp"
+    assert m["speed/c1/throughput_tok_s"] > 0 and m["base_speed/c1/throughput_tok_s"] > 0
+    assert llama_servers() == []

@@ -222,3 +222,44 @@ def test_a_gguf_converted_from_a_file_since_gone_is_read_from_where_it_is_now(tm
     again = models.resolve(str(moved))
     assert again.path == converted and models.source_gguf(converted) == moved
     assert json.loads((converted / models.SOURCE_INFO).read_text())["source"] == str(moved)
+
+
+def _tokenizer_only_gguf(path, arch: str, pre: str, vocab):
+    """A GGUF holding a byte-level BPE vocabulary and no tensors (what a tokenizer is read from)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_head_count(1)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.token_types)
+    w.add_token_merges(vocab.merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_qwen_family_gguf_is_split_as_its_file_says_as_llama_cpp_does(tmp_path):
+    """transformers reads every Qwen-family GGUF with Qwen's pre-tokenizer (blank lines in one
+    token); llama.cpp splits as the file's tokenizer.ggml.pre says. A Qwen3-MoE-layout file with
+    SmolLM2's vocabulary ("smollm") reads as the same vocabulary in a llama-layout file does, where a
+    real Qwen one ("qwen2") keeps Qwen's split."""
+    vocab = gg.gpt2_bpe_vocab(400)
+    text = "def f(x):\n\n\n    return x + 2026\n\nand then\n"
+    ids = {
+        (arch, pre): verify.gguf_tokenizer(_tokenizer_only_gguf(tmp_path / f"{arch}-{pre}.gguf", arch, pre, vocab))(
+            text
+        )["input_ids"]
+        for arch, pre in (("llama", "smollm"), ("qwen3moe", "smollm"), ("qwen3moe", "qwen2"), ("qwen2", "gpt-2"))
+    }
+    assert ids[("qwen3moe", "smollm")] == ids[("llama", "smollm")] == ids[("qwen2", "gpt-2")]
+    assert ids[("qwen3moe", "qwen2")] != ids[("llama", "smollm")]

@@ -17,7 +17,7 @@ import transformers
 from quantbench.cli import main
 from quantbench.core.processes import free_port
 from quantbench.engines.server import model_server
-from tests.helpers import last_json, runs
+from tests.helpers import last_json, ours, runs
 
 pytestmark = pytest.mark.slow  # real server processes
 
@@ -32,7 +32,7 @@ def servers() -> list[psutil.Process]:
         if (any(part.endswith("transformers") for part in cmd) and "serve" in cmd) or \
                 "vllm.entrypoints.openai.api_server" in cmd:
             found.append(proc)
-    return found
+    return ours(found)
 
 
 @pytest.fixture

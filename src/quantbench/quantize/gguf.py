@@ -45,6 +45,18 @@ NOMINAL_BITS = {
     "IQ2_S": 2.5, "IQ2_M": 2.7, "IQ3_XXS": 3.06, "IQ3_XS": 3.3, "IQ3_S": 3.44, "IQ3_M": 3.66,
     "IQ4_NL": 4.5, "IQ4_XS": 4.25, "TQ1_0": 1.69, "TQ2_0": 2.06,
 }  # fmt: skip
+# MXFP4_MOE: a mixture of experts' 3-D expert tensors in MXFP4 (4-bit E2M1 in blocks of 32 with one
+# E8M0 scale: 4.25 bits), every other tensor Q8_0 (llama.cpp's llama-quant.cpp); all Q8_0 in a dense model
+MXFP4_BITS = 4.25
+
+
+def file_bytes(file_type: str, shape) -> int:
+    """The size of a model (`shape`, sources.shapes.Shape) quantized into a llama-quantize type."""
+    if file_type.upper() == "MXFP4_MOE":
+        return int(
+            shape.expert_params * MXFP4_BITS / 8 + (shape.params - shape.expert_params) * NOMINAL_BITS["Q8_0"] / 8
+        )
+    return int(shape.params * NOMINAL_BITS.get(file_type.upper(), 16.0) / 8)
 
 
 class GGUFBackend(Backend):
@@ -100,7 +112,6 @@ class GGUFBackend(Backend):
         """llama-quantize (and llama-imatrix) map the base's F16 GGUF and read all of it; that file is
         made once in prepare (llama.cpp's converter, a child process reading the safetensors) and
         kept in quantbench's cache."""
-        bits = NOMINAL_BITS.get(self.spec.type.upper(), 16.0)
         f16 = shape.params * 2
         held = [("llama.cpp mapping the base's F16 GGUF", f16), ("llama.cpp", LLAMACPP_RUNTIME)]
         if self.spec.imatrix:
@@ -113,7 +124,7 @@ class GGUFBackend(Backend):
                      ("the converter's Python", CHILD_RUNTIME)]  # fmt: skip
         return ProduceFootprint(
             held,
-            int(shape.params * bits / 8),
+            file_bytes(self.spec.type, shape),
             takes_model=False,
             prepare_held=converter,
             prepare_disk=f16,

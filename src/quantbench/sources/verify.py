@@ -13,8 +13,12 @@
 Why (measured, transformers 5.17): a Gemma-family GGUF converts into a checkpoint whose saved
 tokenizer splits text into single characters (GemmaTokenizer rebuilds a BPE without merges from a
 Unigram tokenizer.json); transformers ignores `tokenizer.ggml.add_bos_token`; and its Llama GGUF
-converter names the BOS token as EOS. quantbench saves the GGUF's tokenizer as a plain tokenizer
-with the file's own special tokens and BOS/EOS flags (`gguf_tokenizer`), then verifies the copy.
+converter names the BOS token as EOS; and it reads every Qwen-family file (qwen2, qwen3, their
+mixtures of experts) with Qwen's own pre-tokenizer, where llama.cpp splits text as the file's
+`tokenizer.ggml.pre` says (a Qwen3-MoE made with SmolLM2's tokenizer says "smollm": transformers put
+"\n\n" in one token where the model and llama.cpp have two). quantbench saves the GGUF's tokenizer as
+a plain tokenizer with the file's own special tokens, BOS/EOS flags and pre-tokenizer
+(`gguf_tokenizer`), then verifies the copy.
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ from quantbench.core.paths import cache_dir
 from quantbench.sources import data
 
 log = logging.getLogger(__name__)
+
+# llama.cpp's byte-level pre-tokenizers (llama-vocab.cpp, `tokenizer.ggml.pre`) that transformers'
+# byte-level pre-tokenizer reproduces: GPT-2's expression, after each digit split off for the second
+# set (llama.cpp's "\\p{N}" before it). Other names are left as transformers reads them.
+GPT2_PRE = ("gpt-2", "mpt", "olmo", "jais")
+DIGITS_GPT2_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+# the architectures transformers' GGUF reader tokenizes with Qwen's pre-tokenizer, whatever the file says
+QWEN_READ = ("qwen2", "qwen2moe", "qwen3", "qwen3moe")
 
 SAMPLE_TEXT = (
     "The quick brown fox reads the Python documentation about exceptions and classes. "
@@ -64,6 +76,9 @@ def gguf_tokenizer(gguf: Path):
         return fields[key].contents() if key in fields else None
 
     loaded = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    pre = get("tokenizer.ggml.pre")
+    if get("general.architecture") in QWEN_READ and get("tokenizer.ggml.model") == "gpt2" and pre != "qwen2":
+        _split_as_llama_cpp(loaded.backend_tokenizer, pre, gguf)
     tokens = get("tokenizer.ggml.tokens") or []
     specials = {k: v for k, v in loaded.special_tokens_map.items() if isinstance(v, str)}
     for name, key in (
@@ -82,6 +97,22 @@ def gguf_tokenizer(gguf: Path):
         add_eos_token=bool(get("tokenizer.ggml.add_eos_token")),
         chat_template=getattr(loaded, "chat_template", None),
     )
+
+
+def _split_as_llama_cpp(backend, pre: str | None, gguf: Path) -> None:
+    """A Qwen-family file's tokenizer (`backend`, a tokenizers.Tokenizer) given the pre-tokenizer its
+    file names, as llama.cpp applies it, in place of Qwen's (and without Qwen's NFC normalizer)."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=True)
+    if pre in GPT2_PRE:
+        backend.pre_tokenizer = byte_level
+    elif pre in DIGITS_GPT2_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        log.warning("%s: llama.cpp splits its text as %r, read here with Qwen's pre-tokenizer", gguf, pre)
+        return
+    backend.normalizer = normalizers.Sequence([])
 
 
 def compare_tokenizers(reference, candidate, text: str = SAMPLE_TEXT) -> str | None:
