@@ -149,6 +149,18 @@ def test_a_gguf_file_type_is_sized_from_the_shape():
     assert gguf.file_bytes("MXFP4_MOE", moe) == int(moe.expert_params * 4.25 / 8 + rest * 8.5 / 8)
     assert gguf.file_bytes("mxfp4_moe", dense) == gguf.file_bytes("Q8_0", dense) == int(dense.params * 8.5 / 8)
     assert gguf.file_bytes("F16", dense) == dense.params * 2
+    # llama-quantize rounds a tensor at a time; llama-imatrix, before it, maps the whole F16 file
+    from types import SimpleNamespace
+
+    from quantbench.recipe.methods import GGUFSpec
+
+    loaded = SimpleNamespace(recipe=SimpleNamespace(calibration=SimpleNamespace(seq_len=256)))
+    q8 = gguf.GGUFBackend(GGUFSpec(method="gguf", type="Q8_0")).footprint(dense, loaded, "bfloat16")
+    embeddings = dense.vocab * dense.hidden  # the largest tensor
+    assert sum(n for _, n in q8.held) == int(embeddings * (2 + 4 + 8.5 / 8)) + int(0.15 * GiB)
+    assert q8.checkpoint == gguf.file_bytes("Q8_0", dense) and not q8.takes_model
+    imatrix = gguf.GGUFBackend(GGUFSpec(method="gguf", type="Q4_K_M", imatrix=True)).footprint(dense, loaded, "bfloat16")
+    assert sum(n for _, n in imatrix.held) == 2 * dense.params + int(0.15 * GiB) + dense.window_activations(256)
 
 
 def test_memory_cap_and_its_bad_values(monkeypatch):
