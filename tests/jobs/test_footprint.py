@@ -218,6 +218,32 @@ def test_the_plan_alone_loads_nothing_and_writes_nothing(workdir, tiny_model_dir
     assert runs() == [] and not (workdir / "outputs").exists()
 
 
+def test_a_gguf_job_plans_the_conversion_only_where_it_is_not_cached(workdir, tiny_model_dir, capsys, monkeypatch,
+                                                                     tmp_path):
+    """llama.cpp's converter makes the base's F16 GGUF once; a job whose base has one in the cache
+    plans no conversion in its prepare stage (the MoE rung's second GGUF job: +108 % before)."""
+    import json
+
+    from quantbench.engines import llamacpp
+
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))  # an F16 file of its own, not the shared one
+    write_recipe(workdir, "q8", tiny_recipe(tiny_model_dir, "method: gguf\ntype: Q8_0\n"))
+    plans = []
+    for converted in (False, True):
+        if converted:
+            f16 = llamacpp.base_gguf_path(tiny_model_dir)
+            f16.parent.mkdir(parents=True)
+            f16.write_bytes(b"")
+        assert main(["quantize", "q8", "--plan", "--json"]) == 0
+        out, err = capsys.readouterr()
+        plans.append((json.loads(out.strip().splitlines()[-1])["plan"], err))
+    (before, said), (after, said_after) = plans
+    assert "llama.cpp's converter" in said and "llama.cpp's converter" not in said_after
+    assert after["plan/prepare/disk_mb"] == 0 < before["plan/prepare/disk_mb"]
+    assert after["plan/prepare/peak_rss_mb"] < before["plan/prepare/peak_rss_mb"]
+    assert runs() == [] and not (workdir / "outputs").exists()
+
+
 def test_a_llama_server_is_planned_with_its_compute_buffers():
     """llama-server maps its file (its working set) and holds compute buffers that grow with the
     model: two servers of the 8B rung (F16 base, Q4_K_M candidate) measured 22.0 GiB with the job's

@@ -285,8 +285,7 @@ def base_gguf(model_dir: Path, tools: build.Tools | None = None, log_path: Path 
     """An unquantized model directory as an F16 GGUF file, made once and cached (keyed by the
     model's files and the build), its tokenizer verified against the model's own."""
     tools = tools or build.ensure("converting a model to GGUF")
-    key = f"{known_fingerprint(model_dir)[:16]}-{build.VERSION}-{BASE_TYPE}"
-    dest = cache_dir() / "gguf" / key / f"{model_dir.name}-{BASE_TYPE}.gguf"
+    dest = base_gguf_path(model_dir)
     if dest.is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -318,6 +317,13 @@ def base_gguf(model_dir: Path, tools: build.Tools | None = None, log_path: Path 
         partial.unlink(missing_ok=True)
     log.info("GGUF of %s: %s", model_dir, dest)
     return dest
+
+
+def base_gguf_path(model_dir: Path, fingerprint: str | None = None) -> Path:
+    """Where `base_gguf` keeps a model directory's F16 GGUF, made or not yet (`fingerprint`: the
+    model's, where the caller has it; else read or computed)."""
+    key = f"{(fingerprint or known_fingerprint(model_dir))[:16]}-{build.VERSION}-{BASE_TYPE}"
+    return cache_dir() / "gguf" / key / f"{model_dir.name}-{BASE_TYPE}.gguf"
 
 
 @contextmanager

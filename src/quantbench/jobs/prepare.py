@@ -11,7 +11,7 @@ import json
 import logging
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from quantbench.core import hardware
@@ -270,6 +270,8 @@ def _plan(
     spec = loaded.recipe
     shape = Shape.from_config(AutoConfig.from_pretrained(base.path))
     produce = footprint.produce_footprint(backend, shape, loaded, compute)
+    if backend.prepared(base):  # its conversion is cached: prepare converts nothing
+        produce = replace(produce, prepare_held=[], prepare_disk=0)
     estimating = (backend.calibrates or backend.trains) and estimate.passes(spec.quantize, 1, 1) is not None
     cached = evaluation is None or evaluate_stage.baseline_exists(Tracker(experiment, reap=False), base, evaluation)
     return footprint.plan(

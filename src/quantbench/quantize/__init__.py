@@ -144,6 +144,11 @@ class Backend:
     def prepare(self, loaded, base, tokenizer) -> dict[str, str]:
         return {}
 
+    def prepared(self, base) -> bool:
+        """Whether what `prepare` makes of this base (sources.models.ResolvedModel; a conversion its
+        footprint plans as `prepare_held`) is made already, in quantbench's cache."""
+        return False
+
     def produce(self, inputs: Inputs) -> Produced:
         raise NotImplementedError
 

@@ -108,6 +108,9 @@ class GGUFBackend(Backend):
             )
         return {}
 
+    def prepared(self, base) -> bool:
+        return llamacpp.base_gguf_path(base.path, base.fingerprint).is_file()
+
     def footprint(self, shape, loaded, compute: str) -> ProduceFootprint:
         """llama-imatrix maps the base's F16 GGUF and reads all of it at every window; llama-quantize
         then rounds a tensor at a time: its largest read as F16, converted to float32 and written
