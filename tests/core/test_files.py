@@ -62,3 +62,39 @@ def test_a_file_hash_is_sha256_of_its_bytes(tmp_path):
     from quantbench.core.files import file_sha
 
     assert file_sha(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _rss_file_kb() -> int:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(status["RssFile"].split()[0])
+
+
+def test_the_pages_of_a_mapped_file_are_handed_back_and_read_again_unchanged(tmp_path):
+    """A private mapping's clean pages handed back to the kernel leave the resident set and read back
+    from the file as they were; a range that is not in one of the named mappings (anonymous memory,
+    which would read back as zeros) is left alone."""
+    import ctypes
+    import mmap
+    import os
+
+    from quantbench.core.files import drop_file_pages, mapped_files
+
+    path = tmp_path / "weights.safetensors"
+    data = os.urandom(32 * 2**20)
+    path.write_bytes(data)
+    with open(path, "r+b") as handle:
+        view = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    try:
+        assert view[:] == data  # every page read: resident
+        mapped = mapped_files(".safetensors")
+        assert any(start <= address < end for start, end in mapped)
+        resident = _rss_file_kb()
+        assert drop_file_pages(address, len(data), mapped)
+        assert resident - _rss_file_kb() > 30 * 1024  # ~32 MiB left the resident set
+        assert view[:] == data  # read from the file again
+        anonymous = bytearray(data[: 2**20])
+        anon_address = ctypes.addressof(ctypes.c_char.from_buffer(anonymous))
+        assert not drop_file_pages(anon_address, len(anonymous), mapped) and bytes(anonymous) == data[: 2**20]
+    finally:
+        view.close()

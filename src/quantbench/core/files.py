@@ -1,10 +1,12 @@
-"""Files written whole or not at all, and content hashes of settings: the two small things many
-modules need the same way."""
+"""Files written whole or not at all, content hashes of settings, and the pages of a mapped file
+handed back to the kernel: small things several modules need the same way."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -42,3 +44,36 @@ def write_if_changed(path: Path, text: str) -> None:
     except (FileNotFoundError, UnicodeDecodeError):
         pass
     atomic_write(path, text)
+
+
+MADV_DONTNEED = 4  # Linux's madvise(2)
+
+
+def mapped_files(suffix: str) -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of files whose names end with `suffix` (Linux's
+    /proc/self/maps; [] elsewhere)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].endswith(suffix):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def drop_file_pages(address: int, nbytes: int, mapped: list[tuple[int, int]]) -> bool:
+    """Hand back to the kernel the whole pages of [address, address + nbytes) where that range lies in
+    one of the file mappings `mapped` (`mapped_files`): a clean page of a private file mapping is read
+    from the file again if ever touched, so whatever still views it sees the file's bytes. Anonymous
+    memory is never touched (it would read back as zeros). True if pages were handed back."""
+    if not any(start <= address and address + nbytes <= end for start, end in mapped):
+        return False
+    page = mmap.PAGESIZE
+    first, last = -(-address // page) * page, (address + nbytes) // page * page
+    if last <= first:
+        return False
+    return ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED) == 0
