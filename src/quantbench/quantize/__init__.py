@@ -118,7 +118,9 @@ class Backend:
     - `computes_in(model)`: the dtype it computes in where that is not the model section's
       `computes_in()` (None: the job's; the run's `quantbench.compute_dtype` says it);
     - `footprint(shape, loaded, compute)`: its produce step's memory and disk (None: the planner
-      assumes one more copy of the model beside what it takes).
+      assumes one more copy of the model beside what it takes);
+    - `prepared(base)`: what its `prepare` would make of this base is in the cache already (the
+      planner then plans no conversion).
     """
 
     engine: ClassVar[str]
