@@ -141,7 +141,10 @@ def test_a_mixture_of_experts_base_is_planned_with_its_experts_file_pages(tmp_pa
 def test_a_gguf_file_type_is_sized_from_the_shape():
     """llama-quantize's MXFP4_MOE gives the experts' 3-D tensors MXFP4 (4.25 bits) and the rest Q8_0
     (8.5): a mixture of experts' file from its expert share, a dense model's all Q8_0."""
+    from types import SimpleNamespace
+
     from quantbench.quantize import gguf
+    from quantbench.recipe.methods import GGUFSpec
 
     moe = Shape.from_config(config("qwen3_moe", **ladder.RUNGS["moe-8x"].config))
     dense = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.2-1b"].config))
@@ -150,10 +153,6 @@ def test_a_gguf_file_type_is_sized_from_the_shape():
     assert gguf.file_bytes("mxfp4_moe", dense) == gguf.file_bytes("Q8_0", dense) == int(dense.params * 8.5 / 8)
     assert gguf.file_bytes("F16", dense) == dense.params * 2
     # llama-quantize rounds a tensor at a time; llama-imatrix, before it, maps the whole F16 file
-    from types import SimpleNamespace
-
-    from quantbench.recipe.methods import GGUFSpec
-
     loaded = SimpleNamespace(recipe=SimpleNamespace(calibration=SimpleNamespace(seq_len=256)))
     q8 = gguf.GGUFBackend(GGUFSpec(method="gguf", type="Q8_0")).footprint(dense, loaded, "bfloat16")
     embeddings = dense.vocab * dense.hidden  # the largest tensor
