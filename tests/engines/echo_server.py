@@ -4,7 +4,7 @@ the tests check is the engine seam (start, health, first completion, measure, st
 `--slots K`: at most K completions stream at once, the others wait for a slot (as a serving engine's
 parallel slots queue requests), so the server has a capacity of K / (max_tokens x gap) requests/s.
 
-    python tests/engines/echo_server.py serve --port 8123 --model DIR [--gap-ms 2] [--slots 2] [--owner PID]
+    python tests/engines/echo_server.py serve --port 8123 --model DIR [--gap-ms 2] [--slots 2]
 """
 
 import argparse
@@ -21,7 +21,6 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--gap-ms", type=float, default=2.0)
-    parser.add_argument("--owner", help="the pid of the test process that started it (tests count their own servers)")
     parser.add_argument("--slots", type=int, default=0, help="completions streamed at once (0: no limit)")
     args = parser.parse_args()
     slots = threading.BoundedSemaphore(args.slots) if args.slots else None

@@ -16,7 +16,7 @@ from quantbench.cli import build_parser, main
 from quantbench.engines import ServerSettings, ServingEngine
 from quantbench.recipe import BenchSpec
 from tests.conftest import TINY_PROFILE
-from tests.helpers import last_json, runs
+from tests.helpers import OWNER, last_json, ours, runs
 
 SCRIPT = Path(__file__).with_name("echo_server.py")
 GAP_MS = 20  # the echo server's pause before each token
@@ -41,7 +41,7 @@ class EchoServer(ServingEngine):
         return "echo server 1.0"
 
     def server_command(self, checkpoint, port, settings: ServerSettings, tmp):
-        return echo_command(checkpoint, port, GAP_MS), {}
+        return echo_command(checkpoint, port, GAP_MS)
 
 
 @pytest.fixture
@@ -51,18 +51,16 @@ def echo():
     engines.unregister("echo")
 
 
-def echo_command(checkpoint, port: int, gap_ms: float, *extra: str) -> list[str]:
-    """The echo server's command line, marked with this test process's pid (--owner): the other
-    xdist worker's echo servers are not this test's to count."""
-    return [sys.executable, str(SCRIPT), "serve", "--port", str(port), "--model", str(checkpoint),
-            "--gap-ms", str(gap_ms), "--owner", str(os.getpid()), *extra]
+def echo_command(checkpoint, port: int, gap_ms: float, *extra: str) -> tuple[list[str], dict[str, str]]:
+    """The echo server's command line and environment: only this test process's mark (`ours`)."""
+    cmd = [sys.executable, str(SCRIPT), "serve", "--port", str(port), "--model", str(checkpoint),
+           "--gap-ms", str(gap_ms), *extra]
+    return cmd, {OWNER: os.environ[OWNER]}
 
 
 def echo_servers() -> list:
-    """The echo servers this test process started that are still running (orphans included)."""
-    mine = ["--owner", str(os.getpid())]
-    return [p for p in psutil.process_iter(["cmdline"])
-            if str(SCRIPT) in (cmd := p.info["cmdline"] or []) and any(cmd[i:i + 2] == mine for i in range(len(cmd)))]
+    """The echo servers this test process started that are still running."""
+    return ours(p for p in psutil.process_iter(["cmdline"]) if str(SCRIPT) in (p.info["cmdline"] or []))
 
 
 def test_a_registered_engine_is_in_every_choice_and_first_for_auto(echo, tiny_model_dir, capsys):

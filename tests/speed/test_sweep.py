@@ -165,7 +165,7 @@ class SlotEcho(EchoServer):
 
     def server_command(self, checkpoint, port, settings: ServerSettings, tmp):
         gap = GAP_MS["fast" if checkpoint.name == "fast" else "base"]
-        return echo_command(checkpoint, port, gap, "--slots", "2"), {}
+        return echo_command(checkpoint, port, gap, "--slots", "2")
 
 
 

@@ -186,7 +186,7 @@ def plan(
 ) -> Footprint:
     """Each stage's peak memory and disk, from the shapes alone (see the module's docstring)."""
     model_c = shape.weights(compute)
-    pages = (EXPERT_PAGES, shape.expert_params * shape.stored_bytes)  # 0 for a dense model
+    pages = _expert_pages(shape)
     stages = []
     held = [
         ("runtime", RUNTIME),
@@ -251,7 +251,7 @@ def baseline_stage(shape: Shape, evaluation) -> StagePlan:
     held = [
         ("runtime", RUNTIME),
         ("the base as stored", shape.params * shape.stored_bytes),
-        (EXPERT_PAGES, shape.expert_params * shape.stored_bytes),
+        _expert_pages(shape),
         ("one layer in float32", shape.layer_params * 4),
         ("a batch of windows", shape.window_activations(suite.window, suite.batch_size)),
         ("the reference kept", _reference_bytes(shape, evaluation)),
@@ -271,6 +271,11 @@ def _stage(name: str, held: list[tuple[str, int]], disk: int = 0, temp_disk: int
     )
 
 
+def _expert_pages(shape: Shape) -> tuple[str, int]:
+    """A loaded mixture of experts' file pages beside its stacked experts (0 for a dense model)."""
+    return EXPERT_PAGES, shape.expert_params * shape.stored_bytes
+
+
 def _reference_bytes(shape: Shape, evaluation) -> int:
     """The base's final hidden states (float32) over the suite's texts and its output head."""
     tokens = len(evaluation.token_ids) + len(evaluation.ood_ids or [])
@@ -284,7 +289,7 @@ def bench_stage(shape: Shape, bench, checkpoint_bytes: int, compute: str, availa
     if engine.kind != "server":  # in-process: one model at a time, de-quantized
         held = [("runtime", RUNTIME), (f"one model in {compute}", shape.weights(compute))]
         if engine.stacks_experts:
-            held.append((EXPERT_PAGES, shape.expert_params * shape.stored_bytes))
+            held.append(_expert_pages(shape))
         return _stage("bench", held)
     longest = max([*profile.prompt_tokens, *profile.context_tokens, 0]) + profile.output_tokens + 64
     kv = 2 * shape.layers * shape.kv_dim * 2  # bytes per token of a 16-bit KV cache

@@ -28,6 +28,7 @@ from quantbench.quantize import (
     ProduceFootprint,
     calibration_card,
 )
+from quantbench.recipe import schemes
 from quantbench.recipe.methods import GGUFSpec
 from quantbench.sources.checkpoint import gguf_tensors
 from quantbench.sources.models import source_gguf
@@ -45,16 +46,17 @@ NOMINAL_BITS = {
     "IQ2_S": 2.5, "IQ2_M": 2.7, "IQ3_XXS": 3.06, "IQ3_XS": 3.3, "IQ3_S": 3.44, "IQ3_M": 3.66,
     "IQ4_NL": 4.5, "IQ4_XS": 4.25, "TQ1_0": 1.69, "TQ2_0": 2.06,
 }  # fmt: skip
-# MXFP4_MOE: a mixture of experts' 3-D expert tensors in MXFP4 (4-bit E2M1 in blocks of 32 with one
-# E8M0 scale: 4.25 bits), every other tensor Q8_0 (llama.cpp's llama-quant.cpp); all Q8_0 in a dense model
-MXFP4_BITS = 4.25
 
 
 def file_bytes(file_type: str, shape) -> int:
-    """The size of a model (`shape`, sources.shapes.Shape) quantized into a llama-quantize type."""
+    """The size of a model (`shape`, sources.shapes.Shape) quantized into a llama-quantize type.
+    MXFP4_MOE (llama.cpp's llama-quant.cpp): a mixture of experts' 3-D expert tensors MXFP4, every
+    other tensor Q8_0 (all of them in a dense model), each at its block's stored size."""
     if file_type.upper() == "MXFP4_MOE":
+        experts, rest = schemes.GGUF_TUNE_TYPES["MXFP4"], schemes.GGUF_TUNE_TYPES["Q8_0"]
         return int(
-            shape.expert_params * MXFP4_BITS / 8 + (shape.params - shape.expert_params) * NOMINAL_BITS["Q8_0"] / 8
+            shape.expert_params * experts.bytes_per_block / experts.block
+            + (shape.params - shape.expert_params) * rest.bytes_per_block / rest.block
         )
     return int(shape.params * NOMINAL_BITS.get(file_type.upper(), 16.0) / 8)
 
@@ -119,7 +121,8 @@ class GGUFBackend(Backend):
         child process reading the safetensors) and kept in quantbench's cache."""
         f16 = shape.params * 2
         largest = max(shape.vocab, shape.intermediate) * shape.hidden
-        out = file_bytes(self.spec.type, shape) / shape.params  # bytes a weight, written
+        size = file_bytes(self.spec.type, shape)
+        out = size / shape.params  # bytes a weight, written
         held = [("llama-quantize, its largest tensor as F16, in float32 and written", int(largest * (2 + 4 + out))),
                 ("llama.cpp", LLAMACPP_RUNTIME)]  # fmt: skip
         if self.spec.imatrix:  # before llama-quantize, and larger
@@ -132,7 +135,7 @@ class GGUFBackend(Backend):
                      ("the converter's Python", CHILD_RUNTIME)]  # fmt: skip
         return ProduceFootprint(
             held,
-            file_bytes(self.spec.type, shape),
+            size,
             takes_model=False,
             prepare_held=converter,
             prepare_disk=f16,
