@@ -21,7 +21,8 @@ ARGS   ?=
 RUN    ?=
 SUITE  ?= default
 PROFILE ?= cpu-smoke
-BACKEND ?= auto
+# BACKEND=, ENGINE's old name, is still read
+ENGINE ?= $(or $(BACKEND),auto)
 POLICY ?= release
 MODEL  ?=
 DEFAULT_MODEL := builtin:smollm2-135m-instruct
@@ -37,7 +38,7 @@ NOTEBOOK_OUT ?= outputs/notebooks
 help:
 	@echo "make quantize RECIPE=awq-int4   quantize the embedded default model with recipes/<RECIPE>.yaml (MODEL=<dir, .gguf or hub id> for another)"
 	@echo "make evaluate RUN=<run id>      score a checkpoint against its base model (SUITE=default; MODEL= names the base)"
-	@echo "make bench RUN=<run id>         speed against the base model through vLLM where it serves the format (PROFILE=cpu-smoke BACKEND=auto|vllm|transformers|hf)"
+	@echo "make bench RUN=<run id>         speed against the base model through vLLM where it serves the format (PROFILE=cpu-smoke ENGINE=auto|vllm|transformers|hf)"
 	@echo "make bench DRAFT=<run id>       speculative decoding: the draft's base model (e.g. its teacher) with it as draft"
 	@echo "make compare                    every candidate in one table + Pareto plot (outputs/compare/)"
 	@echo "make noise                      the noise floor: the base model (MODEL=) against itself (SUITE=, PROFILE=)"
@@ -105,7 +106,7 @@ ifneq ($(DRAFT),)
 	$(BIN)/quantbench bench --draft $(DRAFT) $(RUN) --profile $(PROFILE) $(ARGS)
 else
 	@test -n "$(RUN)" || { echo "usage: make bench RUN=<mlflow run id | checkpoint dir> [PROFILE=cpu-smoke] | make bench DRAFT=<run id>"; exit 2; }
-	$(BIN)/quantbench bench $(RUN) --profile $(PROFILE) --backend $(BACKEND) $(if $(MODEL),--base $(MODEL)) $(ARGS)
+	$(BIN)/quantbench bench $(RUN) --profile $(PROFILE) --engine $(ENGINE) $(if $(MODEL),--base $(MODEL)) $(ARGS)
 endif
 
 compare: $(STAMP)

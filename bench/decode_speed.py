@@ -1,7 +1,7 @@
 """Decode speed of the default model on this machine, each path read against the physical limit.
 
 For the base model (fp32 and bf16) and for each quantized checkpoint given, through plain
-transformers generate (quantbench's `hf` backend), and for the shipped Q4_1 GGUF through
+transformers generate (quantbench's `hf` engine), and for the shipped Q4_1 GGUF through
 llama.cpp (in a child process, `--llama-python` naming an interpreter that has llama-cpp-python): decode tokens/s (batch 1, greedy), interleaved over
 repetitions, next to the memory-bandwidth bound: a decode step reads every weight once, so
 tok/s <= measured bandwidth / bytes of weights. The bandwidth is measured here, in this run.

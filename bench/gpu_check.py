@@ -39,7 +39,7 @@ from quantbench.core.intervals import HIGH, LOW
 from quantbench.core.measures import compare, reference
 from quantbench.quality import stage as evaluate_stage
 from quantbench.quality.suite import load_suite
-from quantbench.quantize.llmcompressor import LLMCompressorBackend
+from quantbench.quantize.llmcompressor import LLMCompressorQuantizer
 from quantbench.recipe import load_recipe, resolve_recipe_path
 from quantbench.recipe.methods import AWQSpec, FP8Spec, RTNSpec
 from quantbench.sources import data, models
@@ -160,18 +160,18 @@ def score_recipe(name: str, overrides: list[str], base, tokenizer, plan, refs, d
     """Quantize the base with recipes/<name>.yaml (+ overrides), save, reload on the device, score."""
     loaded = load_recipe(resolve_recipe_path(name, ROOT / "recipes"), overrides)
     spec = loaded.recipe
-    backend = LLMCompressorBackend(spec.quantize)
+    quantizer = LLMCompressorQuantizer(spec.quantize)
     calibration = None
-    if backend.calibrates:
+    if quantizer.calibrates:
         cal = spec.calibration
         text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
         calibration = data.recipe_windows(tokenizer, text, cal)
     compute = spec.model.computes_in()
     model = load_model(base.path, dtype=getattr(torch, compute))
     with timed(device) as quantized:
-        backend.quantize(model, calibration)
+        quantizer.quantize(model, calibration)
     dest = work / (name + ("-" + hashlib.sha256(" ".join(overrides).encode()).hexdigest()[:8] if overrides else ""))
-    backend.save(model, tokenizer, dest, spec.model.dtype)
+    quantizer.save(model, tokenizer, dest, spec.model.dtype)
     del model
     device.free()
     reloaded = load_model(dest, dtype=getattr(torch, hardware.compute_dtype_of(dest)), device_map=device.name).eval()
@@ -274,7 +274,7 @@ def random_llama(device: Device, layers: int, where: Path):
 def scale(
     device: Device, layers: int, awq_layers: int, awq_samples: int, awq_seq_len: int, awq_grid: int, work: Path
 ) -> dict:
-    """Wall time and peak device memory of three schemes on an 8B-shaped model, through quantbench's backend."""
+    """Wall time and peak device memory of three schemes on an 8B-shaped model, through quantbench's quantizer."""
     out: dict = {"layers": layers, "shape": "Llama-3.1-8B (random weights)"}
     specs = {
         "W4A16 RTN": RTNSpec(method="rtn", scheme="W4A16", group_size=128),
@@ -284,20 +284,20 @@ def scale(
         with timed(device) as built:
             model = random_llama(device, layers, work / f"llama-8b-shape-{layers}")
         params = sum(p.numel() for p in model.parameters())
-        backend = LLMCompressorBackend(spec)
+        quantizer = LLMCompressorQuantizer(spec)
         with timed(device) as quantized:
-            backend.quantize(model, None)
+            quantizer.quantize(model, None)
         wall, peak = quantized["s"], quantized["mb"]
         out[label] = {"build_s": round(built["s"], 1), "wall_s": round(wall, 1), "peak_mb": peak, "params": params}
         print(f"   {label}: {params / 1e9:.2f} B parameters, {wall:.1f} s, peak {peak or 0:.0f} MB", flush=True)
-        del model, backend
+        del model, quantizer
         device.free()
     model = random_llama(device, awq_layers, work / f"llama-8b-shape-{awq_layers}")
     spec = AWQSpec(method="awq", group_size=128, n_grid=awq_grid)
     gen = torch.Generator().manual_seed(0)
     windows = torch.randint(0, LLAMA_8B["vocab_size"], (awq_samples, awq_seq_len), generator=gen).tolist()
     with timed(device) as quantized:
-        LLMCompressorBackend(spec).quantize(model, windows)
+        LLMCompressorQuantizer(spec).quantize(model, windows)
     wall, peak = quantized["s"], quantized["mb"]
     per_layer = wall / awq_layers
     budget = 256 * 512 / (awq_samples * awq_seq_len)  # the GPU budget of awq-int4, in tokens, over this run's

@@ -119,7 +119,7 @@ make vllm
 RUNS=()
 for recipe in awq-int4 fp8-dynamic; do
   step "quantize $recipe (GPU budget), evaluate, bench through vLLM (gpu-default)"
-  sets=(--set bench.profile=gpu-default --set bench.backend=vllm)
+  sets=(--set bench.profile=gpu-default --set bench.engine=vllm)
   [ "$recipe" = awq-int4 ] && sets+=(--set calibration.samples=256 --set calibration.seq_len=512)
   out=$(.venv/bin/quantbench quantize "$recipe" "${sets[@]}" --json | tee /dev/stderr | tail -1)
   RUNS+=("$(printf '%s' "$out" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["run_id"])')")

@@ -11,13 +11,13 @@ peak RSS.
 
     python bench/quantize_overhead.py [--reps 2] [--samples 16] [--seq-len 256]
 
-`--backends`: every engine instead, each shipped recipe of a backend (calibration trimmed to
+`--quantizers`: every quantizer instead, each shipped recipe of a quantizer (calibration trimmed to
 --samples x --seq-len, evaluation off) quantized by `quantbench quantize` in its own process,
 round-robin over --reps: quantize wall time and peak RSS, the reload check's perplexity ratio and
 the checkpoint size, and each recipe's quantize time as a ratio of fp8-dynamic's (no calibration,
 a round-to-nearest pass) measured in the same run.
 
-    python bench/quantize_overhead.py --backends [--reps 1] [--samples 16] [--seq-len 256]
+    python bench/quantize_overhead.py --quantizers [--reps 1] [--samples 16] [--seq-len 256]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def child_quantbench(samples: int, seq_len: int, out: Path) -> dict:
     return {"oneshot_s": result.metrics["quantize/wall_s"], "wall_s": time.perf_counter() - started}
 
 
-# one shipped recipe per backend / scheme family
+# one shipped recipe per quantizer / scheme family
 BACKEND_RECIPES = ["fp8-dynamic", "gptq-w4a16", "awq-int4", "w8a8-int8", "fp8-dynamic-kv8", "bnb-int8", "bnb-nf4",
                    "gptqmodel-gptq-int4", "gptqmodel-awq-int4"]
 
@@ -83,14 +83,14 @@ BACKEND_RECIPES = ["fp8-dynamic", "gptq-w4a16", "awq-int4", "w8a8-int8", "fp8-dy
 def child_recipe(recipe: str, samples: int, seq_len: int, out: Path) -> dict:
     from quantbench.jobs.pipeline import quantize
 
-    result = quantize(str(REPO / "recipes" / f"{recipe}.yaml"), outputs=out, experiment="bench-backends",
+    result = quantize(str(REPO / "recipes" / f"{recipe}.yaml"), outputs=out, experiment="bench-quantizers",
                       overrides=(f"calibration.samples={samples}", f"calibration.seq_len={seq_len}", "evaluate=null"))
     m = result.metrics
     return {"quantize_s": m["quantize/wall_s"], "rss_mb": m["quantize/peak_rss_mb"], "ppl_ratio": m["check/ppl_ratio"],
             "size_mb": m["model/size_mb"]}
 
 
-def backends(args) -> None:
+def quantizers(args) -> None:
     results: dict[str, list[dict]] = {r: [] for r in BACKEND_RECIPES}
     with tempfile.TemporaryDirectory(prefix="qb-bench-") as tmp:
         for rep in range(args.reps):
@@ -100,7 +100,7 @@ def backends(args) -> None:
                 print(f"rep {rep + 1}/{args.reps} {recipe:16s} quantize {r['quantize_s']:7.1f} s  peak RSS "
                       f"{r['rss_mb']:6.0f} MB  ppl x{r['ppl_ratio']:.3f}  {r['size_mb']:6.1f} MB", flush=True)
     base = statistics.median(r["quantize_s"] for r in results["fp8-dynamic"])
-    print(f"\nquantize stage per backend, {args.samples} x {args.seq_len} calibration tokens, median of {args.reps}")
+    print(f"\nquantize stage per quantizer, {args.samples} x {args.seq_len} calibration tokens, median of {args.reps}")
     print(f"{'recipe':18s}{'quantize s':>11s}{'x fp8':>8s}{'peak RSS MB':>13s}{'ppl ratio':>11s}{'size MB':>9s}")
     for recipe, rs in results.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--backends", action="store_true", help="every engine's quantize stage instead")
+    parser.add_argument("--quantizers", action="store_true", help="every quantizer's quantize stage instead")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -137,8 +137,8 @@ def main() -> None:
         result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(result))
         return
-    if args.backends:
-        backends(args)
+    if args.quantizers:
+        quantizers(args)
         return
 
     results: dict[str, list[dict]] = {"direct": [], "quantbench": []}

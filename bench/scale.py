@@ -63,7 +63,7 @@ evaluate:
   suite: default
 bench:
   profile: cpu-smoke
-  backend: auto
+  engine: auto
 """
 RECIPES = {
     "fp8-dynamic": ("fp8-dynamic", "llama-3.1-8b", []),

@@ -145,7 +145,7 @@ def scored_runs(tmp_path_factory, tiny_model_dir, tracking_db) -> dict:
     (root / "profiles" / "tiny.yaml").write_text(TINY_PROFILE)
     sections = "evaluate:\n  suite: tiny\n"
     (root / "recipes" / "gptq.yaml").write_text(
-        tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n") + sections + "bench:\n  profile: tiny\n  backend: hf\n")
+        tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n") + sections + "bench:\n  profile: tiny\n  engine: hf\n")
     (root / "recipes" / "fp8.yaml").write_text(tiny_recipe(tiny_model_dir, "method: fp8\n") + sections)
     experiment = "scored-runs"
     ids = {}

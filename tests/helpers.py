@@ -84,10 +84,10 @@ def assert_sketched(recipe: Path, written: dict | None) -> None:
     """The quantization_config the recipe's quantizer said its checkpoint would carry (what the bench
     engine is chosen by before the job) agrees with the one written: every key it names has the
     written value (a None: absent or null there)."""
-    from quantbench.quantize import make_backend
+    from quantbench.quantize import make_quantizer
     from quantbench.recipe import load_recipe
 
-    sketch = make_backend(load_recipe(recipe).recipe.quantize).quantization_config()
+    sketch = make_quantizer(load_recipe(recipe).recipe.quantize).quantization_config()
 
     def agree(said, got, where: str) -> None:
         if isinstance(said, dict):

@@ -86,7 +86,7 @@ def test_every_command_against_postgres_and_s3(team_server, workdir, tiny_model_
     for sub, name, body in (("suites", "tiny", TINY_SUITE), ("profiles", "tiny", TINY_PROFILE)):
         (workdir / sub).mkdir()
         (workdir / sub / f"{name}.yaml").write_text(body)
-    write_recipe(workdir, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n") + "evaluate:\n  suite: tiny\nbench:\n  profile: tiny\n  backend: hf\n")
+    write_recipe(workdir, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n") + "evaluate:\n  suite: tiny\nbench:\n  profile: tiny\n  engine: hf\n")
     (workdir / "sweeps").mkdir()
     (workdir / "sweeps" / "team.yaml").write_text(yaml.safe_dump({"recipes": ["fp8"], "retries": 0}))
 
@@ -97,7 +97,7 @@ def test_every_command_against_postgres_and_s3(team_server, workdir, tiny_model_
     assert job["status"] == "finished" and job["metrics"]["speedup/decode_tok_s"] > 0
     assert main(["evaluate", run_id, "--suite", "tiny"]) == 0  # baseline reused from the server's artifacts
     assert "(reused)" in capsys.readouterr().out
-    assert main(["bench", run_id, "--profile", "tiny", "--backend", "hf"]) == 0
+    assert main(["bench", run_id, "--profile", "tiny", "--engine", "hf"]) == 0
     assert main(["compare", "--json"]) == 0
     assert last_json(capsys.readouterr().out)["frontier"] == [run_id]
     (workdir / "policies").mkdir()

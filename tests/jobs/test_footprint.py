@@ -108,8 +108,8 @@ def test_a_mixture_of_experts_base_is_planned_with_its_experts_file_pages(tmp_pa
     short before). Those pages are counted where the base is loaded, and do not decide the fit; a
     server whose loader stacks them holds the copy too, one that maps or reads the weights does not."""
     from quantbench import engines
-    from quantbench.speed.bench import Plan
     from quantbench.speed.measure import Profile
+    from quantbench.speed.stage import Plan
 
     moe = Shape.from_config(config("qwen3_moe", **ladder.RUNGS["moe-8x"].config))
     dense = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.2-1b"].config))
@@ -154,11 +154,11 @@ def test_a_gguf_file_type_is_sized_from_the_shape():
     assert gguf.file_bytes("F16", dense) == dense.params * 2
     # llama-quantize rounds a tensor at a time; llama-imatrix, before it, maps the whole F16 file
     loaded = SimpleNamespace(recipe=SimpleNamespace(calibration=SimpleNamespace(seq_len=256)))
-    q8 = gguf.GGUFBackend(GGUFSpec(method="gguf", type="Q8_0")).footprint(dense, loaded, "bfloat16")
+    q8 = gguf.GGUFQuantizer(GGUFSpec(method="gguf", type="Q8_0")).footprint(dense, loaded, "bfloat16")
     embeddings = dense.vocab * dense.hidden  # the largest tensor
     assert sum(n for _, n in q8.held) == int(embeddings * (2 + 4 + 8.5 / 8)) + int(0.15 * GiB)
     assert q8.checkpoint == gguf.file_bytes("Q8_0", dense) and not q8.takes_model
-    imatrix = gguf.GGUFBackend(GGUFSpec(method="gguf", type="Q4_K_M", imatrix=True)).footprint(dense, loaded, "bfloat16")
+    imatrix = gguf.GGUFQuantizer(GGUFSpec(method="gguf", type="Q4_K_M", imatrix=True)).footprint(dense, loaded, "bfloat16")
     assert sum(n for _, n in imatrix.held) == 2 * dense.params + int(0.15 * GiB) + dense.window_activations(256)
 
 

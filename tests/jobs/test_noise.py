@@ -27,7 +27,7 @@ def test_noise_floor_seed_spread_and_reproducible_weights(workdir, tiny_model_di
     assert main(["quantize", "gptq", "--set", "evaluate=null", "--json"]) == 0  # seed 0, for its weights
     first = last_json(capsys.readouterr().out)
 
-    assert main(["noise", str(tiny_model_dir), "--suite", "tiny", "--profile", "tiny", "--recipe", "gptq", "--backend", "hf", "--json"]) == 0
+    assert main(["noise", str(tiny_model_dir), "--suite", "tiny", "--profile", "tiny", "--recipe", "gptq", "--engine", "hf", "--json"]) == 0
     out = capsys.readouterr().out
     noise = last_json(out)
     by_id = {r.info.run_id: r for r in runs()}
@@ -72,7 +72,7 @@ def test_noise_floor_seed_spread_and_reproducible_weights(workdir, tiny_model_di
 
 def test_bad_input_writes_nothing(workdir, tiny_model_dir, settings, capsys):
     write_recipe(workdir, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n"))
-    assert main(["noise", str(tiny_model_dir), "--suite", "tiny", "--profile", "tiny", "--recipe", "fp8", "--backend", "hf"]) == 2
+    assert main(["noise", str(tiny_model_dir), "--suite", "tiny", "--profile", "tiny", "--recipe", "fp8", "--engine", "hf"]) == 2
     assert "does not calibrate, so its calibration seed changes nothing" in capsys.readouterr().err
     assert main(["noise", str(tiny_model_dir), "--suite", "tiyn"]) == 2
     assert "unknown suite 'tiyn'" in capsys.readouterr().err

@@ -134,13 +134,13 @@ def test_bad_input_exits_2_and_writes_nothing(case, workdir, tiny_model_dir, cap
 def test_a_failure_after_the_run_started_marks_it_failed_and_leaves_no_checkpoint(workdir, tiny_model_dir, capsys, monkeypatch):
     """A fault while saving (a full disk, here injected into the engine's save): the run ends FAILED
     with the error, no checkpoint and no staging directory remain, the log is kept."""
-    from quantbench.quantize.llmcompressor import LLMCompressorBackend
+    from quantbench.quantize.llmcompressor import LLMCompressorQuantizer
 
     def full_disk(self, model, tokenizer, dest, dtype):
         (dest / "model.safetensors").write_bytes(b"half a file")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(LLMCompressorBackend, "save", full_disk)
+    monkeypatch.setattr(LLMCompressorQuantizer, "save", full_disk)
     write_recipe(workdir, "blocked", tiny_recipe(tiny_model_dir, METHODS["fp8"][0]))
     code, out, err = quantize(["blocked"], capsys)
     assert code == 1

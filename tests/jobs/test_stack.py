@@ -33,7 +33,7 @@ def write_tiny_gptq(workdir: Path, model_dir: Path, bench: bool = False) -> None
     if bench:
         (workdir / "profiles").mkdir()
         (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE)
-        sections += "bench:\n  profile: tiny\n  backend: hf\n"
+        sections += "bench:\n  profile: tiny\n  engine: hf\n"
     write_recipe(workdir, "tiny-gptq", tiny_recipe(model_dir, "method: gptq\ngroup_size: 32\n") + sections)
 
 

@@ -1,4 +1,4 @@
-"""bitsandbytes backend on the tiny model: INT8, NF4 (double quant), FP4 end to end through the
+"""bitsandbytes quantizer on the tiny model: INT8, NF4 (double quant), FP4 end to end through the
 quantize stage, the save-before-forward trap reproduced, and bad input."""
 
 import json
@@ -47,29 +47,29 @@ def test_bnb_schemes_quantize_save_and_reload(workdir, tiny128_model_dir, capsys
 
 def test_save_before_forward_trap(tmp_path, tiny128_model_dir):
     """bitsandbytes 0.50.2: a 4-bit model saved before any forward reloads equal to the in-memory
-    model, on every CPU; that is the order the backend saves in. Saved *after* a forward pass it
+    model, on every CPU; that is the order the quantizer saves in. Saved *after* a forward pass it
     reloaded broken on an AMX machine and fine on an AVX2-only one: which of the two this CPU does
     is reported, and either is one of exactly those two outcomes, never something in between."""
     from transformers import AutoModelForCausalLM
 
     from quantbench.core import hardware
-    from quantbench.quantize.bnb import BnbBackend
+    from quantbench.quantize.bnb import BnbQuantizer
     from quantbench.recipe.methods import BnbSpec
 
-    backend = BnbBackend(BnbSpec(method="bnb", scheme="NF4"))
+    quantizer = BnbQuantizer(BnbSpec(method="bnb", scheme="NF4"))
     ids = torch.randint(3, 512, (1, 48), generator=torch.Generator().manual_seed(0))
 
     def logits(model):
         with torch.no_grad():
             return model(ids).logits.float()
 
-    first = backend.load(tiny128_model_dir, torch.float32)
-    first.save_pretrained(tmp_path / "saved-first")  # what the backend does
+    first = quantizer.load(tiny128_model_dir, torch.float32)
+    first.save_pretrained(tmp_path / "saved-first")  # what the quantizer does
     expected = logits(first)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved-first")
     assert torch.allclose(logits(reloaded), expected, atol=1e-4)
 
-    second = backend.load(tiny128_model_dir, torch.float32)
+    second = quantizer.load(tiny128_model_dir, torch.float32)
     assert torch.allclose(logits(second), expected, atol=1e-4)  # a forward pass before saving
     second.save_pretrained(tmp_path / "ran-first")
     after = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "ran-first"))

@@ -285,7 +285,7 @@ def test_w4afp8_is_int4_weights_and_fp8_activations_stored_as_its_bits_say(metho
 
 def test_auto_says_a_format_is_not_measurable_on_this_cpu_instead_of_timing_something_else():
     """vLLM-CPU has no FP4 kernel and transformers (served or in-process) would time 16-bit weights
-    de-compressed from it: `auto` refuses with each engine's reason; `--backend hf` asked by name
+    de-compressed from it: `auto` refuses with each engine's reason; `--engine hf` asked by name
     still times the de-compressed model (tagged hf)."""
     from quantbench import engines
     from quantbench.core.errors import UserError

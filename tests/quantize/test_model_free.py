@@ -124,7 +124,7 @@ def test_the_plan_of_a_model_free_job_holds_a_layer_not_the_model(workdir, tiny_
     (in place); model-free, the largest group read at once (a 0.41 GiB decoder layer: the ladder's
     49,152-token embeddings are 0.38 GiB) with its rounding, and an output shard."""
     from quantbench.jobs import footprint
-    from quantbench.quantize import get_backend, model_free
+    from quantbench.quantize import model_free, quantizer_class
     from quantbench.recipe import load_recipe
     from quantbench.sources import ladder
     from quantbench.sources.shapes import Shape
@@ -134,8 +134,8 @@ def test_the_plan_of_a_model_free_job_holds_a_layer_not_the_model(workdir, tiny_
     for name, extra in (("loaded", ""), ("free", "model_free: true\n")):
         path = write_recipe(workdir, name, tiny_recipe(tiny_model_dir, "method: fp8\n" + extra).replace("float32", "bfloat16"))
         loaded = load_recipe(path)
-        backend = get_backend("fp8")(loaded.recipe.quantize)
-        planned[name] = backend.footprint(shape, loaded, "bfloat16")
+        quantizer = quantizer_class("fp8")(loaded.recipe.quantize)
+        planned[name] = quantizer.footprint(shape, loaded, "bfloat16")
     assert planned["loaded"].takes_model and not planned["free"].takes_model
     largest = max(shape.layer_params, shape.vocab * shape.hidden) * 2
     assert largest == shape.layer_params * 2 == 436_224_000
@@ -146,12 +146,12 @@ def test_the_plan_of_a_model_free_job_holds_a_layer_not_the_model(workdir, tiny_
     assert planned["free"].checkpoint == planned["loaded"].checkpoint
     # measured on the 8B rung (bench/model_free.py, docs/results.md): FP8_DYNAMIC 2.25 GiB, NVFP4A16 3.68,
     # the job's runtime (footprint.RUNTIME) included; the plan within 5 % of each
-    nvfp4 = get_backend("rtn")(load_recipe(write_recipe(workdir, "nv", tiny_recipe(
+    nvfp4 = quantizer_class("rtn")(load_recipe(write_recipe(workdir, "nv", tiny_recipe(
         tiny_model_dir, "method: rtn\nscheme: NVFP4A16\nmodel_free: true\n").replace("float32", "bfloat16"))).recipe.quantize)
-    for backend, measured in ((get_backend("fp8")(loaded.recipe.quantize), 2.245), (nvfp4, 3.678)):
-        plan = backend.footprint(shape, loaded, "bfloat16")
+    for quantizer, measured in ((quantizer_class("fp8")(loaded.recipe.quantize), 2.245), (nvfp4, 3.678)):
+        plan = quantizer.footprint(shape, loaded, "bfloat16")
         planned_gib = (footprint.RUNTIME + sum(dict(plan.held).values())) / 2**30
-        assert planned_gib == pytest.approx(measured, rel=0.05), (backend.scheme.name, planned_gib)
+        assert planned_gib == pytest.approx(measured, rel=0.05), (quantizer.scheme.name, planned_gib)
 
 
 @pytest.mark.parametrize(

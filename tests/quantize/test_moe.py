@@ -108,7 +108,7 @@ def test_llama_cpp_quantizes_a_mixture_of_experts_into_mxfp4_moe_and_serves_it(w
     (workdir / "profiles").mkdir()
     (workdir / "profiles" / "tiny.yaml").write_text(TINY_PROFILE)
     write_recipe(workdir, "moe-mxfp4", tiny_recipe(moe, "method: gguf\ntype: MXFP4_MOE\n")
-                 + "bench:\n  profile: tiny\n  backend: llamacpp\n")  # fmt: skip
+                 + "bench:\n  profile: tiny\n  engine: llamacpp\n")  # fmt: skip
     assert main(["quantize", "moe-mxfp4", "--json"]) == 0, capsys.readouterr().err[-3000:]
     checkpoint = Path(last_json(capsys.readouterr().out)["checkpoint"])
     gguf = checkpoint / "model.gguf"

@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from quantbench.core.errors import UserError
+from quantbench.core.files import canonical_sha
 from quantbench.recipe import load_recipe, resolve_recipe_path
 from quantbench.recipe.methods import AWQSpec, GPTQSpec
 
@@ -84,6 +85,20 @@ def test_hash_covers_the_resolved_recipe(tmp_path):
     b.write_text("# comment\nquantize: {method: gptq, group_size: 64}\n")  # same recipe once resolved
     assert load_recipe(a).sha == load_recipe(b).sha
     assert load_recipe(a, ["calibration.seed=1"]).sha != load_recipe(a).sha
+
+
+def test_bench_engine_hashes_as_its_old_name_did(tmp_path):
+    """`bench.engine` was `bench.backend`: a recipe gives the same sha under either name, the sha it
+    had before the rename (the key hashed is the old one), so sweeps and tunes find their runs."""
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text("quantize: {method: fp8}\nbench: {profile: tiny, backend: hf}\n")
+    new.write_text("quantize: {method: fp8}\nbench: {profile: tiny, engine: hf}\n")
+    loaded = load_recipe(new)
+    assert loaded.recipe.bench.engine == "hf" and load_recipe(old).sha == loaded.sha
+    resolved = {k: v for k, v in loaded.resolved.items() if k not in ("resources", "budget_minutes")}
+    resolved["bench"] = {"profile": "tiny", "backend": "hf"}
+    assert loaded.sha == canonical_sha(resolved, compact=True)
+    assert load_recipe(new, ["bench.engine=auto"]).sha != loaded.sha
 
 
 def test_unknown_recipe_name_lists_available_and_closest(tmp_path):
@@ -177,7 +192,7 @@ def test_a_key_given_twice_in_a_settings_file_is_refused(tmp_path):
 def test_an_unknown_key_of_an_optional_section_lists_its_fields(tmp_path):
     found = problems(tmp_path, "quantize: {method: fp8}\nevaluate: {foo: 1}\nbench: {profil: x}\n")
     assert found[0].endswith("evaluate.foo (line 2): unknown key 'foo'. Available: suite")
-    assert found[1].endswith("bench.profil (line 3): unknown key 'profil'. Did you mean 'profile'? Available: backend, profile")
+    assert found[1].endswith("bench.profil (line 3): unknown key 'profil'. Did you mean 'profile'? Available: engine, profile")
 
 
 def test_a_recipe_path_that_is_a_directory_says_so(tmp_path):

@@ -19,7 +19,7 @@ def gate(workdir, run_id: str, policy: dict, capsys) -> tuple[int, dict]:
 
 
 def test_a_speed_measured_in_process_does_not_pass_a_serving_policy(workdir, scored_runs, capsys):
-    run_id = scored_runs["gptq"]  # benched with backend hf
+    run_id = scored_runs["gptq"]  # benched with engine hf
     policy = {"stages": ["quantize", "bench"], "min": {"speedup/decode_tok_s": 0.0}, "registry": {"model": "tiny-engine"}}
     code, report = gate(workdir, run_id, policy, capsys)
     check = next(c for c in report["checks"] if c["check"] == "speedup/decode_tok_s")

@@ -1,4 +1,4 @@
-"""`quantbench bench` (hf backend) on the tiny model, against its base, with a real MLflow store."""
+"""`quantbench bench` (engine hf) on the tiny model, against its base, with a real MLflow store."""
 
 import json
 import os
@@ -27,7 +27,7 @@ def test_bench_measures_candidate_and_base_into_the_run(workdir, tiny_model_dir,
     write_recipe(workdir, "q", tiny_recipe(tiny_model_dir, "method: gptq\ngroup_size: 32\n"))
     assert main(["quantize", "q", "--json"]) == 0
     made = last_json(capsys.readouterr().out)
-    assert main(["bench", made["run_id"], "--profile", profile, "--backend", "hf", "--json"]) == 0
+    assert main(["bench", made["run_id"], "--profile", profile, "--engine", "hf", "--json"]) == 0
     out = capsys.readouterr().out
     result = last_json(out)
     rows = verdict_rows(out)  # the screen ends with the verdict, then the run and --json
@@ -61,7 +61,7 @@ def test_bench_measures_candidate_and_base_into_the_run(workdir, tiny_model_dir,
 
 
 def test_recipe_bench_section_runs_after_quantize(workdir, tiny_model_dir, profile, capsys):
-    write_recipe(workdir, "q", tiny_recipe(tiny_model_dir, "method: fp8\n") + f"bench:\n  profile: {profile}\n  backend: hf\n")
+    write_recipe(workdir, "q", tiny_recipe(tiny_model_dir, "method: fp8\n") + f"bench:\n  profile: {profile}\n  engine: hf\n")
     assert main(["quantize", "q", "--json"]) == 0
     result = last_json(capsys.readouterr().out)
     assert result["metrics"]["speed/c2/throughput_tok_s"] > 0 and "speedup/decode_tok_s" in result["metrics"]
@@ -139,7 +139,7 @@ def test_a_bench_beside_cpu_bound_processes_says_it_was_busy_and_the_gate_calls_
     try:
         assert not {b.pid for b in burners} & {c.pid for c in psutil.Process().children(recursive=True)}
         write_recipe(workdir, "q", tiny_recipe(tiny_model_dir, "method: fp8\n")
-                     + f"bench:\n  profile: {profile}\n  backend: hf\n")
+                     + f"bench:\n  profile: {profile}\n  engine: hf\n")
         assert main(["quantize", "q", "--json"]) == 0
     finally:
         for proc in burners:

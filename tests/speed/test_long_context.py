@@ -18,7 +18,7 @@ def bench(tiny_model_dir, *extra: str) -> list[str]:
     return ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--profile", "long", *extra]
 
 
-@pytest.mark.parametrize("text, backend, message", [
+@pytest.mark.parametrize("text, engine, message", [
     # the tiny model allows 512 positions
     ("context_tokens: [600]\n", "echo", "--profile: prompts of 600 tokens plus 4 output tokens exceed"),
     ("kv_cache: q8_0\n", "echo",
@@ -32,7 +32,7 @@ def bench(tiny_model_dir, *extra: str) -> list[str]:
     ("context_tokens: [256]\n", "hf", "--profile: context_tokens need a server"),
     ("kv_cache: q8_0\n", "hf", "--profile: kv_cache needs a server"),
 ])
-def test_long_contexts_and_kv_caches_an_engine_cannot_take_are_refused_first(text, backend, message, echo_engine,
+def test_long_contexts_and_kv_caches_an_engine_cannot_take_are_refused_first(text, engine, message, echo_engine,
                                                                               workdir, tiny_model_dir, capsys):
     (workdir / "profiles").mkdir()
     (workdir / "profiles" / "long.yaml").write_text("prompt_tokens: [16]\noutput_tokens: 4\n" + text)
@@ -41,7 +41,7 @@ def test_long_contexts_and_kv_caches_an_engine_cannot_take_are_refused_first(tex
         config = json.loads((workdir / "heads16" / "config.json").read_text())
         (workdir / "heads16" / "config.json").write_text(json.dumps({**config, "head_dim": 16, "num_attention_heads": 6}))
         tiny_model_dir = workdir / "heads16"
-    assert main(bench(tiny_model_dir, "--backend", backend)) == 2
+    assert main(bench(tiny_model_dir, "--engine", engine)) == 2
     err = capsys.readouterr().err
     assert message in err, err
     assert runs() == [] and echo_servers() == []

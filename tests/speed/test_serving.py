@@ -45,8 +45,8 @@ def profiles(workdir):
 
 
 
-def test_transformers_backend_starts_measures_and_stops_both_servers(workdir, tiny_model_dir, profiles, capsys):
-    args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "transformers", "--profile", "tiny",
+def test_transformers_engine_starts_measures_and_stops_both_servers(workdir, tiny_model_dir, profiles, capsys):
+    args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--engine", "transformers", "--profile", "tiny",
             "--json"]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -62,9 +62,9 @@ def test_transformers_backend_starts_measures_and_stops_both_servers(workdir, ti
     assert servers() == []
 
 
-def test_openai_backend_against_running_servers(workdir, tiny_model_dir, profiles, capsys):
+def test_openai_engine_against_running_servers(workdir, tiny_model_dir, profiles, capsys):
     with model_server(tiny_model_dir, workdir / "a.log") as (url, _, _):
-        args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "openai",
+        args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--engine", "openai",
                 "--endpoint", url, "--base-endpoint", url, "--profile", "tiny", "--json"]
         assert main(args) == 0
     m = last_json(capsys.readouterr().out)["metrics"]
@@ -74,7 +74,7 @@ def test_openai_backend_against_running_servers(workdir, tiny_model_dir, profile
 
 def test_a_refused_connection_fails_at_once_with_the_url(workdir, tiny_model_dir, profiles, capsys):
     url = f"http://127.0.0.1:{free_port()}/v1"
-    args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "openai",
+    args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--engine", "openai",
             "--endpoint", url, "--base-endpoint", url, "--profile", "tiny"]
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -92,7 +92,7 @@ def test_a_server_killed_mid_run_fails_the_run_and_keeps_partial_results(workdir
 
         killer = threading.Thread(target=kill_after_some_requests)
         killer.start()
-        args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--backend", "openai",
+        args = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--engine", "openai",
                 "--endpoint", url, "--base-endpoint", url, "--profile", "long"]
         code = main(args)
         killer.join()
@@ -115,7 +115,7 @@ def test_a_checkpoint_the_server_cannot_load(workdir, tiny_model_dir, profiles, 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    args = ["bench", str(broken), "--base", str(tiny_model_dir), "--backend", "transformers", "--profile", "tiny"]
+    args = ["bench", str(broken), "--base", str(tiny_model_dir), "--engine", "transformers", "--profile", "tiny"]
     assert main(args) == 2  # a torn file is refused before any server or run starts
     assert "is truncated or not safetensors" in capsys.readouterr().err and runs() == []
 

@@ -149,7 +149,7 @@ def test_bad_sweeps_and_slos_are_refused_before_anything_runs(text, message, wor
 def test_a_sweep_in_process_is_refused(workdir, tiny_model_dir, capsys):
     (workdir / "profiles").mkdir()
     (workdir / "profiles" / "sweep.yaml").write_text("prompt_tokens: [16]\noutput_tokens: 4\nsweep: {rates: 2}\n")
-    assert main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--profile", "sweep", "--backend", "hf"]) == 2
+    assert main(["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--profile", "sweep", "--engine", "hf"]) == 2
     assert "--profile: a sweep needs a server (open-loop arrivals)" in capsys.readouterr().err
     assert runs() == []
 
@@ -197,7 +197,7 @@ def test_a_sweep_finds_each_servers_slo_rate_and_stops_a_level_the_server_cannot
     slot_echo, workdir, tiny_model_dir, capsys
 ):
     fast = the_faster_model_and_a_sweep(workdir, tiny_model_dir, repetitions=3, rates=3, requests=24, refine=2)
-    assert main(["bench", str(fast), "--base", str(tiny_model_dir), "--profile", "slo", "--backend", "slotecho",
+    assert main(["bench", str(fast), "--base", str(tiny_model_dir), "--profile", "slo", "--engine", "slotecho",
                  "--json"]) == 0
     out, err = capsys.readouterr()
     m = last_json(out)["metrics"]
@@ -266,13 +266,13 @@ def test_a_prefix_workload_needs_an_engine_that_turns_its_cache_off_per_request(
     (workdir / "profiles").mkdir()
     (workdir / "profiles" / "prefix.yaml").write_text("prompt_tokens: [16]\noutput_tokens: 4\nprefix: {tokens: 64}\n")
     bench = ["bench", str(tiny_model_dir), "--base", str(tiny_model_dir), "--profile", "prefix"]
-    assert main([*bench, "--backend", "echo"]) == 2
+    assert main([*bench, "--engine", "echo"]) == 2
     assert ("--profile: prefix: echo server does not turn its prefix cache on and off per request; vLLM and "
             "llama.cpp's server turn their prefix caches off per request") in capsys.readouterr().err
-    assert main([*bench, "--backend", "hf"]) == 2
+    assert main([*bench, "--engine", "hf"]) == 2
     assert "a prefix workload needs a server with a prefix cache" in capsys.readouterr().err
     (workdir / "profiles" / "prefix.yaml").write_text("prompt_tokens: [16]\nprefix: {tokens: 64, prompts: 1}\n")
-    assert main([*bench, "--backend", "echo"]) == 2
+    assert main([*bench, "--engine", "echo"]) == 2
     assert "profiles/prefix.yaml: prefix.prompts: Input should be greater than or equal to 2" in capsys.readouterr().err
     assert runs() == [] and echo_servers() == []
 
@@ -303,7 +303,7 @@ def test_a_server_that_falls_over_mid_sweep_keeps_the_levels_measured_and_fails_
 
     killer = threading.Thread(target=kill_the_candidate_mid_repetition)
     killer.start()
-    code = main(["bench", str(fast), "--base", str(tiny_model_dir), "--profile", "slo", "--backend", "slotecho"])
+    code = main(["bench", str(fast), "--base", str(tiny_model_dir), "--profile", "slo", "--engine", "slotecho"])
     killer.join()
     assert code == 1
     [run] = runs()

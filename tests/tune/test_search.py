@@ -97,7 +97,7 @@ RELEASE = ROOT / "policies" / "release.yaml"
 @pytest.mark.slow  # a whole tune with a child job: ~15 s (the fast tier stays under 3 minutes on 2 cores)
 def test_release_policy_gives_candidates_a_bench_stage(setup, tiny128_model_dir, monkeypatch, capsys):
     """The shipped release policy needs a bench stage and the template has none: the candidate's
-    recipe gets `bench: {profile: cpu-smoke, backend: auto}` and its job prepares that stage. vLLM
+    recipe gets `bench: {profile: cpu-smoke, engine: auto}` and its job prepares that stage. vLLM
     serves the tiny model here (widths and head size multiples of 32), so auto picks it;
     $QUANTBENCH_VLLM_PYTHON names a python that does not exist, so the job stops in its prepare
     (exit 2, before quantizing) instead of creating vLLM's environment or starting a server."""
@@ -133,10 +133,10 @@ def test_release_policy_gives_candidates_a_bench_stage(setup, tiny128_model_dir,
     assert summary["policy"] == "release" and summary["best_run"] is None, out
     [cand] = summary["candidates"]
     recipe = yaml.safe_load(Path(cand["recipe"]).read_text())
-    assert recipe["bench"] == {"profile": "cpu-smoke", "backend": "auto"}
+    assert recipe["bench"] == {"profile": "cpu-smoke", "engine": "auto"}
     assert recipe["evaluate"]["suite"] == "tiny"  # the template's own section is kept
     assert cand["status"] == "failed" and cand["reason"].startswith("bad input (exit 2)"), cand
-    assert f"bench.backend auto: vLLM: ${vllm_engine.PYTHON_VAR}={missing} is not a python with vLLM installed" \
+    assert f"bench.engine auto: vLLM: ${vllm_engine.PYTHON_VAR}={missing} is not a python with vLLM installed" \
         in cand["reason"]
     assert "no candidate was measured" in out
     assert not list((setup / "outputs").glob("tiny-rtn-mixed-*/*/config.json"))  # nothing quantized

@@ -6,7 +6,7 @@ import argparse
 
 from quantbench import engines
 from quantbench.cli import report
-from quantbench.cli.common import common, print_json, run_stage, verdict_json, verdict_text
+from quantbench.cli.common import common, print_json, renamed, run_stage, verdict_json, verdict_text
 from quantbench.core.errors import UserError
 
 
@@ -33,10 +33,10 @@ def add_parser(sub) -> None:
     )
     b.add_argument("--draft", metavar="RUN_ID|DIR", help="measure speculative decoding with this draft model")
     b.add_argument("--profile", default=None, help="profiles/NAME.yaml (default: cpu-smoke)")
-    b.add_argument(
-        "--backend",
+    engine = b.add_argument(
+        "--engine",
         default=None,
-        choices=engines.backend_choices(),
+        choices=engines.engine_choices(),
         help=f"auto (default): the first of {', '.join(engines.AUTO)} that serves the checkpoint's format and "
         "its base model's on this device (vLLM's environment .venv-vllm is created on first use); a server's "
         "name (vllm, transformers, ...): that server on 127.0.0.1 for both models; hf: in-process transformers "
@@ -47,10 +47,11 @@ def add_parser(sub) -> None:
         "--server",
         default="auto",
         choices=["auto", *engines.servers()],
-        help="with --backend serve: auto = the first server engine that serves the format here",
+        help="with --engine serve: auto = the first server engine that serves the format here",
     )
-    b.add_argument("--endpoint", help="with --backend openai: the checkpoint's endpoint, e.g. http://127.0.0.1:8000/v1")
-    b.add_argument("--base-endpoint", help="with --backend openai: the base model's endpoint")
+    b.add_argument("--endpoint", help="with --engine openai: the checkpoint's endpoint, e.g. http://127.0.0.1:8000/v1")
+    b.add_argument("--base-endpoint", help="with --engine openai: the base model's endpoint")
+    renamed(b, "--backend", engine)
 
 
 def run(args) -> int:
@@ -58,8 +59,8 @@ def run(args) -> int:
     from quantbench.jobs import existing
 
     if args.draft:
-        if args.backend not in (None, "hf"):
-            raise UserError("--draft measures in-process (transformers assisted generation); drop --backend")
+        if args.engine not in (None, "hf"):
+            raise UserError("--draft measures in-process (transformers assisted generation); drop --engine")
         result = run_stage(
             "bench", existing.speculative, args.draft, args.target, profile=args.profile, experiment=args.experiment
         )
@@ -69,13 +70,13 @@ def run(args) -> int:
     else:
         if not args.target:
             raise UserError("bench: give a run id or checkpoint directory (or --draft)")
-        endpoints = (args.endpoint, args.base_endpoint) if args.backend == "openai" else None
+        endpoints = (args.endpoint, args.base_endpoint) if args.engine == "openai" else None
         result = run_stage(
             "bench",
             existing.bench,
             args.target,
             profile=args.profile,
-            backend=args.backend or "auto",
+            engine=args.engine or "auto",
             server=args.server,
             base=args.base,
             experiment=args.experiment,

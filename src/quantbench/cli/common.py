@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,25 @@ def common(*names: str) -> argparse.ArgumentParser:
     if "json" in names:
         parent.add_argument("--json", action="store_true", help="print a JSON summary as the last line of output")
     return parent
+
+
+def renamed(parser: argparse.ArgumentParser, old: str, new: argparse.Action) -> None:
+    """`old`, the old name of the option `new` (what add_argument returned): still accepted (same
+    values, same destination), listed in --help as deprecated, and a warning on stderr when used."""
+    name = new.option_strings[0]
+
+    class Renamed(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            print(f"warning: {old} is deprecated; it is now called {name}", file=sys.stderr)
+            setattr(namespace, new.dest, values)
+
+    parser.add_argument(
+        old,
+        action=Renamed,
+        choices=new.choices,
+        metavar=name.lstrip("-").upper(),
+        help=f"deprecated: the old name of {name}",
+    )
 
 
 def run_stage(name: str, fn, *args, **kwargs) -> Any | None:

@@ -55,7 +55,7 @@ def facts() -> list[dict]:
             "transformers",
             _version("transformers") is not None,
             _version("transformers"),
-            "loads every format quantbench writes (hf backend, evaluate)",
+            "loads every format quantbench writes (engine hf, evaluate)",
         )
     )
     for engine in engines.every():  # the serving engines, from their registry

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from quantbench import engines
 from quantbench.cli import report
-from quantbench.cli.common import common, print_json, run_stage
+from quantbench.cli.common import common, print_json, renamed, run_stage
 
 
 def add_parser(sub) -> None:
@@ -24,14 +24,15 @@ def add_parser(sub) -> None:
     n.add_argument("--suite", default=None, help="suites/NAME.yaml (default: default)")
     n.add_argument("--profile", default=None, help="profiles/NAME.yaml for the bench (default: cpu-smoke)")
     n.add_argument("--no-bench", action="store_true", help="skip the speed part")
-    n.add_argument(
-        "--backend",
+    engine = n.add_argument(
+        "--engine",
         default="auto",
-        choices=[b for b in engines.backend_choices() if b not in ("openai", "serve")],
+        choices=[b for b in engines.engine_choices() if b not in ("openai", "serve")],
         help="the engine the speed part measures through, as for bench (default auto: vLLM where it "
         "serves the model, else transformers serve, else hf)",
     )
     n.add_argument("--recipe", default=None, help="a calibrated recipe to run at two calibration seeds as well")
+    renamed(n, "--backend", engine)
 
 
 def run(args) -> int:
@@ -45,7 +46,7 @@ def run(args) -> int:
         suite=args.suite,
         profile=args.profile,
         bench=not args.no_bench,
-        backend=args.backend,
+        engine=args.engine,
         recipe=args.recipe,
         experiment=args.experiment,
         outputs=args.outputs,

@@ -6,8 +6,8 @@ their progress bars, prints and C++ warnings go to the run's log file only (`qui
 of their warnings that matter to the user are said once in quantbench's words (`translate`).
 `--verbose` shows everything on the terminal, as the libraries write it.
 
-llm-compressor resets loguru's sinks when it is imported, so backends import it before a run's
-log file is opened (the backend registry imports the backend module while preparing)."""
+llm-compressor resets loguru's sinks when it is imported, so quantizers import it before a run's
+log file is opened (the quantizer registry imports the quantizer module while preparing)."""
 
 from __future__ import annotations
 

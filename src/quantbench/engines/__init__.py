@@ -8,7 +8,7 @@ copied elsewhere), how it is made ready (an environment or binaries created on f
 server starts, what a request looks like, how a failure is explained, which quality measurements
 it can give.
 
-`ENGINES` maps a name (the `--backend` value, the recipe's `bench.backend`, the run's
+`ENGINES` maps a name (the `--engine` value, the recipe's `bench.engine`, the run's
 `quantbench.bench_server` tag) to "module:Class", imported only when the engine is used, so
 `--help` and most tests import none of them. `AUTO` is the order `auto` tries them in. A new
 engine is one module and one line here (tests register their own with `register`).
@@ -223,15 +223,15 @@ def names() -> list[str]:
     return list(ENGINES)
 
 
-def backend_choices() -> list[str]:
-    """What --backend (and a recipe's bench.backend) accepts."""
+def engine_choices() -> list[str]:
+    """What --engine (and a recipe's bench.engine) accepts."""
     return ["auto", *ENGINES, "serve"]
 
 
-def get(name: str, field: str = "--backend") -> ServingEngine:
+def get(name: str, field: str = "--engine") -> ServingEngine:
     """The engine registered as `name` (imported on first use). UserError naming the choices."""
     if name not in ENGINES:
-        raise UserError(f"{field}: unknown engine '{name}'.{did_you_mean(name, backend_choices())}")
+        raise UserError(f"{field}: unknown engine '{name}'.{did_you_mean(name, engine_choices())}")
     if name not in _loaded:
         module, _, attr = ENGINES[name].partition(":")
         engine = getattr(importlib.import_module(module), attr)()
@@ -278,7 +278,7 @@ class Choice:
 
 
 def choose(
-    requested: str, server: str, checkpoint: Path | dict | None, base_path: Path | None, flag: str = "--backend"
+    requested: str, server: str, checkpoint: Path | dict | None, base_path: Path | None, flag: str = "--engine"
 ) -> Choice:
     """The engine for what was asked: a name is that engine (UserError where it does not serve
     both models here, naming one that does); `auto` the first in AUTO that serves both and can run

@@ -1,4 +1,4 @@
-"""A user's own OpenAI-compatible endpoints (`--backend openai --endpoint URL --base-endpoint
+"""A user's own OpenAI-compatible endpoints (`--engine openai --endpoint URL --base-endpoint
 URL`): quantbench starts nothing and cannot tell what they serve; it measures what answers."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ class Endpoint(ServingEngine):
     tag = "endpoint"
 
     def status(self) -> tuple[bool, str | None, str]:
-        return True, None, "your own running servers (bench --backend openai --endpoint URL --base-endpoint URL)"
+        return True, None, "your own running servers (bench --engine openai --endpoint URL --base-endpoint URL)"
 
     def describe(self, compiled: bool = True) -> str:
         return "OpenAI-compatible endpoints"

@@ -18,12 +18,12 @@ class InProcess(ServingEngine):
     stacks_experts = True
 
     def status(self) -> tuple[bool, str | None, str]:
-        return True, metadata.version("transformers"), "in-process generate (bench --backend hf): not a serving engine"
+        return True, metadata.version("transformers"), "in-process generate (bench --engine hf): not a serving engine"
 
     def describe(self, compiled: bool = True) -> str:
         return "hf: in-process transformers generate (not a serving engine)"
 
     def auto_picks(self, checkpoint: Path | dict | None) -> bool:
         """Not for NVFP4 / MXFP4 / MXFP8, which it de-compresses into 16-bit weights: `auto` says
-        they are not measurable here instead (`--backend hf` still times the de-compressed model)."""
+        they are not measurable here instead (`--engine hf` still times the de-compressed model)."""
         return checkpoint is None or decompressed(checkpoint) is None

@@ -34,8 +34,8 @@ from quantbench.sources.checkpoint import (
     weights_size_mb,
 )
 from quantbench.sources.shapes import Shape
-from quantbench.speed import bench as bench_stage
 from quantbench.speed import speculative as spec_stage
+from quantbench.speed import stage as bench_stage
 from quantbench.speed.measure import DEFAULT_PROFILE, load_profile
 from quantbench.tracking import TAG, Tracker
 
@@ -153,7 +153,7 @@ def bench(
     target: str,
     *,
     profile: str | None = None,
-    backend: str = "auto",
+    engine: str = "auto",
     server: str = "auto",
     base: str | None = None,
     experiment: str | None = None,
@@ -167,7 +167,7 @@ def bench(
     plan = bench_stage.prepare(
         profile or DEFAULT_PROFILE,
         AutoTokenizer.from_pretrained(tgt.checkpoint),
-        backend=backend,
+        engine=engine,
         server=server,
         endpoints=endpoints,
         checkpoint=tgt.checkpoint,

@@ -307,14 +307,14 @@ def bench_stage(shape: Shape, bench, checkpoint_bytes: int, compute: str, availa
     return _stage("bench", alone, fits_with=fits)
 
 
-def produce_footprint(backend, shape: Shape, loaded, compute: str) -> ProduceFootprint:
-    """The backend's own footprint of its produce step, or, for a backend that declares none, one
+def produce_footprint(quantizer, shape: Shape, loaded, compute: str) -> ProduceFootprint:
+    """The quantizer's own footprint of its produce step, or, for a quantizer that declares none, one
     more copy of the model in the compute dtype beside what it takes (an over-estimate)."""
-    declared = backend.footprint(shape, loaded, compute)
+    declared = quantizer.footprint(shape, loaded, compute)
     if declared is not None:
         return declared
     return ProduceFootprint(
         [("the method's own copy of the model", shape.weights(compute))],
         shape.params * 2,
-        takes_model=backend.takes_model,
+        takes_model=quantizer.takes_model,
     )

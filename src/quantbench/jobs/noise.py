@@ -28,11 +28,11 @@ from quantbench.core.errors import UserError
 from quantbench.jobs import pipeline
 from quantbench.quality import stage as evaluate_stage
 from quantbench.quality.suite import DEFAULT_SUITE, load_suite
-from quantbench.quantize import make_backend
+from quantbench.quantize import make_quantizer
 from quantbench.recipe import load_recipe, resolve_recipe_path
 from quantbench.sources import models
 from quantbench.sources.checkpoint import read_info
-from quantbench.speed import bench as bench_stage
+from quantbench.speed import stage as bench_stage
 from quantbench.speed.measure import DEFAULT_PROFILE
 from quantbench.tracking import ENV_TAGS, TAG, Tracker
 
@@ -61,7 +61,7 @@ def run(
     suite: str | None = None,
     profile: str | None = None,
     bench: bool = True,
-    backend: str = "auto",
+    engine: str = "auto",
     recipe: str | None = None,
     experiment: str | None = None,
     outputs: Path = Path("outputs"),
@@ -79,7 +79,7 @@ def run(
         bench_stage.prepare(
             profile or DEFAULT_PROFILE,
             tokenizer,
-            backend=backend,
+            engine=engine,
             checkpoint=base.path,
             base_path=base.path,
             field="--profile",
@@ -156,7 +156,7 @@ def _self(base: models.ResolvedModel, copy: Path, plan, bench_plan, tracker: Tra
 def _check_recipe(recipe: str, base: models.ResolvedModel, experiment: str | None) -> tuple[int, int]:
     """A calibrated recipe on this base model: the two calibration seeds it will be run at."""
     loaded = load_recipe(resolve_recipe_path(recipe))
-    if not make_backend(loaded.recipe.quantize).calibrates:
+    if not make_quantizer(loaded.recipe.quantize).calibrates:
         raise UserError(
             f"--recipe {recipe}: {loaded.recipe.quantize.method} {loaded.recipe.quantize.scheme} does not "
             "calibrate, so its calibration seed changes nothing; name a calibrated recipe (gptq, awq, ...)"

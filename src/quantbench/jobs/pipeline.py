@@ -48,7 +48,7 @@ from quantbench.sources.checkpoint import (
     write_info,
 )
 from quantbench.sources.checkpoint import upload as upload_checkpoint
-from quantbench.speed import bench as bench_stage
+from quantbench.speed import stage as bench_stage
 from quantbench.tracking import STAGING, TAG, Tracker, inherited_tags
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ def _baseline(job: Job, tracker: Tracker, costs: _Costs):
 def _check(job: Job, run, where: _Where, costs: _Costs, produced: Produced, base_size_mb: float):
     """The reload check of the staged checkpoint, its hash and quantbench.json, the run's size and
     check metrics, and the model card. Returns (the check, the metrics so far, the card's facts)."""
-    spec, backend = job.loaded.recipe, job.backend
+    spec, quantizer = job.loaded.recipe, job.quantizer
     with costs.stage("check"):
         # hashed before the reload: read after it, the files were mapped a second time beside the
         # loaded model's own mapping of them (the 3B fp8 check's peak counted 5.7 GiB of file pages
@@ -294,7 +294,7 @@ def _check(job: Job, run, where: _Where, costs: _Costs, produced: Produced, base
         metrics["model/bits_per_weight"] = bits
     run.log_metrics(metrics)
     info = card.CardInfo(
-        job.loaded, job.base, backend.format, backend.loaders(), produced.card, len(job.check_ids), run.run_id
+        job.loaded, job.base, quantizer.format, quantizer.loaders(), produced.card, len(job.check_ids), run.run_id
     )
     card.write(where.staging, where.final, info, metrics, check.sample)
     return check, metrics, info
@@ -333,7 +333,7 @@ def _put_in_place(run, where: _Where) -> None:
 
 
 def _produce(job: Job, run, where: _Where) -> tuple[Produced, float]:
-    """The backend writes the checkpoint into the staging directory, from the base model loaded in
+    """The quantizer writes the checkpoint into the staging directory, from the base model loaded in
     the compute dtype when it computes on it (prepare's copy, else loaded now), else from files.
     Returns what it reported and the base's size in its saved dtype (MiB)."""
     import torch
@@ -341,9 +341,9 @@ def _produce(job: Job, run, where: _Where) -> tuple[Produced, float]:
 
     spec = job.loaded.recipe
     where.staging.mkdir(parents=True)
-    model = job.take_model() if job.backend.takes_model else None
+    model = job.take_model() if job.quantizer.takes_model else None
     job.model = None
-    if job.backend.takes_model and model is None:
+    if job.quantizer.takes_model and model is None:
         model = AutoModelForCausalLM.from_pretrained(job.base.path, dtype=getattr(torch, job.compute_dtype))
     base_size_mb = base_bytes(job.base.path, spec.model.dtype) / 2**20
     inputs = Inputs(
@@ -359,7 +359,7 @@ def _produce(job: Job, run, where: _Where) -> tuple[Produced, float]:
         model=model,
     )
     del model  # the engine takes it (or lets it go)
-    return produce(job.backend, inputs), base_size_mb
+    return produce(job.quantizer, inputs), base_size_mb
 
 
 def base_bytes(path: Path, dtype: str) -> int:
@@ -412,11 +412,11 @@ def _candidate_tags(job: Job) -> dict[str, str]:
         TAG + "recipe_sha": job.loaded.sha,
         TAG + "method": q.method,
         TAG + "scheme": q.scheme,
-        TAG + "engine": job.backend.engine,
+        TAG + "engine": job.quantizer.library,
         TAG + "base_model": spec.model.source,
         TAG + "base_fingerprint": job.base.fingerprint,
-        TAG + "format": job.backend.format,
-        TAG + "loaders": job.backend.loaders(),
+        TAG + "format": job.quantizer.format,
+        TAG + "loaders": job.quantizer.loaders(),
         TAG + "kv_cache": getattr(q, "kv_cache", None) or "none",
         TAG + "compute_dtype": job.produce_dtype,
         TAG + "device": hardware.device_class(),  # the class its times hold for (bench/results_table.py)
@@ -430,7 +430,7 @@ def _candidate_tags(job: Job) -> dict[str, str]:
     what = "distillation (student in bf16) of" if q.method == "distill" else f"{q.method} {q.scheme} of"
     tags["mlflow.note.content"] = (  # the run's description in the MLflow UI
         f"{what} `{spec.model.source}` by recipe `{job.loaded.path}` (sha {job.loaded.sha[:12]}); "
-        f"format {job.backend.format}. {spec.description}".strip()
+        f"format {job.quantizer.format}. {spec.description}".strip()
     )
     return tags
 
@@ -463,8 +463,8 @@ def _checkpoint_info(job: Job, run_id: str) -> dict:
         "recipe_sha": job.loaded.sha,
         "method": q.method,
         "scheme": q.scheme,
-        "format": job.backend.format,
-        "loaders": job.backend.loaders(),
+        "format": job.quantizer.format,
+        "loaders": job.quantizer.loaders(),
         "kv_cache": getattr(q, "kv_cache", None),
         "base_model": {
             "source": job.base.source,

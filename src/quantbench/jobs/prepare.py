@@ -23,11 +23,11 @@ from quantbench.jobs import footprint
 from quantbench.jobs.footprint import Footprint
 from quantbench.quality import stage as evaluate_stage
 from quantbench.quality.suite import load_suite
-from quantbench.quantize import Backend, estimate, make_backend
+from quantbench.quantize import Quantizer, estimate, make_quantizer
 from quantbench.recipe import LoadedRecipe, RecipeError, load_recipe, resolve_recipe_path
 from quantbench.sources import data, models, verify
 from quantbench.sources.shapes import Shape
-from quantbench.speed import bench as bench_stage
+from quantbench.speed import stage as bench_stage
 from quantbench.speed.measure import load_profile
 from quantbench.tracking import TAG, Tracker
 
@@ -44,7 +44,7 @@ class Job:
     loaded: LoadedRecipe
     base: models.ResolvedModel
     tokenizer: object
-    backend: Backend
+    quantizer: Quantizer
     calibration: list[list[int]] | None
     check_ids: list[int]  # held-out tokens of the reload check (and the base perplexity)
     text_shas: dict[str, str]
@@ -61,9 +61,9 @@ class Job:
 
     @property
     def produce_dtype(self) -> str:
-        """The dtype the produce step computes in: the backend's own where it says (GPTQModel's AWQ
+        """The dtype the produce step computes in: the quantizer's own where it says (GPTQModel's AWQ
         computes in the saved dtype), else the job's compute dtype."""
-        return self.backend.computes_in(self.loaded.recipe.model) or self.compute_dtype
+        return self.quantizer.computes_in(self.loaded.recipe.model) or self.compute_dtype
 
     def take_model(self):
         """The base model loaded in prepare, handed over once (None when prepare loaded none)."""
@@ -120,15 +120,15 @@ def prepare(
         log.warning("%s", note)
     if base.same_type(candidate_type(spec.quantize)):
         log.warning("%s", same_type_note(base))
-    backend = make_backend(spec.quantize)
-    problems = backend.check(loaded, AutoConfig.from_pretrained(base.path))
+    quantizer = make_quantizer(spec.quantize)
+    problems = quantizer.check(loaded, AutoConfig.from_pretrained(base.path))
     if problems:
         raise UserError(problems)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
     text_shas: dict[str, str] = {}
     bos = data.bos_id(tokenizer)  # every window starts with it, where the tokenizer adds one
     calibration = None
-    if backend.calibrates:
+    if quantizer.calibrates:
         cal = spec.calibration
         with _prefixed(where):
             text = data.load_text(
@@ -148,17 +148,17 @@ def prepare(
             bench = bench_stage.prepare(
                 spec.bench.profile,
                 tokenizer,
-                backend=spec.bench.backend,
-                checkpoint=_expected_config(base.path / "config.json", backend),
+                engine=spec.bench.engine,
+                checkpoint=_expected_config(base.path / "config.json", quantizer),
                 base_path=base.path,
                 field="bench.profile",
-                backend_field="bench.backend",
+                engine_field="bench.engine",
             )
     compute_dtype = spec.model.computes_in()
     base_checked = verify.check_cached(
         _base_check_key(base, tokenizer, eval_ids, spec.check.ppl_tokens, spec.check.window, compute_dtype)
     )
-    footprint = _plan(loaded, base, backend, compute_dtype, evaluation, bench, outputs, experiment, base_checked)
+    footprint = _plan(loaded, base, quantizer, compute_dtype, evaluation, bench, outputs, experiment, base_checked)
     peak = footprint.tightest
     log.info(
         "memory plan: peak %.2f GiB (%s%s) of %.1f GiB available; every stage's in the log",
@@ -176,23 +176,23 @@ def prepare(
     if stop_at_plan:
         raise _Planned(footprint)
     # after the plan: a quantizer's own preparation can be heavy (llama.cpp's conversion of the base)
-    text_shas = backend.prepare(loaded, base, tokenizer) | text_shas  # its texts first, as recorded before
+    text_shas = quantizer.prepare(loaded, base, tokenizer) | text_shas  # its texts first, as recorded before
     loader = _BaseLoader(base.path, compute_dtype)
     with _prefixed(where):
         check = check_base(
             base, tokenizer, eval_ids, spec.check.ppl_tokens, spec.check.window, "model.source",
             dtype=compute_dtype, loader=loader, enforce=spec.check.base_ppl_bound,
         )  # fmt: skip
-    produce_estimate = _estimate(loaded, base, backend, calibration, eval_ids, compute_dtype, strict_budget, loader)
+    produce_estimate = _estimate(loaded, base, quantizer, calibration, eval_ids, compute_dtype, strict_budget, loader)
     if evaluation is not None and check.seconds_per_token:
         _say_evaluation_cost(evaluation, check.seconds_per_token, footprint, spec.evaluate.suite, compute_dtype)
-    model = loader.model if backend.takes_model else None
+    model = loader.model if quantizer.takes_model else None
     loader.release()
     return Job(
         loaded,
         base,
         tokenizer,
-        backend,
+        quantizer,
         calibration,
         check_ids,
         text_shas,
@@ -262,17 +262,17 @@ class _BaseLoader:
 
 
 def _plan(
-    loaded, base, backend, compute: str, evaluation, bench, outputs: Path, experiment, base_checked: bool = False
+    loaded, base, quantizer, compute: str, evaluation, bench, outputs: Path, experiment, base_checked: bool = False
 ) -> Footprint:
     """The job's memory and disk, stage by stage, from the base's config and the recipe."""
     from transformers import AutoConfig
 
     spec = loaded.recipe
     shape = Shape.from_config(AutoConfig.from_pretrained(base.path))
-    produce = footprint.produce_footprint(backend, shape, loaded, compute)
-    if backend.prepared(base):  # its conversion is cached: prepare converts nothing
+    produce = footprint.produce_footprint(quantizer, shape, loaded, compute)
+    if quantizer.prepared(base):  # its conversion is cached: prepare converts nothing
         produce = replace(produce, prepare_held=[], prepare_disk=0)
-    estimating = (backend.calibrates or backend.trains) and estimate.passes(spec.quantize, 1, 1) is not None
+    estimating = (quantizer.calibrates or quantizer.trains) and estimate.passes(spec.quantize, 1, 1) is not None
     cached = evaluation is None or evaluate_stage.baseline_exists(Tracker(experiment, reap=False), base, evaluation)
     return footprint.plan(
         shape,
@@ -313,7 +313,7 @@ def base_tags(base: models.ResolvedModel, candidate: str | None = None) -> dict[
 def _estimate(
     loaded: LoadedRecipe,
     base: models.ResolvedModel,
-    backend: Backend,
+    quantizer: Quantizer,
     calibration: list[list[int]] | None,
     eval_ids: list[int],
     dtype: str,
@@ -326,7 +326,7 @@ def _estimate(
     from transformers import AutoConfig
 
     spec, q = loaded.recipe, loaded.recipe.quantize
-    if not (backend.calibrates or backend.trains) or estimate.passes(q, 1, 1) is None:
+    if not (quantizer.calibrates or quantizer.trains) or estimate.passes(q, 1, 1) is None:
         return None
     if calibration is not None:
         windows = calibration
@@ -357,11 +357,11 @@ def _estimate(
     return found
 
 
-def _expected_config(config_path: Path, backend: Backend) -> dict:
+def _expected_config(config_path: Path, quantizer: Quantizer) -> dict:
     """The config.json the recipe's checkpoint will have, as far as serving it goes (its
     quantization_config sketched from the recipe), so that the bench engine is chosen before the job."""
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = backend.quantization_config()
+    config["quantization_config"] = quantizer.quantization_config()
     return config
 
 
@@ -392,11 +392,11 @@ def check_without_model(
             return None
 
     config = attempt(models.read_config, spec.model.source, experiment=experiment)
-    backend = make_backend(spec.quantize)
+    quantizer = make_quantizer(spec.quantize)
     if config is not None:
         attempt(models.check_files, spec.model.source)
-        problems.extend(attempt(backend.check, loaded, config) or [])
-        if backend.calibrates and "calibration" not in skip:
+        problems.extend(attempt(quantizer.check, loaded, config) or [])
+        if quantizer.calibrates and "calibration" not in skip:
             attempt(_check_calibration, loaded, experiment)
     if spec.evaluate is not None and "evaluate" not in skip:
         attempt(load_suite, spec.evaluate.suite, "evaluate.suite")

@@ -1,8 +1,8 @@
-"""Engines that make a checkpoint from a base model, one module each, imported only when a recipe
+"""Quantizers: what makes a checkpoint from a base model, one module each, imported only when a recipe
 names their method: `quantbench --help`, validation of other methods and most tests import none.
 
-Every engine module subclasses `Backend` (below), which owns the method's facts. The pipeline never
-asks an engine how it works: it gives it `Inputs` and gets back `Produced` with the checkpoint
+Every quantizer module subclasses `Quantizer` (below), which owns the method's facts. The pipeline
+never asks a quantizer how it works: it gives it `Inputs` and gets back `Produced` with the checkpoint
 written into `Inputs.staging`.
 """
 
@@ -16,22 +16,22 @@ from typing import Any, ClassVar
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.sources.checkpoint import skeleton
 
-# method (or method/format, where a recipe's `format:` picks another engine) -> "module:object"
-BACKENDS = {
-    "gptq": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
-    "awq": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
-    "fp8": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
-    "smoothquant": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
-    "rtn": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
-    "autoround": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
-    "spinquant": "quantbench.quantize.llmcompressor:LLMCompressorBackend",
-    "bnb": "quantbench.quantize.bnb:BnbBackend",
-    "distill": "quantbench.quantize.distill:DistillBackend",
-    "gguf": "quantbench.quantize.gguf:GGUFBackend",
-    "gptq/gptq": "quantbench.quantize.gptqmodel:GPTQModelBackend",
-    "awq/awq": "quantbench.quantize.gptqmodel:GPTQModelBackend",
+# method (or method/format, where a recipe's `format:` picks another quantizer) -> "module:object"
+QUANTIZERS = {
+    "gptq": "quantbench.quantize.llmcompressor:LLMCompressorQuantizer",
+    "awq": "quantbench.quantize.llmcompressor:LLMCompressorQuantizer",
+    "fp8": "quantbench.quantize.llmcompressor:LLMCompressorQuantizer",
+    "smoothquant": "quantbench.quantize.llmcompressor:LLMCompressorQuantizer",
+    "rtn": "quantbench.quantize.llmcompressor:LLMCompressorQuantizer",
+    "autoround": "quantbench.quantize.llmcompressor:LLMCompressorQuantizer",
+    "spinquant": "quantbench.quantize.llmcompressor:LLMCompressorQuantizer",
+    "bnb": "quantbench.quantize.bnb:BnbQuantizer",
+    "distill": "quantbench.quantize.distill:DistillQuantizer",
+    "gguf": "quantbench.quantize.gguf:GGUFQuantizer",
+    "gptq/gptq": "quantbench.quantize.gptqmodel:GPTQModelQuantizer",
+    "awq/awq": "quantbench.quantize.gptqmodel:GPTQModelQuantizer",
 }
-# the package a backend module needs, for a clear error when it is missing
+# the package a quantizer module needs, for a clear error when it is missing
 PACKAGES = {
     "quantbench.quantize.llmcompressor": "llmcompressor",
     "quantbench.quantize.bnb": "bitsandbytes",
@@ -43,21 +43,21 @@ PACKAGES = {
 
 @dataclass
 class Inputs:
-    """What an engine gets to make a checkpoint; everything here was checked before the run began."""
+    """What a quantizer gets to make a checkpoint; everything here was checked before the run began."""
 
     loaded: Any  # recipe.LoadedRecipe
     base: Any  # models.ResolvedModel
     tokenizer: Any
-    calibration: list[list[int]] | None  # token windows, when the backend calibrates
+    calibration: list[list[int]] | None  # token windows, when the quantizer calibrates
     staging: Path  # write the checkpoint here (the directory exists and is empty)
     log_path: Path  # the run's log file (a child process appends its output to it)
     workdir: Path  # state that must survive an interrupted job (training checkpoints), keyed by the recipe
     held_out: tuple[list[int], int]  # (token ids, window) of the reload check's text
-    run: Any  # tracking.Run, for curves logged while the engine works (training loss)
+    run: Any  # tracking.Run, for curves logged while the quantizer works (training loss)
     model: Any = None  # the base model, loaded in the job's compute dtype; take it with take_model()
 
     def take_model(self):
-        """The loaded base model, handed over: the pipeline keeps no reference, so an engine that
+        """The loaded base model, handed over: the pipeline keeps no reference, so a quantizer that
         does not use it (one that loads its own copy) frees it by not taking it."""
         model, self.model = self.model, None
         return model
@@ -68,7 +68,7 @@ class Inputs:
 
 @dataclass
 class Produced:
-    """What an engine reports once the checkpoint is in `Inputs.staging`."""
+    """What a quantizer reports once the checkpoint is in `Inputs.staging`."""
 
     metrics: dict[str, float] = field(default_factory=dict)  # its own metrics (e.g. distill/*)
     reference_ppl: float | None = None  # the reload check bounds against this instead of the base's (a trained model)
@@ -78,7 +78,7 @@ class Produced:
 
 @dataclass
 class ProduceFootprint:
-    """What a quantizer declares of its produce step (the backend's `footprint`)."""
+    """What a quantizer declares of its produce step (the quantizer's `footprint`)."""
 
     held: list[tuple[str, int]]  # (what, bytes) resident at its peak, the runtime excluded
     checkpoint: int  # bytes the checkpoint will take on disk
@@ -95,12 +95,13 @@ CHILD_RUNTIME = int(0.5 * 2**30)
 LLAMACPP_RUNTIME = int(0.15 * 2**30)
 
 
-class Backend:
-    """What every quantizer is: one subclass per quantizer module, named in `BACKENDS`. The
-    pipeline asks the backend it holds for every fact about its method; nothing outside the
+class Quantizer:
+    """What every quantizer is: one subclass per quantizer module, named in `QUANTIZERS`. The
+    pipeline asks the quantizer it holds for every fact about its method; nothing outside the
     module branches on a method's name.
 
-    - `engine`, `format`: who writes the checkpoint, and in which format;
+    - `library`, `format`: the library that writes the checkpoint (tag `quantbench.engine`), and in
+      which format;
     - `calibrates`: it needs calibration windows (`Inputs.calibration`);
     - `trains`: it makes a new model by training (the reload check bounds that model against itself);
     - `on_load`: it quantizes while the model loads (no pass over data);
@@ -123,7 +124,7 @@ class Backend:
       planner then plans no conversion).
     """
 
-    engine: ClassVar[str]
+    library: ClassVar[str]
     format: str
     calibrates: bool = False
     trains: ClassVar[bool] = False
@@ -161,17 +162,17 @@ class Backend:
         return None
 
 
-def backend_key(method: str, format: str | None = None) -> str:
-    return f"{method}/{format}" if f"{method}/{format}" in BACKENDS else method
+def quantizer_key(method: str, format: str | None = None) -> str:
+    return f"{method}/{format}" if f"{method}/{format}" in QUANTIZERS else method
 
 
-def get_backend(method: str, format: str | None = None) -> type[Backend]:
-    """The backend class for a recipe's method (and format); its module is imported now."""
-    key = backend_key(method, format)
-    if key not in BACKENDS:
-        methods = [m for m in BACKENDS if "/" not in m]
+def quantizer_class(method: str, format: str | None = None) -> type[Quantizer]:
+    """The quantizer class for a recipe's method (and format); its module is imported now."""
+    key = quantizer_key(method, format)
+    if key not in QUANTIZERS:
+        methods = [m for m in QUANTIZERS if "/" not in m]
         raise UserError(f"quantize.method: unknown method '{method}'." + did_you_mean(method, methods))
-    module_name, _, attr = BACKENDS[key].partition(":")
+    module_name, _, attr = QUANTIZERS[key].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -183,9 +184,9 @@ def get_backend(method: str, format: str | None = None) -> type[Backend]:
     return getattr(module, attr)
 
 
-def make_backend(spec) -> Backend:
-    """The backend for a recipe's `quantize:` section."""
-    return get_backend(spec.method, getattr(spec, "format", None))(spec)
+def make_quantizer(spec) -> Quantizer:
+    """The quantizer for a recipe's `quantize:` section."""
+    return quantizer_class(spec.method, getattr(spec, "format", None))(spec)
 
 
 def calibration_card(inputs: Inputs) -> str:
@@ -197,7 +198,7 @@ def calibration_card(inputs: Inputs) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shapes: engines that group weights need widths their group size divides
+# Shapes: quantizers that group weights need widths their group size divides
 
 
 def recipe_layers(config, ignore: list[str]) -> list[tuple[str, int, int]]:

@@ -4,7 +4,7 @@ with bitsandbytes serialization (loads wherever transformers and bitsandbytes ru
 
 Trap (bitsandbytes 0.50.2, measured on an AMX machine; it did not reproduce on an AVX2-only one):
 a 4-bit model saved *after* any forward pass reloads as garbage (perplexity ~5e7) while the
-in-memory model looks fine. So this backend loads the quantized model and saves it before anything
+in-memory model looks fine. So this quantizer loads the quantized model and saves it before anything
 runs it, which is safe on both; the quantize stage's reload check scores the checkpoint from disk,
 never the in-memory model. `test_bnb.py` checks the order and reports which this CPU does.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import bitsandbytes  # noqa: F401  (a missing package fails here, named by the registry)
 import torch
 
-from quantbench.quantize import Backend, Inputs, Produced, recipe_layers
+from quantbench.quantize import Inputs, Produced, Quantizer, recipe_layers
 from quantbench.recipe.methods import BnbSpec
 
 # bitsandbytes 0.50's 4-bit CPU kernels repack weights in blocks of 64 input features (the
@@ -24,10 +24,10 @@ from quantbench.recipe.methods import BnbSpec
 BNB_4BIT_BLOCK = 64
 
 
-class BnbBackend(Backend):
+class BnbQuantizer(Quantizer):
     """The base model quantized while it loads, saved before anything runs it."""
 
-    engine = "bitsandbytes"
+    library = "bitsandbytes"
     format = "bitsandbytes"
     calibrates = False
     trains = False

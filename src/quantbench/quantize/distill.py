@@ -8,7 +8,7 @@ next-token cross-entropy. transformers' Trainer runs the loop: AdamW, warm-up th
 bf16 autocast, and checkpoints every `save_steps` into a directory keyed by the recipe's hash, so
 an interrupted job resumes from its last checkpoint when the same recipe runs again.
 
-llm-compressor removed its distillation support, so it is not the engine here; TRL's GKD
+llm-compressor removed its distillation support, so it is not the library here; TRL's GKD
 trainer adds on-policy generation this job does not need, so the Trainer is used directly.
 """
 
@@ -27,7 +27,7 @@ import transformers
 from quantbench.core.errors import UserError
 from quantbench.core.logs import relay
 from quantbench.core.measures import compare, reference
-from quantbench.quantize import Backend, Inputs, Produced
+from quantbench.quantize import Inputs, Produced, Quantizer
 from quantbench.recipe import short
 from quantbench.recipe.methods import DistillSpec
 from quantbench.sources import data, models
@@ -41,10 +41,10 @@ relay(r"^\s*\d+%\|[^|]*\| *(\d+)/(\d+) \[", "distill (steps)", "step")
 PREFIX = "distill/"  # MLflow metric prefix of the training curves
 
 
-class DistillBackend(Backend):
+class DistillQuantizer(Quantizer):
     """A student trained against the loaded base model (the teacher), saved in bf16."""
 
-    engine = "transformers Trainer"
+    library = "transformers Trainer"
     format = "safetensors-bf16"
     calibrates = False
     trains = True

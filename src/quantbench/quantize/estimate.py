@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 TIMED_WINDOWS = 3  # forward passes timed, after one warm-up pass; the fastest counts
 
 # Forward-pass equivalents (one pass = the whole model over one calibration window) per window and
-# per unit of the method's own knob. A per-layer engine (llm-compressor's sequential pipeline) runs
+# per unit of the method's own knob. A per-layer library (llm-compressor's sequential pipeline) runs
 # each layer on every window to calibrate and again to pass the quantized output on; AWQ adds, per
 # grid point, the forward of the modules each scale feeds. AWQ's pair is fitted to the default
 # model's measured produce time (docs/results.md, "Any CPU: compute dtype, produce-time estimates,

@@ -22,10 +22,10 @@ from quantbench.engines import llamacpp_build as build
 from quantbench.quantize import (
     CHILD_RUNTIME,
     LLAMACPP_RUNTIME,
-    Backend,
     Inputs,
     Produced,
     ProduceFootprint,
+    Quantizer,
     calibration_card,
 )
 from quantbench.recipe import schemes
@@ -61,8 +61,8 @@ def file_bytes(file_type: str, shape) -> int:
     return int(shape.params * NOMINAL_BITS.get(file_type.upper(), 16.0) / 8)
 
 
-class GGUFBackend(Backend):
-    engine = "llama.cpp"
+class GGUFQuantizer(Quantizer):
+    library = "llama.cpp"
     format = "gguf"
     trains = False
     on_load = False

@@ -3,7 +3,7 @@
 AutoGPTQ and AutoAWQ are archived; GPTQModel is their maintained successor and writes the
 formats their users load: `quantization_config.quant_method` "gptq" (transformers with optimum +
 gptqmodel, vLLM, SGLang) or "awq" (transformers with gptqmodel, vLLM, SGLang). A recipe picks this
-backend with `format: gptq` (method gptq) or `format: awq` (method awq); the same recipe with
+quantizer with `format: gptq` (method gptq) or `format: awq` (method awq); the same recipe with
 `format: compressed-tensors` goes through llm-compressor.
 
 GPTQModel runs in a child process (`python -m quantbench.quantize.gptqmodel`): an exception in
@@ -34,9 +34,9 @@ from pathlib import Path
 
 from quantbench.core.processes import stop_group
 from quantbench.quantize import (
-    Backend,
     Inputs,
     Produced,
+    Quantizer,
     calibration_card,
     group_size_problem,
     recipe_layers,
@@ -51,10 +51,10 @@ log = logging.getLogger(__name__)
 AWQ_OUT_BLOCK = 64  # GPTQModel's AWQ clip search works on blocks of 64 (or 256) output channels
 
 
-class GPTQModelBackend(Backend):
+class GPTQModelQuantizer(Quantizer):
     """GPTQModel loads, quantizes and saves in a child process, straight into the staging dir."""
 
-    engine = "GPTQModel"
+    library = "GPTQModel"
     calibrates = True
     trains = False
     on_load = False

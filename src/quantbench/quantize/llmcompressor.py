@@ -32,10 +32,10 @@ from loguru import logger as _loguru
 from quantbench.core import logs
 from quantbench.core.files import drop_file_pages, mapped_files
 from quantbench.quantize import (
-    Backend,
     Inputs,
     Produced,
     ProduceFootprint,
+    Quantizer,
     calibration_card,
     group_size_problem,
     model_free,
@@ -88,10 +88,10 @@ MIXED = (GPTQSpec, RTNSpec, AutoRoundSpec, SpinQuantSpec)  # the specs with `lay
 KV_CACHE_SCHEMES = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
 
 
-class LLMCompressorBackend(Backend):
+class LLMCompressorQuantizer(Quantizer):
     """llm-compressor's oneshot on the loaded base model, in place; saved compressed."""
 
-    engine = "llm-compressor"
+    library = "llm-compressor"
     format = "compressed-tensors"
     trains = False
     on_load = False

@@ -1,8 +1,8 @@
-"""The produce stage: an engine writes the checkpoint into the staging directory; what it cost
+"""The produce stage: a quantizer writes the checkpoint into the staging directory; what it cost
 (wall time, peak memory of this process and its children) is measured around it.
 
 The same recipe at the same seed must give the same checkpoint (docs/intervals.md,
-"Reproducible checkpoints"): for the produce step only, every random generator an engine might
+"Reproducible checkpoints"): for the produce step only, every random generator a quantizer might
 draw from is seeded with the recipe's seed and torch is asked for deterministic algorithms
 (warning, not failing, where an operation has none); the previous state is restored after.
 Results still depend on the thread count (CPU reductions are split by threads) and on library
@@ -18,7 +18,7 @@ import resource
 import time
 from contextlib import contextmanager
 
-from quantbench.quantize import Backend, Inputs, Produced
+from quantbench.quantize import Inputs, Produced, Quantizer
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +49,18 @@ def deterministic(seed: int):
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
-def produce(backend: Backend, inputs: Inputs) -> Produced:
+def produce(quantizer: Quantizer, inputs: Inputs) -> Produced:
     spec = inputs.loaded.recipe.quantize
     log.info(
         "%s %s with %s into %s",
-        "training" if backend.trains else "quantizing",
+        "training" if quantizer.trains else "quantizing",
         f"{spec.method} {spec.scheme}",
-        backend.engine,
+        quantizer.library,
         inputs.staging,
     )
     started = time.perf_counter()
     with deterministic(inputs.loaded.recipe.calibration.seed) as pinned:
-        produced = backend.produce(inputs)
+        produced = quantizer.produce(inputs)
     produced.pinned = pinned
     wall_s = time.perf_counter() - started
     peak_rss_mb = (

@@ -16,6 +16,7 @@ quantize:
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from pydantic import (
     PositiveInt,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from quantbench import engines
@@ -49,6 +51,7 @@ from quantbench.recipe.common import DEFAULT_TEXT, Strict
 from quantbench.recipe.methods import METHODS, QuantizeSpec
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+log = logging.getLogger(__name__)
 QUOTE_CHARS = 80  # an error message quotes at most this much of a value
 
 
@@ -115,14 +118,24 @@ class BenchSpec(Strict):
     # auto: the first engine of quantbench.engines.AUTO (vLLM, transformers serve, in-process hf)
     # that serves the checkpoint's format on this device; an engine's name: that engine (an error
     # before the job if it cannot serve); hf: in-process transformers generate (not a serving
-    # engine); serve: a server, the first that serves the format. One of engines.backend_choices()
-    # less openai (a recipe starts its own servers).
-    backend: str = "auto"
+    # engine); serve: a server, the first that serves the format. One of engines.engine_choices()
+    # less openai (a recipe starts its own servers). `backend:`, its old name, is still read.
+    engine: str = "auto"
 
-    @field_validator("backend")
+    @model_validator(mode="before")
     @classmethod
-    def _known_backend(cls, value: str) -> str:
-        choices = [b for b in engines.backend_choices() if b != "openai"]
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "backend" in data:
+            if "engine" in data:
+                raise ValueError("backend is the old name of engine: give engine alone")
+            log.warning("bench.backend is deprecated; it is now called bench.engine")
+            data = {("engine" if k == "backend" else k): v for k, v in data.items()}
+        return data
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        choices = [b for b in engines.engine_choices() if b != "openai"]
         if value not in choices:
             raise ValueError(f"unknown value '{value}'." + did_you_mean(value, choices))
         return value
@@ -174,6 +187,8 @@ class LoadedRecipe:
         """Content hash of the resolved recipe (defaults filled in, overrides applied), without
         `resources:` and `budget_minutes:` (where and how long a job runs, not what it computes)."""
         resolved = {k: v for k, v in self.resolved.items() if k not in ("resources", "budget_minutes")}
+        if resolved.get("bench"):  # hashed under bench.engine's old name: a recipe's sha is what it was
+            resolved["bench"] = {("backend" if k == "engine" else k): v for k, v in resolved["bench"].items()}
         return canonical_sha(resolved, compact=True)
 
     def resources(self, fallback: ResourcesSpec | None = None) -> dict[str, float | None]:

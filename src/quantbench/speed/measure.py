@@ -1,6 +1,6 @@
 """Speed against the base model: the profile, the A B A B loop, the in-process (`hf`)
 measurements and the summary. TTFT, decode and prefill tokens/s, inter-token and end-to-end
-latency, each load level's throughput and latency percentiles, peak memory. The server backends'
+latency, each load level's throughput and latency percentiles, peak memory. The server engines'
 measurements are in speed/serving.py.
 
 The candidate and the base model are measured with the same profile, interleaved (A B A B, one
@@ -102,7 +102,7 @@ class Profile(Strict):
     repetitions: PositiveInt = 3
     warmup: int = Field(1, ge=0)
     seed: int = 0
-    # the dtype the base model is measured in by the hf backend: on CPU float32 is its fastest
+    # the dtype the base model is measured in by the hf engine: on CPU float32 is its fastest
     # plain path, on a GPU bfloat16 is what would be served
     base_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # vLLM's --dtype for candidate and base: auto is vLLM's own choice (a float32 checkpoint is
@@ -320,7 +320,7 @@ class RepetitionFailed(RuntimeError):
 
 
 class PartialBench(RuntimeError):
-    """A backend failed part-way (e.g. the server died): what was measured before is kept, the
+    """An engine failed part-way (e.g. the server died): what was measured before is kept, the
     finished repetitions in `samples` and the unfinished one's samples in `unfinished`
     ({"model", "repetition", "measured"}), marked as such."""
 
@@ -337,7 +337,7 @@ def _named(cause: BaseException) -> str:
 
 
 def hf_measurer(load, profile: Profile):
-    """Backend hf: load the model, measure one repetition, free it; peak RSS growth meanwhile."""
+    """Engine hf: load the model, measure one repetition, free it; peak RSS growth meanwhile."""
 
     def run(prompt_sets: dict[int, list[list[int]]], rep: int) -> dict[str, float]:
         with PeakRSS() as mem:

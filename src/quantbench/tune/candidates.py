@@ -82,7 +82,7 @@ def write_recipe(
     if "bench" in needed and doc.get("bench") is None:
         # auto, the choice a recipe's own bench section makes: vLLM where it serves the candidate
         # here (its environment created on first use), else transformers serve, else in-process hf
-        doc["bench"] = {"profile": "cpu-smoke", "backend": "auto"}
+        doc["bench"] = {"profile": "cpu-smoke", "engine": "auto"}
     counts = ", ".join(f"{n} x {s}" for s, n in sorted(alloc.counts().items(), key=lambda x: -x[1]))
     name = f"{template.name}-mixed-{alloc.bits_per_weight:.3f}b"
     doc["description"] = (

@@ -12,7 +12,7 @@ from quantbench.core.errors import UserError
 from quantbench.core.files import canonical_sha
 from quantbench.engines import llamacpp
 from quantbench.engines import llamacpp_build as build
-from quantbench.quantize import make_backend
+from quantbench.quantize import make_quantizer
 from quantbench.recipe import LoadedRecipe, load_recipe, resolve_recipe_path, schemes
 from quantbench.recipe.methods import rotation_problems
 from quantbench.release import gate
@@ -88,7 +88,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     template, *alternatives = [_template(name) for name in [request.template, *request.alternatives]]
     spec = template.recipe.quantize
     gguf = spec.method == "gguf"
-    if engine is not None and make_backend(spec).format != engine.tune_format:
+    if engine is not None and make_quantizer(spec).format != engine.tune_format:
         raise UserError(
             f"--engine {request.engine}: --from {template.name} is a {spec.method} recipe; a {engine.label} tune "
             f"needs a {engine.tune_format} recipe (e.g. {engine.tune_template})"
@@ -201,7 +201,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
 def _template(name: str) -> LoadedRecipe:
     loaded = load_recipe(resolve_recipe_path(name))
     spec = loaded.recipe.quantize
-    if not make_backend(spec).mixes_per_layer:  # the quantizer says (its module is imported now)
+    if not make_quantizer(spec).mixes_per_layer:  # the quantizer says (its module is imported now)
         raise UserError(
             f"--from {name}: method {spec.method} cannot take per-layer schemes; a tune needs a "
             "recipe whose quantizer takes a scheme per layer (e.g. gptq-w4a16, a method: rtn recipe in "

@@ -2,7 +2,7 @@
 the same profile, interleaved, through one engine. speed/measure.py says what is measured;
 speed/serving.py holds the client, the load levels and the servers.
 
-Which engine (`backend`, one of quantbench.engines' registry or a way of choosing one):
+Which engine (`engine`, one of quantbench.engines' registry or a way of choosing one):
 - `auto` (the default): the first engine in `engines.AUTO` (vLLM, transformers serve, in-process
   hf) that serves the checkpoint's format and the base model's on this device and can run here;
   the choice and why go into the output, the run's tags and bench.json.
@@ -58,7 +58,7 @@ class Plan:
     profile: Profile
     token_ids: list[int]
     engine: ServingEngine
-    endpoints: tuple[str, str] | None = None  # backend openai: (checkpoint's, base model's)
+    endpoints: tuple[str, str] | None = None  # engine openai: (checkpoint's, base model's)
     requested: str = "hf"  # what the user asked for: auto, serve or an engine's name
     why: str = ""  # why this engine
     # servers that do not fit in memory together (the job's memory plan): the candidate's measured
@@ -66,7 +66,7 @@ class Plan:
     one_at_a_time: bool = False
 
     @property
-    def backend(self) -> str:
+    def how(self) -> str:
         """How it is measured (tag bench_backend): hf (in-process), openai (endpoints) or serve."""
         return {"in-process": "hf", "endpoint": "openai", "server": "serve"}[self.engine.kind]
 
@@ -103,13 +103,13 @@ def prepare(
     profile_name: str,
     tokenizer,
     *,
-    backend: str = "auto",
+    engine: str = "auto",
     server: str = "auto",
     endpoints: tuple[str, str] | None = None,
     checkpoint: Path | dict | None = None,
     base_path: Path | None = None,
     field: str = "--profile",
-    backend_field: str = "--backend",
+    engine_field: str = "--engine",
 ) -> Plan:
     """Load the profile, check every prompt length against the evaluation text, and pick the
     engine. `checkpoint`: its directory, or (a recipe's checkpoint not written yet) the config it
@@ -118,26 +118,24 @@ def prepare(
     ids = tokenizer(data.python_docs("evaluation"))["input_ids"]
     for length in [*profile.prompt_tokens, *profile.context_tokens]:
         prompts(ids, length, 1, profile.seed)
-    if backend == "openai":
+    if engine == "openai":
         if not (endpoints and all(endpoints)):
             raise UserError(
-                "--backend openai needs --endpoint URL (the checkpoint) and --base-endpoint URL (its base model)"
+                "--engine openai needs --endpoint URL (the checkpoint) and --base-endpoint URL (its base model)"
             )
         check_endpoint(endpoints[0], "--endpoint")
         check_endpoint(endpoints[1], "--base-endpoint")
-        return Plan(
-            profile_name, profile, ids, engines.get("openai"), endpoints, backend, "asked for (--backend openai)"
-        )
-    chosen = engines.choose(backend, server, checkpoint, base_path, backend_field)
+        return Plan(profile_name, profile, ids, engines.get("openai"), endpoints, engine, "asked for (--engine openai)")
+    chosen = engines.choose(engine, server, checkpoint, base_path, engine_field)
     if chosen.engine.kind == "in-process" and (profile.request_rates or profile.sweep):
         what = "request_rates need" if profile.request_rates else "a sweep needs"
         raise UserError(
-            f"{field}: {what} a server (open-loop arrivals); the hf backend measures "
-            "batched generate only. Measure through a server (--backend auto picks one where one serves)"
+            f"{field}: {what} a server (open-loop arrivals); the hf engine measures "
+            "batched generate only. Measure through a server (--engine auto picks one where one serves)"
         )
     if chosen.engine.kind == "in-process" and (profile.context_tokens or profile.kv_cache):
         what = "context_tokens need" if profile.context_tokens else "kv_cache needs"
-        raise UserError(f"{field}: {what} a server (the server's memory and KV cache); the hf backend has neither")
+        raise UserError(f"{field}: {what} a server (the server's memory and KV cache); the hf engine has neither")
     if profile.kv_cache and profile.kv_cache not in chosen.engine.kv_cache_types:
         offered = chosen.engine.kv_cache_types
         others = "vLLM takes fp8 where its CPU build has AVX-512; llama.cpp's server q8_0, q4_0, ..."
@@ -154,15 +152,15 @@ def prepare(
     if unfit:
         raise UserError(f"{field}: kv_cache: {chosen.engine.label} cannot keep this checkpoint's KV cache so: {unfit}")
     if profile.prefix and chosen.engine.kind == "in-process":
-        raise UserError(f"{field}: a prefix workload needs a server with a prefix cache; the hf backend has none")
+        raise UserError(f"{field}: a prefix workload needs a server with a prefix cache; the hf engine has none")
     if profile.prefix and chosen.engine.prefix_cache is not None:
         raise UserError(
             f"{field}: prefix: {chosen.engine.label} {chosen.engine.prefix_cache}; vLLM and llama.cpp's server "
-            "turn their prefix caches off per request (--backend vllm or llamacpp)"
+            "turn their prefix caches off per request (--engine vllm or llamacpp)"
         )
-    plan = Plan(profile_name, profile, ids, chosen.engine, None, backend, chosen.why)
+    plan = Plan(profile_name, profile, ids, chosen.engine, None, engine, chosen.why)
     if chosen.engine.kind == "server":
-        chosen.engine.ensure(f"{backend_field} {backend}")
+        chosen.engine.ensure(f"{engine_field} {engine}")
         longest = (
             max([*profile.prompt_tokens, *profile.context_tokens, prefix_length(profile)]) + profile.output_tokens + 16
         )
@@ -185,7 +183,7 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
         "bench: %s vs base %s, profile %s, through %s (%s)", checkpoint, base.name, plan.profile_name, engine, plan.why
     )
     report = {
-        "backend": plan.backend,
+        "backend": plan.how,
         "server": plan.server,
         "engine": plan.engine.tag_name,
         "engine_description": engine,
@@ -198,9 +196,9 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
         if plan.one_at_a_time
         else "interleaved",
     }
-    base_dtype = plan.profile.base_dtype if plan.backend == "hf" else plan.profile.serve_dtype
+    base_dtype = plan.profile.base_dtype if plan.how == "hf" else plan.profile.serve_dtype
     tags = {
-        TAG + "bench_backend": plan.backend,
+        TAG + "bench_backend": plan.how,
         TAG + "bench_profile": plan.profile_name,
         TAG + "bench_server": plan.engine.tag_name,
         TAG + "bench_engine": engine,
@@ -243,7 +241,7 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
         "model/size_mb": weights_size_mb(checkpoint),
     }
     plots = []
-    if logs:  # a server backend: its load levels have latencies to plot
+    if logs:  # a server engine: its load levels have latencies to plot
         title = f"{checkpoint.name} vs {base.name} · {engine}"
         plots = [p for p in (load_plot(metrics, logs[0].parent / PLOT, title),) if p]
         if sweep and plan.profile.slo:
@@ -374,7 +372,7 @@ def _measurers(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     profile = plan.profile
-    if plan.backend == "hf":
+    if plan.how == "hf":
         base_dtype = "auto" if profile.base_dtype == "auto" else getattr(torch, profile.base_dtype)
         yield {
             "candidate": hf_measurer(lambda: load_model(checkpoint), profile),
@@ -384,7 +382,7 @@ def _measurers(
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     texts = prefix_prompts(plan.token_ids, profile.prefix, tokenizer, profile.seed) if profile.prefix else None
-    if plan.backend == "openai":
+    if plan.how == "openai":
         assert plan.endpoints is not None
         yield {
             "candidate": openai_measurer(
