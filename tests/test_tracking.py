@@ -1,6 +1,7 @@
 import pytest
 
-from quantbench.tracking import Tracker, flatten
+from quantbench.core.settings import flatten
+from quantbench.tracking import Tracker
 from tests.helpers import runs
 
 

@@ -36,6 +36,7 @@ from filelock import FileLock
 
 from quantbench.core.errors import UserError
 from quantbench.core.processes import interrupted, interrupts_held, signal_received
+from quantbench.core.settings import flatten
 
 log = logging.getLogger(__name__)
 
@@ -546,18 +547,6 @@ class Tracker:
                 }
             )
         return done
-
-
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"quantize": {"group_size": 64}} -> {"quantize.group_size": 64}."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
 
 
 def _param_value(value: Any) -> str:

@@ -110,3 +110,15 @@ def _yaml_error(exc: yaml.YAMLError) -> str:
     problem = getattr(exc, "problem", None) or str(exc)
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
     return f"{where}YAML syntax error: {problem}"
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"quantize": {"group_size": 64}} -> {"quantize.group_size": 64}."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out

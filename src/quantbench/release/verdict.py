@@ -227,58 +227,9 @@ def build(
     notes: list[str] = []
     evaluated = "quality/kld_mean" in metrics
     benched = "speedup/decode_tok_s" in metrics and tags.get(TAG + "bench_partial") != "true"
-
-    if evaluated:
-        rows += [_metric_row(key, label, fmt, metrics, by_name) for key, label, fmt in QUALITY]
-    else:
-        stage = by_name.pop("stage evaluate", None)
-        rows.append(Row("quality vs base", "not measured", "", "stage evaluate" if stage else "", _result(stage)))
-        notes.append(f"quality: `make evaluate RUN={run_id}` scores it against its base (KLD, top-1, flips, tasks)")
-    ppl = _ppl_row(metrics, by_name)
-    if ppl is not None:
-        rows.append(ppl)
-    for key in sorted(k for k in metrics if k.startswith("recovery/task/") and ".ci_" not in k):
-        task, metric = key.removeprefix("recovery/task/").split("/", 1)
-        if metric == "acc" or key in by_name:
-            rows.append(_metric_row(key, f"{task} {metric} recovery", ".3f", metrics, by_name))
-    size = _size_row(metrics, by_name)
-    if size is not None:
-        rows.append(size)
-    if benched:
-        rows += [_metric_row(key, label, fmt, metrics, by_name) for key, label, fmt in SPEED if key in metrics]
-        busy = tags.get(TAG + "bench_busy") == "true"
-        rows.append(Row("speed measured through", _engine(tags), "", "", "busy" if busy else ""))
-        if busy and not any(c.unmeasurable for c in checks):  # an unmeasurable check says it in its own note
-            notes.append(
-                f"speed: the machine was busy during the bench ({tags.get(TAG + 'bench_busy_why', '?')}); "
-                f"`make bench RUN={run_id}` on a quiet machine measures it"
-            )
-        by_name.pop("stage bench", None)
-    else:
-        stage = by_name.pop("stage bench", None)
-        partial = tags.get(TAG + "bench_partial") == "true"
-        rows.append(
-            Row(
-                "speed vs base",
-                "partial: the bench stopped" if partial else "not measured",
-                "",
-                "stage bench" if stage else "",
-                _result(stage),
-            )
-        )
-        notes.append(unbenched_note(run_id, tags))
-    if tags.get(TAG + "base_quantized", "none") != "none":
-        rows.append(Row("base model", f"{tags[TAG + 'base_quantized']}, de-quantized"))
-        notes.append(
-            f"the base is itself {tags[TAG + 'base_quantized']} (de-quantized): figures compare against it, not "
-            "the original 16-bit model"
-        )
-    if tags.get(TAG + "same_type_as_base") == "true":
-        rows.append(Row("same type as base", "yes"))
-        notes.append(
-            "quantized into its base's own type: it reproduces the base's grid, so its quality against that base "
-            "says little about its loss against the original model"
-        )
+    _quality_rows(run_id, metrics, by_name, evaluated, rows, notes)
+    _speed_rows(run_id, tags, metrics, by_name, checks, benched, rows, notes)
+    _base_rows(tags, rows, notes)
     for name, check in by_name.items():  # the policy's other checks: all of them at a gate, else the failing ones
         if check.value is None and not (benched if name.startswith(gate.SPEED_FAMILIES) else evaluated):
             continue  # a figure of a stage that did not run: its "not measured" row says it
@@ -312,6 +263,72 @@ def build(
         checks,
         {"quality": evaluated, "speed": benched},
     )
+
+
+def _quality_rows(run_id: str, metrics: dict, by_name: dict, evaluated: bool, rows: list, notes: list) -> None:
+    """The quality rows (or "not measured"), perplexity, each task's recovery and the size; the
+    checks they show are taken out of `by_name`."""
+    if evaluated:
+        rows += [_metric_row(key, label, fmt, metrics, by_name) for key, label, fmt in QUALITY]
+    else:
+        stage = by_name.pop("stage evaluate", None)
+        rows.append(Row("quality vs base", "not measured", "", "stage evaluate" if stage else "", _result(stage)))
+        notes.append(f"quality: `make evaluate RUN={run_id}` scores it against its base (KLD, top-1, flips, tasks)")
+    ppl = _ppl_row(metrics, by_name)
+    if ppl is not None:
+        rows.append(ppl)
+    for key in sorted(k for k in metrics if k.startswith("recovery/task/") and ".ci_" not in k):
+        task, metric = key.removeprefix("recovery/task/").split("/", 1)
+        if metric == "acc" or key in by_name:
+            rows.append(_metric_row(key, f"{task} {metric} recovery", ".3f", metrics, by_name))
+    size = _size_row(metrics, by_name)
+    if size is not None:
+        rows.append(size)
+
+
+def _speed_rows(
+    run_id: str, tags: dict, metrics: dict, by_name: dict, checks: list, benched: bool, rows: list, notes: list
+) -> None:
+    """The speed rows and the engine they were measured through (or "not measured" / "partial")."""
+    if benched:
+        rows += [_metric_row(key, label, fmt, metrics, by_name) for key, label, fmt in SPEED if key in metrics]
+        busy = tags.get(TAG + "bench_busy") == "true"
+        rows.append(Row("speed measured through", _engine(tags), "", "", "busy" if busy else ""))
+        if busy and not any(c.unmeasurable for c in checks):  # an unmeasurable check says it in its own note
+            notes.append(
+                f"speed: the machine was busy during the bench ({tags.get(TAG + 'bench_busy_why', '?')}); "
+                f"`make bench RUN={run_id}` on a quiet machine measures it"
+            )
+        by_name.pop("stage bench", None)
+        return
+    stage = by_name.pop("stage bench", None)
+    partial = tags.get(TAG + "bench_partial") == "true"
+    rows.append(
+        Row(
+            "speed vs base",
+            "partial: the bench stopped" if partial else "not measured",
+            "",
+            "stage bench" if stage else "",
+            _result(stage),
+        )
+    )
+    notes.append(unbenched_note(run_id, tags))
+
+
+def _base_rows(tags: dict, rows: list, notes: list) -> None:
+    """What the base itself is, where that changes what the figures mean."""
+    if tags.get(TAG + "base_quantized", "none") != "none":
+        rows.append(Row("base model", f"{tags[TAG + 'base_quantized']}, de-quantized"))
+        notes.append(
+            f"the base is itself {tags[TAG + 'base_quantized']} (de-quantized): figures compare against it, not "
+            "the original 16-bit model"
+        )
+    if tags.get(TAG + "same_type_as_base") == "true":
+        rows.append(Row("same type as base", "yes"))
+        notes.append(
+            "quantized into its base's own type: it reproduces the base's grid, so its quality against that base "
+            "says little about its loss against the original model"
+        )
 
 
 def _title(tags: dict[str, str]) -> str:

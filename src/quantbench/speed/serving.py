@@ -55,10 +55,6 @@ def check_endpoint(url: str, field: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# One request
-
-
-# ---------------------------------------------------------------------------------------------
 # A load level
 
 
@@ -80,14 +76,42 @@ def load_level(
     1 and the requests never sent count as missing the SLOs. `trim`: the share of the first and of
     the last requests (warm-up, cool-down) left out of the latencies and the SLO share. `slo`:
     adds `slo_pct`, `goodput_rps` and `slo_held` (`meets_slo`, `level_holds`)."""
-    results: list[Stream | BaseException | None] = [None] * len(bodies)
     own = client is None
     client = client or http_client()
+    results, wall, saturated = _send_level(url, bodies, client, concurrency, rate, seed, arrivals)
+    if own:
+        client.close()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    streams: list[Stream] = [r for r in results if isinstance(r, Stream)]
+    cut = int(len(streams) * trim)
+    steady = streams[cut : len(streams) - cut] or streams
+    out = _level_figures(streams, steady, wall)
+    if rate is not None:
+        out["saturated"] = float(saturated)
+    if slo:
+        # the requests never sent (an over-saturated level) miss the SLOs; trimmed ones are not counted
+        planned = len(bodies) - (len(streams) - len(steady))
+        met = sum(meets_slo(s, slo) for s in steady)
+        out["slo_pct"] = 100 * met / planned
+        out["goodput_rps"] = out["requests_s"] * met / planned
+        out["slo_held"] = float(not saturated and level_holds(steady, slo))
+    return out
+
+
+def _send_level(
+    url: str, bodies: list[dict], client, concurrency: int | None, rate: float | None, seed: int, arrivals: str
+) -> tuple[list, float, bool]:
+    """Send the level's requests: `concurrency` workers, or one thread per request at `rate`/s
+    (stopping once the server is over-saturated). Each request's Stream, or the exception it
+    raised (None: never sent); the wall time; whether it stopped over-saturated."""
+    results: list[Stream | BaseException | None] = [None] * len(bodies)
 
     def send(i: int) -> None:
         try:
             results[i] = stream_one(url, bodies[i], client)
-        except BaseException as exc:  # re-raised below, in the measuring thread
+        except BaseException as exc:  # re-raised by load_level, in the measuring thread
             results[i] = exc
 
     saturated = False
@@ -124,15 +148,12 @@ def load_level(
             due += rng.expovariate(rate) if arrivals == "poisson" else 1 / rate
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
-    if own:
-        client.close()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    streams: list[Stream] = [r for r in results if isinstance(r, Stream)]
-    cut = int(len(streams) * trim)
-    steady = streams[cut : len(streams) - cut] or streams
+    return results, time.perf_counter() - start, saturated
+
+
+def _level_figures(streams: list[Stream], steady: list[Stream], wall: float) -> dict[str, float]:
+    """A level's throughput (every stream) and latency percentiles (the `steady` ones, ms), and
+    where the server says so its prompt-cache share and draft acceptance."""
     ttft = [s.ttft * 1000 for s in steady]
     e2e = [s.e2e * 1000 for s in steady]
     gaps = [g * 1000 for s in steady for g in s.gaps]
@@ -153,15 +174,6 @@ def load_level(
     drafted = [s.drafted for s in streams if s.drafted]
     if drafted and sum(d for d, _ in drafted):  # speculative decoding: the level's draft tokens accepted
         out["spec_acceptance"] = sum(a for _, a in drafted) / sum(d for d, _ in drafted)
-    if rate is not None:
-        out["saturated"] = float(saturated)
-    if slo:
-        # the requests never sent (an over-saturated level) miss the SLOs; trimmed ones are not counted
-        planned = len(bodies) - (len(streams) - len(steady))
-        met = sum(meets_slo(s, slo) for s in steady)
-        out["slo_pct"] = 100 * met / planned
-        out["goodput_rps"] = out["requests_s"] * met / planned
-        out["slo_held"] = float(not saturated and level_holds(steady, slo))
     return out
 
 

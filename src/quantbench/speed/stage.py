@@ -182,29 +182,7 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
     log.info(
         "bench: %s vs base %s, profile %s, through %s (%s)", checkpoint, base.name, plan.profile_name, engine, plan.why
     )
-    report = {
-        "backend": plan.how,
-        "server": plan.server,
-        "engine": plan.engine.tag_name,
-        "engine_description": engine,
-        "why": plan.why,
-        "requested": plan.requested,
-        "profile": plan.profile_name,
-        "profile_settings": plan.profile.model_dump(mode="json"),
-        "hardware": environment.describe(),
-        "order": "one model, then the other (their servers do not fit in memory together)"
-        if plan.one_at_a_time
-        else "interleaved",
-    }
-    base_dtype = plan.profile.base_dtype if plan.how == "hf" else plan.profile.serve_dtype
-    tags = {
-        TAG + "bench_backend": plan.how,
-        TAG + "bench_profile": plan.profile_name,
-        TAG + "bench_server": plan.engine.tag_name,
-        TAG + "bench_engine": engine,
-        TAG + "bench_base_dtype": base_dtype,
-        TAG + "bench_device": hardware.device_class(),  # speed holds for this class of machine (the verdict says it)
-    }
+    report, tags = _report_head(plan, engine), _tags_head(plan, engine)
     logs: list[Path] = []
     served: dict[str, tuple[str, str]] = {}
     sweep = SweepRates() if plan.profile.sweep else None
@@ -257,6 +235,36 @@ def bench(checkpoint: Path, base: models.ResolvedModel, plan: Plan) -> BenchResu
         "busy": {"busy": busy.busy, "why": busy.why, **busy.metrics("")},
     }
     return BenchResult(metrics, tags, report, logs, plots)
+
+
+def _report_head(plan: Plan, engine: str) -> dict:
+    """bench.json's first keys: how, through what and with which profile the bench measures."""
+    return {
+        "backend": plan.how,
+        "server": plan.server,
+        "engine": plan.engine.tag_name,
+        "engine_description": engine,
+        "why": plan.why,
+        "requested": plan.requested,
+        "profile": plan.profile_name,
+        "profile_settings": plan.profile.model_dump(mode="json"),
+        "hardware": environment.describe(),
+        "order": "one model, then the other (their servers do not fit in memory together)"
+        if plan.one_at_a_time
+        else "interleaved",
+    }
+
+
+def _tags_head(plan: Plan, engine: str) -> dict[str, str]:
+    """The run's bench tags known before anything is measured."""
+    return {
+        TAG + "bench_backend": plan.how,
+        TAG + "bench_profile": plan.profile_name,
+        TAG + "bench_server": plan.engine.tag_name,
+        TAG + "bench_engine": engine,
+        TAG + "bench_base_dtype": plan.profile.base_dtype if plan.how == "hf" else plan.profile.serve_dtype,
+        TAG + "bench_device": hardware.device_class(),  # speed holds for this class of machine (the verdict says it)
+    }
 
 
 # The speedup whose interval judges the repetitions' spread (the one a release policy holds).
