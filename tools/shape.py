@@ -2,13 +2,9 @@
 under src/quantbench over 600 lines, no function over 80, and no import inside a function but of
 a heavy third-party package that LAZY_PACKAGES lists with its reason (so that `quantbench --help`
 and the job modules do not load torch, transformers or MLflow), or of the few modules of
-quantbench's own that LAZY_COMMANDS and LAZY_MODULES allow, with theirs.
+quantbench's own that LAZY_COMMANDS and LAZY_MODULES allow, with theirs. Exit 1 naming each breach.
 
-What is over a limit today is listed in SHAPE_DEBT below with its size now: it may shrink (then
-lower or drop its line), never grow, and nothing new may join it. Exit 1 naming each breach.
-
-    python tools/shape.py            # check
-    python tools/shape.py --debt     # print what is over a limit now, in SHAPE_DEBT's form
+    python tools/shape.py
 """
 
 from __future__ import annotations
@@ -57,29 +53,10 @@ LAZY_PACKAGES = {
     "loguru": "optional (llm-compressor's); 0.08 s kept off --help",
 }
 
-# "module" or "module:function" -> its size today (lines; for "module:imports", imports inside its
-# functions that the LAZY lists do not allow). Shrink it as code is split; never raise a number.
-SHAPE_DEBT: dict[str, int] = {
-    "quantbench.cli.tune:add_parser": 108,
-    "quantbench.jobs.prepare:prepare": 112,
-    "quantbench.jobs.stack.command:run": 113,
-    "quantbench.jobs.stack.schema:configs": 147,
-    "quantbench.quantize.distill:DistillQuantizer.train": 96,
-    "quantbench.release.compare": 601,
-    "quantbench.release.verdict:build": 109,
-    "quantbench.speed.stage:bench": 83,
-    "quantbench.speed.serving:load_level": 101,
-    "quantbench.tracking": 604,
-    "quantbench.tune.command:_run": 135,
-    "quantbench.tune.cost:get_vllm": 92,
-    "quantbench.tune.plan:prepare": 122,
-    "quantbench.tune.sensitivity": 648,
-    "quantbench.tune.sensitivity:_fisher": 82,
-}
-
 
 def measure() -> dict[str, int]:
-    """Everything over a limit now, keyed as SHAPE_DEBT is."""
+    """Everything over a limit: "module" and "module:function" -> lines, "module:imports" -> imports
+    inside its functions that the LAZY lists do not allow."""
     over: dict[str, int] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         module = path.relative_to(PACKAGE.parent).with_suffix("").as_posix().replace("/", ".")
@@ -155,40 +132,22 @@ def _qualname(tree: ast.AST, target: ast.AST) -> str:
 def breaches(over: dict[str, int]) -> list[str]:
     found = []
     for key, size in sorted(over.items()):
-        allowed = SHAPE_DEBT.get(key)
-        what = (
-            "imports inside functions (not in a LAZY list)"
-            if key.endswith(":imports")
-            else ("lines (function)" if ":" in key else "lines (module)")
-        )
-        limit = 0 if key.endswith(":imports") else (FUNCTION_LINES if ":" in key else MODULE_LINES)
-        if allowed is None:
-            found.append(f"{key}: {size} {what}, over the limit of {limit}")
-        elif size > allowed:
-            found.append(f"{key}: {size} {what}, grown past its recorded {allowed} (limit {limit})")
+        if key.endswith(":imports"):
+            found.append(f"{key}: {size} imports inside functions (not in a LAZY list), over the limit of 0")
+        elif ":" in key:
+            found.append(f"{key}: {size} lines (function), over the limit of {FUNCTION_LINES}")
+        else:
+            found.append(f"{key}: {size} lines (module), over the limit of {MODULE_LINES}")
     return found
 
 
 def main(argv: list[str]) -> int:
-    over = measure()
-    if "--debt" in argv:
-        print("SHAPE_DEBT: dict[str, int] = {")
-        for key, size in sorted(over.items()):
-            print(f'    "{key}": {size},')
-        print("}")
-        return 0
-    problems = breaches(over)
+    problems = breaches(measure())
     for line in problems:
         print(line)
-    stale = sorted(k for k in SHAPE_DEBT if k not in over or over[k] < SHAPE_DEBT[k])
-    for key in stale:
-        print(f"note: {key} is now {over.get(key, 'within the limit')} (recorded {SHAPE_DEBT[key]}): lower its line")
-    modules = sum(1 for k in over if ":" not in k)
-    functions = sum(1 for k in over if ":" in k and not k.endswith(":imports"))
-    imports = sum(v for k, v in over.items() if k.endswith(":imports"))
     print(
-        f"shape: {modules} modules over {MODULE_LINES} lines, {functions} functions over {FUNCTION_LINES}, "
-        f"{imports} imports inside functions outside the LAZY lists; {len(problems)} breaches"
+        f"shape: {len(problems)} breaches (modules over {MODULE_LINES} lines, functions over {FUNCTION_LINES}, "
+        "imports inside functions outside the LAZY lists)"
     )
     return 1 if problems else 0
 

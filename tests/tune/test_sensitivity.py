@@ -12,6 +12,7 @@ from quantbench.core.errors import UserError
 from quantbench.recipe import CalibrationSpec, schemes
 from quantbench.tracking import Tracker
 from quantbench.tune import sensitivity as S
+from quantbench.tune.measure import fake_quantize_weight
 from tests.helpers import runs
 
 SCHEMES = ["W4A16-G64", "W4A16-G32", "W8A8", "BF16"]
@@ -53,7 +54,7 @@ def test_measured_kld_is_exact_and_ordered(measured, tiny128_model_dir, windows)
     layer = model.model.layers[1].mlp.down_proj
     with torch.inference_mode():
         base = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
-        layer.weight.data = S.fake_quantize_weight(layer.weight.data, schemes.get("W4A16-G32"))
+        layer.weight.data = fake_quantize_weight(layer.weight.data, schemes.get("W4A16-G32"))
         cand = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
     by_hand = (base.exp() * (base - cand)).sum(-1)[:, :-1].mean().item()
     assert measured.kld[7][1] == pytest.approx(by_hand, rel=1e-3, abs=1e-7)

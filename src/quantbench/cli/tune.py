@@ -5,22 +5,33 @@ from __future__ import annotations
 
 from quantbench.cli.common import common, print_json, run_stage, verdict_text
 
+DESCRIPTION = (
+    "Measure how much each layer of the base model moves its output when quantized alone with each "
+    "scheme (stored once, reused), choose a scheme per layer that minimises the predicted KLD under a budget, write "
+    "that choice as a recipe and run it like any quantize job (reload check, evaluate, bench) as a child of a "
+    "tune run. Without --bits / --max-size-mb the budget is searched (bisection on the measured quality checks) "
+    "for the smallest checkpoint that passes. The answer is gated with the policy (a pass moves its alias). "
+    "Re-running resumes. Outputs under OUTPUTS/tune/<policy>-<id>/. Ends with the chosen candidate's verdict. Exit 0 a candidate passes, 1 none does, "
+    '2 bad input, 130 interrupted. With --json the last line is {"parent_run", "best_run", "recipe", "passed", '
+    '"frontier", ...}.'
+)
+
 
 def add_parser(sub) -> None:
     t = sub.add_parser(
         "tune",
         parents=[common("experiment", "outputs", "json")],
         help="find the smallest checkpoint that passes a policy: per-layer schemes under a budget, verified",
-        description="Measure how much each layer of the base model moves its output when quantized alone with each "
-        "scheme (stored once, reused), choose a scheme per layer that minimises the predicted KLD under a budget, write "
-        "that choice as a recipe and run it like any quantize job (reload check, evaluate, bench) as a child of a "
-        "tune run. Without --bits / --max-size-mb the budget is searched (bisection on the measured quality checks) "
-        "for the smallest checkpoint that passes. The answer is gated with the policy (a pass moves its alias). "
-        "Re-running resumes. Outputs under OUTPUTS/tune/<policy>-<id>/. Ends with the chosen candidate's verdict. Exit 0 a candidate passes, 1 none does, "
-        '2 bad input, 130 interrupted. With --json the last line is {"parent_run", "best_run", "recipe", "passed", '
-        '"frontier", ...}.',
+        description=DESCRIPTION,
     )
     t.add_argument("--policy", required=True, help="policies/NAME.yaml or a path")
+    _budget_options(t)
+    _candidate_options(t)
+    _measurement_options(t)
+
+
+def _budget_options(t) -> None:
+    """The budget (one of --bits, --max-size-mb, --latency-ms; none: searched) and what the search minimises."""
     budget = t.add_mutually_exclusive_group()
     budget.add_argument(
         "--bits", type=float, help="average stored bits per quantizable weight (scales included), e.g. 4.5"
@@ -43,6 +54,11 @@ def add_parser(sub) -> None:
         "default model on 2 AVX2-only cores; vLLM a server per scheme, a minute or two each; schemes vLLM "
         "does not serve here are left out, with its reason)",
     )
+
+
+def _candidate_options(t) -> None:
+    """What the candidates are made of: the schemes, whose types, how many, the recipes they start
+    from, and the sensitivity they are allocated by."""
     t.add_argument(
         "--schemes",
         nargs="+",
@@ -81,6 +97,10 @@ def add_parser(sub) -> None:
         help="fisher: the second-order proxy, one backward pass per window (default; about a minute on the "
         "default model on 2 cores); kld: measured exactly per layer and scheme (about 25 minutes there)",
     )
+
+
+def _measurement_options(t) -> None:
+    """Where candidates run and how the tables they are chosen by are measured."""
     t.add_argument(
         "--ray",
         nargs="?",

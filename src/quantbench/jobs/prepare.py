@@ -101,80 +101,25 @@ def prepare(
     strict_budget: bool = False,
     stop_at_plan: bool = False,
 ) -> Job:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    try:
-        loaded = load_recipe(resolve_recipe_path(recipe), overrides)
-    except RecipeError as exc:  # with what the schema accepted, the checks that do not depend on the rest
-        found = exc.problems + (check_without_model(exc.partial, experiment, exc.invalid) if exc.partial else [])
-        raise UserError(found) from None
+    loaded, base, quantizer = _checked_inputs(recipe, overrides, experiment, outputs)
     spec = loaded.recipe
     where = str(loaded.path)
-    check_outputs(loaded, outputs)
-    problems = check_without_model(loaded, experiment)  # every one at once, before the checks that load
-    if problems:
-        raise UserError(problems)
-    with _prefixed(where):
-        base = models.resolve(spec.model.source, experiment=experiment)
-    if note := base.quantized_note():
-        log.warning("%s", note)
-    if base.same_type(candidate_type(spec.quantize)):
-        log.warning("%s", same_type_note(base))
-    quantizer = make_quantizer(spec.quantize)
-    problems = quantizer.check(loaded, AutoConfig.from_pretrained(base.path))
-    if problems:
-        raise UserError(problems)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
-    text_shas: dict[str, str] = {}
-    bos = data.bos_id(tokenizer)  # every window starts with it, where the tokenizer adds one
-    calibration = None
-    if quantizer.calibrates:
-        cal = spec.calibration
-        with _prefixed(where):
-            text = data.load_text(
-                cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split
-            )
-            calibration = data.recipe_windows(tokenizer, text, cal)
-        text_shas["calibration"] = data.text_sha(text)
+    calibration, text_shas = _calibration(loaded, quantizer, tokenizer)
     eval_text = data.python_docs("evaluation")
     text_shas["evaluation"] = data.text_sha(eval_text)
     eval_ids = data.text_ids(tokenizer, eval_text)
+    bos = data.bos_id(tokenizer)  # every window starts with it, where the tokenizer adds one
     check_ids = data.framed(eval_ids, spec.check.window, bos)[: spec.check.ppl_tokens]
-    evaluation = bench = None
-    with _prefixed(where):
-        if spec.evaluate is not None:
-            evaluation = evaluate_stage.prepare(load_suite(spec.evaluate.suite, "evaluate.suite"), tokenizer)
-        if spec.bench is not None:
-            bench = bench_stage.prepare(
-                spec.bench.profile,
-                tokenizer,
-                engine=spec.bench.engine,
-                checkpoint=_expected_config(base.path / "config.json", quantizer),
-                base_path=base.path,
-                field="bench.profile",
-                engine_field="bench.engine",
-            )
+    evaluation, bench = _later_stages(loaded, base, quantizer, tokenizer)
     compute_dtype = spec.model.computes_in()
     base_checked = verify.check_cached(
         _base_check_key(base, tokenizer, eval_ids, spec.check.ppl_tokens, spec.check.window, compute_dtype)
     )
     footprint = _plan(loaded, base, quantizer, compute_dtype, evaluation, bench, outputs, experiment, base_checked)
-    peak = footprint.tightest
-    log.info(
-        "memory plan: peak %.2f GiB (%s%s) of %.1f GiB available; every stage's in the log",
-        peak.needed / 2**30,
-        peak.name,
-        f", and {peak.reclaimable / 2**30:.2f} GiB of file pages the kernel can drop" if peak.reclaimable else "",
-        footprint.ram_available / 2**30,
-    )
-    if stop_at_plan:
-        for line in footprint.lines():
-            log.info("%s", line)
-    problems = footprint.problems(where)
-    if problems:
-        raise UserError(problems)
-    if stop_at_plan:
-        raise _Planned(footprint)
+    _say_plan(footprint, where, stop_at_plan)
     # after the plan: a quantizer's own preparation can be heavy (llama.cpp's conversion of the base)
     text_shas = quantizer.prepare(loaded, base, tokenizer) | text_shas  # its texts first, as recorded before
     loader = _BaseLoader(base.path, compute_dtype)
@@ -204,6 +149,87 @@ def prepare(
         check.ppl,
         footprint,
     )
+
+
+def _checked_inputs(recipe: str, overrides: tuple[str, ...], experiment: str | None, outputs: Path):
+    """The recipe loaded, its base model resolved and its quantizer made, every check that needs no
+    weights passed (all problems at once); warnings for a base that is itself quantized."""
+    from transformers import AutoConfig
+
+    try:
+        loaded = load_recipe(resolve_recipe_path(recipe), overrides)
+    except RecipeError as exc:  # with what the schema accepted, the checks that do not depend on the rest
+        found = exc.problems + (check_without_model(exc.partial, experiment, exc.invalid) if exc.partial else [])
+        raise UserError(found) from None
+    spec = loaded.recipe
+    check_outputs(loaded, outputs)
+    problems = check_without_model(loaded, experiment)  # every one at once, before the checks that load
+    if problems:
+        raise UserError(problems)
+    with _prefixed(str(loaded.path)):
+        base = models.resolve(spec.model.source, experiment=experiment)
+    if note := base.quantized_note():
+        log.warning("%s", note)
+    if base.same_type(candidate_type(spec.quantize)):
+        log.warning("%s", same_type_note(base))
+    quantizer = make_quantizer(spec.quantize)
+    problems = quantizer.check(loaded, AutoConfig.from_pretrained(base.path))
+    if problems:
+        raise UserError(problems)
+    return loaded, base, quantizer
+
+
+def _calibration(loaded, quantizer: Quantizer, tokenizer) -> tuple[list[list[int]] | None, dict[str, str]]:
+    """The calibration windows where the quantizer calibrates, and the sha of their text by role."""
+    if not quantizer.calibrates:
+        return None, {}
+    cal = loaded.recipe.calibration
+    with _prefixed(str(loaded.path)):
+        text = data.load_text(cal.source, field="calibration.source", text_field=cal.text_field, hub_split=cal.split)
+        windows = data.recipe_windows(tokenizer, text, cal)
+    return windows, {"calibration": data.text_sha(text)}
+
+
+def _later_stages(loaded, base, quantizer: Quantizer, tokenizer):
+    """The evaluate and bench stages' plans (None where the recipe has no such section), checked
+    now: the bench's engine against the config the checkpoint will have."""
+    spec = loaded.recipe
+    evaluation = bench = None
+    with _prefixed(str(loaded.path)):
+        if spec.evaluate is not None:
+            evaluation = evaluate_stage.prepare(load_suite(spec.evaluate.suite, "evaluate.suite"), tokenizer)
+        if spec.bench is not None:
+            bench = bench_stage.prepare(
+                spec.bench.profile,
+                tokenizer,
+                engine=spec.bench.engine,
+                checkpoint=_expected_config(base.path / "config.json", quantizer),
+                base_path=base.path,
+                field="bench.profile",
+                engine_field="bench.engine",
+            )
+    return evaluation, bench
+
+
+def _say_plan(footprint, where: str, stop_at_plan: bool) -> None:
+    """Log the memory plan's peak (every stage with `stop_at_plan`); refuse a job that cannot fit
+    (UserError naming what would make it fit); `_Planned` after the plan with `stop_at_plan`."""
+    peak = footprint.tightest
+    log.info(
+        "memory plan: peak %.2f GiB (%s%s) of %.1f GiB available; every stage's in the log",
+        peak.needed / 2**30,
+        peak.name,
+        f", and {peak.reclaimable / 2**30:.2f} GiB of file pages the kernel can drop" if peak.reclaimable else "",
+        footprint.ram_available / 2**30,
+    )
+    if stop_at_plan:
+        for line in footprint.lines():
+            log.info("%s", line)
+    problems = footprint.problems(where)
+    if problems:
+        raise UserError(problems)
+    if stop_at_plan:
+        raise _Planned(footprint)
 
 
 # lm-eval's items of the offline suite: a context and a continuation, ~100 tokens each, scored once

@@ -172,8 +172,6 @@ class DistillQuantizer(Quantizer):
         `held_out` (token ids, window) scores the student against the teacher before and after
         training (`distill/kld_before`, `distill/kld_after`, `distill/ppl_*`). Returns the student
         and the run's distill/* summary metrics."""
-        from transformers import TrainingArguments
-
         spec = self.spec
         teacher = teacher.float().eval().requires_grad_(False)  # bf16 autocast still runs its matmuls
         student: Any = self.student(teacher).eval()  # a transformers model (its config, its generation_config)
@@ -197,34 +195,8 @@ class DistillQuantizer(Quantizer):
         run.log_metrics(counts)
         windows = training_windows(self.train_ids, spec.steps * spec.batch_size, spec.seq_len, spec.seed, self.bos)
         resume = last_checkpoint(workdir)
-        start_step = 0
-        if resume is not None:
-            state = json.loads((resume / "trainer_state.json").read_text())
-            start_step = state["global_step"]
-            log.info("resuming from %s (step %d of %d)", resume, start_step, spec.steps)
-            run.set_tags({TAG + "resumed_from_step": state["global_step"]})
-            for entry in state.get("log_history", []):  # the curve so far, into this run
-                run.log_metrics(_curve(entry), step=entry["step"])
-        args = TrainingArguments(
-            output_dir=str(workdir),
-            max_steps=spec.steps,
-            per_device_train_batch_size=spec.batch_size,
-            learning_rate=spec.learning_rate,
-            warmup_steps=spec.warmup_steps,
-            weight_decay=spec.weight_decay,
-            lr_scheduler_type="linear",
-            bf16=spec.autocasts(),
-            logging_steps=spec.log_steps,
-            save_steps=spec.save_steps,
-            save_total_limit=2,
-            seed=spec.seed,
-            data_seed=spec.seed,
-            report_to="none",
-            use_cpu=not torch.cuda.is_available(),
-            dataloader_num_workers=0,
-            remove_unused_columns=False,
-            disable_tqdm=False,
-        )
+        start_step = _resumed_step(resume, spec.steps, run)
+        args = self._training_arguments(workdir)
         trainer = DistillTrainer(
             teacher=teacher,
             temperature=spec.temperature,
@@ -261,6 +233,33 @@ class DistillQuantizer(Quantizer):
         )
         student.config.use_cache = True
         return student.eval(), summary
+
+    def _training_arguments(self, workdir: Path):
+        """transformers' TrainingArguments for the recipe: checkpoints into `workdir`, seeded, on the CPU
+        where there is no GPU, bfloat16 autocast where the recipe asks for it."""
+        from transformers import TrainingArguments
+
+        spec = self.spec
+        return TrainingArguments(
+            output_dir=str(workdir),
+            max_steps=spec.steps,
+            per_device_train_batch_size=spec.batch_size,
+            learning_rate=spec.learning_rate,
+            warmup_steps=spec.warmup_steps,
+            weight_decay=spec.weight_decay,
+            lr_scheduler_type="linear",
+            bf16=spec.autocasts(),
+            logging_steps=spec.log_steps,
+            save_steps=spec.save_steps,
+            save_total_limit=2,
+            seed=spec.seed,
+            data_seed=spec.seed,
+            report_to="none",
+            use_cpu=not torch.cuda.is_available(),
+            dataloader_num_workers=0,
+            remove_unused_columns=False,
+            disable_tqdm=False,
+        )
 
     def save(self, model, tokenizer, dest: Path) -> None:
         model.to(torch.bfloat16).save_pretrained(dest)
@@ -332,6 +331,18 @@ class DistillTrainer(transformers.Trainer):
         super().log(logs, start_time)  # into state.log_history: a resumed run replays it
         if "loss" in logs:
             self.run.log_metrics(_curve({**logs, "step": self.state.global_step}), step=self.state.global_step)
+
+
+def _resumed_step(resume: Path | None, steps: int, run) -> int:
+    """The step a resumed training starts from (0 when fresh); the curve so far goes into `run`."""
+    if resume is None:
+        return 0
+    state = json.loads((resume / "trainer_state.json").read_text())
+    log.info("resuming from %s (step %d of %d)", resume, state["global_step"], steps)
+    run.set_tags({TAG + "resumed_from_step": state["global_step"]})
+    for entry in state.get("log_history", []):  # the curve so far, into this run
+        run.log_metrics(_curve(entry), step=entry["step"])
+    return state["global_step"]
 
 
 def _curve(entry: dict) -> dict[str, float]:

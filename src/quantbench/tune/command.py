@@ -101,6 +101,40 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
             request.sensitivity,
             _rounding(plan, Path(tmp)),
         )
+    costs = _costs(plan, sens)
+    run_, resumed = _parent_run(plan, tracker, sens, state.get("parent_run"))
+    state = {
+        "tune": plan.tune_id,
+        "parent_run": run_.run_id,
+        "policy": plan.policy.name,
+        "candidates": [],
+        "status": "",
+    }
+    write_state(plan.directory, state)
+    with run_:
+        if not resumed:
+            run_.log_params({"tune": _params(plan)})
+        search = Search(plan, tracker, sens, run_, tracker.experiment, outputs, state, executor, costs)
+        search.budgets()
+        search.alternatives()
+        best, unmet = answer(search.candidates, request.objective)
+        references = shipped_references(tracker, plan.base.fingerprint, gguf=plan.gguf)
+        points = frontier(search.candidates, references, plan.policy.name)
+        verdict = None
+        if best is not None:
+            verdict = gate.run(best.run_id, str(plan.policy.path), experiment=tracker.experiment)
+        summary = _summary(plan, sens, search.candidates, best, unmet, points, verdict, run_.run_id, resumed, costs)
+        _save(plan, run_, summary, points, search.candidates)
+        _log_outcome(run_, summary, best, search.candidates)
+        state["status"] = "done"
+        write_state(plan.directory, state)
+    return summary
+
+
+def _costs(plan: Plan, sens) -> cost.CostTable | None:
+    """A latency tune's cost table (None for a size one). The schemes the engine does not serve here
+    leave the request; a --latency-ms below what the fastest mix is predicted to take is refused."""
+    request = plan.request
     costs = None
     if request.objective == "latency" and plan.gguf:
         costs = cost.get(
@@ -133,7 +167,12 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
                 f"{', '.join(request.schemes or [])} is predicted to decode here ({costs.cpu}, {costs.threads} threads; "
                 f"the least-KLD mix: {slowest:.2f} ms/token)"
             )
-    parent_id = state.get("parent_run")
+    return costs
+
+
+def _parent_run(plan: Plan, tracker: Tracker, sens, parent_id: str | None):
+    """The tune's parent run: the one a re-run recorded in state.json when it still exists (resumed:
+    True), else a new one."""
     resumed = bool(parent_id and tracker.existing(parent_id) is not None)
     tags = {
         TAG + "role": "tune",
@@ -144,83 +183,71 @@ def _run(plan: Plan, tracker: Tracker, outputs: Path, executor) -> dict:
         TAG + "recipe": plan.template.name,
         TAG + "sensitivity_run": sens.run_id,
         "mlflow.note.content": f"`quantbench tune --policy {plan.policy.name}` from recipe `{plan.template.name}` on "
-        f"`{plan.base.source}`: per-layer schemes from {', '.join(request.schemes)}.",
+        f"`{plan.base.source}`: per-layer schemes from {', '.join(plan.request.schemes)}.",
     }
     run_ = (
         tracker.resume_run(parent_id)
         if resumed
         else tracker.start_run(f"tune · {plan.policy.name} · {models.short_name(plan.base.source)}", tags)
     )
-    state = {
-        "tune": plan.tune_id,
-        "parent_run": run_.run_id,
+    return run_, resumed
+
+
+def _params(plan: Plan) -> dict:
+    """The parent run's `tune.*` parameters: what was asked."""
+    request = plan.request
+    return {
         "policy": plan.policy.name,
-        "candidates": [],
-        "status": "",
+        "template": str(plan.template.path),
+        "alternatives": ",".join(str(t.path) for t in plan.alternatives),
+        "schemes": ",".join(request.schemes),
+        "bits": request.bits,
+        "max_size_mb": request.max_size_mb,
+        "objective": request.objective,
+        "latency_ms": request.latency_ms,
+        "budget_runs": request.budget_runs,
+        "parallel": request.parallel,
+        "sensitivity": request.sensitivity.method,
     }
-    write_state(plan.directory, state)
-    with run_:
-        if not resumed:
-            run_.log_params(
-                {
-                    "tune": {
-                        "policy": plan.policy.name,
-                        "template": str(plan.template.path),
-                        "alternatives": ",".join(str(t.path) for t in plan.alternatives),
-                        "schemes": ",".join(request.schemes),
-                        "bits": request.bits,
-                        "max_size_mb": request.max_size_mb,
-                        "objective": request.objective,
-                        "latency_ms": request.latency_ms,
-                        "budget_runs": request.budget_runs,
-                        "parallel": request.parallel,
-                        "sensitivity": request.sensitivity.method,
-                    }
-                }
-            )
-        search = Search(plan, tracker, sens, run_, tracker.experiment, outputs, state, executor, costs)
-        search.budgets()
-        search.alternatives()
-        best, unmet = answer(search.candidates, request.objective)
-        references = shipped_references(tracker, plan.base.fingerprint, gguf=plan.gguf)
-        points = frontier(search.candidates, references, plan.policy.name)
-        verdict = None
-        if best is not None:
-            verdict = gate.run(best.run_id, str(plan.policy.path), experiment=tracker.experiment)
-        summary = _summary(plan, sens, search.candidates, best, unmet, points, verdict, run_.run_id, resumed, costs)
-        out = plan.directory
-        plot_frontier(
-            points,
-            out / "frontier.png",
-            f"tune {plan.policy.name} · {models.short_name(plan.base.source)}: size vs KLD",
-        )
-        (out / "tune.json").write_text(json.dumps(summary, indent=2, default=str))
-        (out / "tune.txt").write_text(text(summary) + "\n")
-        run_.log_artifact(out / "tune.json", "tune")
-        run_.log_artifact(out / "tune.txt", "tune")
-        run_.log_artifact(out / "frontier.png", "tune")
-        for c in search.candidates:
-            run_.log_artifact(Path(c.recipe), "tune/recipes")
-        run_.set_tags(
+
+
+def _save(plan: Plan, run_, summary: dict, points, candidates) -> None:
+    """The tune's outputs (tune.json, tune.txt, the frontier's plot) written to its directory and
+    logged to the parent run with every candidate's recipe."""
+    out = plan.directory
+    plot_frontier(
+        points,
+        out / "frontier.png",
+        f"tune {plan.policy.name} · {models.short_name(plan.base.source)}: size vs KLD",
+    )
+    (out / "tune.json").write_text(json.dumps(summary, indent=2, default=str))
+    (out / "tune.txt").write_text(text(summary) + "\n")
+    run_.log_artifact(out / "tune.json", "tune")
+    run_.log_artifact(out / "tune.txt", "tune")
+    run_.log_artifact(out / "frontier.png", "tune")
+    for c in candidates:
+        run_.log_artifact(Path(c.recipe), "tune/recipes")
+
+
+def _log_outcome(run_, summary: dict, best, candidates) -> None:
+    """The answer on the parent run: its tags (best run, passed, the candidates' runs) and metrics."""
+    run_.set_tags(
+        {
+            TAG + "tune_best_run": best.run_id if best else "",
+            TAG + "tune_passed": str(summary["passed"]).lower(),
+            TAG + "tune_runs": ",".join(c.run_id for c in candidates if c.run_id),
+        }
+    )
+    final = {"tune/candidates": len(candidates), "tune/passed_final": float(summary["passed"])}
+    if best is not None:
+        final.update(
             {
-                TAG + "tune_best_run": best.run_id if best else "",
-                TAG + "tune_passed": str(summary["passed"]).lower(),
-                TAG + "tune_runs": ",".join(c.run_id for c in search.candidates if c.run_id),
+                "tune/best_size_mb": best.metrics.get("model/size_mb", math.nan),
+                "tune/best_kld": best.metrics.get("quality/kld_mean", math.nan),
+                "tune/best_bits_per_weight": best.metrics.get("model/bits_per_weight", math.nan),
             }
         )
-        final = {"tune/candidates": len(search.candidates), "tune/passed_final": float(summary["passed"])}
-        if best is not None:
-            final.update(
-                {
-                    "tune/best_size_mb": best.metrics.get("model/size_mb", math.nan),
-                    "tune/best_kld": best.metrics.get("quality/kld_mean", math.nan),
-                    "tune/best_bits_per_weight": best.metrics.get("model/bits_per_weight", math.nan),
-                }
-            )
-        run_.log_metrics({k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))})
-        state["status"] = "done"
-        write_state(plan.directory, state)
-    return summary
+    run_.log_metrics({k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))})
 
 
 def _summary(plan, sens, candidates, best, unmet, points, verdict, parent, resumed, costs=None) -> dict:

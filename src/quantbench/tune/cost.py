@@ -229,18 +229,7 @@ def get_vllm(
     cpu_name = f"{environment.describe().get('cpu', 'unknown CPU')} ({hardware.cpu().klass})"
     threads = os.cpu_count() or 1
     kinds = sorted(set(schemes_asked) | {VLLM_REFERENCE}, key=lambda t: (t != VLLM_REFERENCE, t))
-    key = canonical_sha(
-        {
-            "engine": engine.describe(compiled),
-            "cpu": cpu_name,
-            "threads": threads,
-            "base": base.fingerprint,
-            "types": kinds,
-            "tokens": TOKENS,
-            "rounds": ROUNDS,
-            "version": VERSION,
-        }
-    )[:16]
+    key = _vllm_key(engine.describe(compiled), cpu_name, threads, base.fingerprint, kinds)
     table = _cached(key, remeasure)
     if table is not None:
         return table
@@ -255,6 +244,50 @@ def get_vllm(
         cpu_name,
     )
     started = time.perf_counter()
+    times, unserved, fits = _served_times(engine, base, kinds, shapes, unquantized, log_path, compiled)
+    if VLLM_REFERENCE not in times:
+        raise UserError(f"vLLM does not serve {base.source} here: {unserved.get(VLLM_REFERENCE)}")
+    ms = {kind: statistics.median(v) for kind, v in times.items()}
+    spread = {kind: (max(v) - min(v)) / ms[kind] for kind, v in times.items()}
+    weights = fits[VLLM_REFERENCE]
+    table = CostTable(
+        key,
+        engine.describe(compiled),
+        cpu_name,
+        threads,
+        list(ms),
+        ms,
+        spread,
+        weights,
+        time.perf_counter() - started,
+        {k: v for k, v in fits.items() if k in ms},
+        VLLM_REFERENCE,
+        unserved,
+    )
+    return _store(table)
+
+
+def _vllm_key(engine: str, cpu_name: str, threads: int, base_fingerprint: str, kinds: list[str]) -> str:
+    """What vLLM's table is stored under: the engine (as described), the CPU, threads, base and schemes."""
+    return canonical_sha(
+        {
+            "engine": engine,
+            "cpu": cpu_name,
+            "threads": threads,
+            "base": base_fingerprint,
+            "types": kinds,
+            "tokens": TOKENS,
+            "rounds": ROUNDS,
+            "version": VERSION,
+        }
+    )[:16]
+
+
+def _served_times(
+    engine, base, kinds: list[str], shapes: dict, unquantized: set[str], log_path: Path, compiled: bool
+) -> tuple[dict[str, list[float]], dict[str, str], dict[str, int]]:
+    """Each scheme's checkpoint served in turn: its rounds' decode ms/token, the schemes vLLM does not
+    serve here (with its reason, not measured) and the tuned weights each scheme fits."""
     times: dict[str, list[float]] = {}
     unserved: dict[str, str] = {}
     fits: dict[str, int] = {}
@@ -283,26 +316,7 @@ def get_vllm(
                 kind,
                 " ".join(f"{t:.2f}" for t in times[kind]),
             )
-    if VLLM_REFERENCE not in times:
-        raise UserError(f"vLLM does not serve {base.source} here: {unserved.get(VLLM_REFERENCE)}")
-    ms = {kind: statistics.median(v) for kind, v in times.items()}
-    spread = {kind: (max(v) - min(v)) / ms[kind] for kind, v in times.items()}
-    weights = fits[VLLM_REFERENCE]
-    table = CostTable(
-        key,
-        engine.describe(compiled),
-        cpu_name,
-        threads,
-        list(ms),
-        ms,
-        spread,
-        weights,
-        time.perf_counter() - started,
-        {k: v for k, v in fits.items() if k in ms},
-        VLLM_REFERENCE,
-        unserved,
-    )
-    return _store(table)
+    return times, unserved, fits
 
 
 def _uniform_checkpoint(base, scheme, left: list[str], dest: Path, log_path: Path) -> Path:

@@ -79,10 +79,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
 
     _check_numbers(request)
     policy = gate.load_policy(request.policy)
-    tunable = {e.name: e for e in engines.tunable()}
-    if request.engine is not None and request.engine not in tunable:
-        raise UserError(f"--engine: '{request.engine}'; a tune chooses types for {' or '.join(tunable)}")
-    engine = tunable[request.engine] if request.engine is not None else None
+    engine = _engine(request)
     if request.template is None:
         request.template = engine.tune_template if engine is not None else DEFAULT_TEMPLATE
     template, *alternatives = [_template(name) for name in [request.template, *request.alternatives]]
@@ -93,6 +90,60 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
             f"--engine {request.engine}: --from {template.name} is a {spec.method} recipe; a {engine.label} tune "
             f"needs a {engine.tune_format} recipe (e.g. {engine.tune_template})"
         )
+    names = _scheme_names(request, gguf)
+    _check_search_options(request)
+    ignore = getattr(spec, "ignore", [])
+    _check_alternatives(template, alternatives, ignore, gguf)
+    base = models.resolve(template.recipe.model.source, experiment=experiment)
+    config = AutoConfig.from_pretrained(base.path)
+    shapes = linear_layers(config)
+    unquantized = _unquantized(shapes, ignore, names, base.source)
+    # the templates' own group sizes do not matter (each candidate gets its schemes); what the
+    # method needs of the model's shapes does (SpinQuant's rotation sizes)
+    problems = [p for t in (template, *alternatives) for p in rotation_problems(t, config)]
+    if problems:
+        raise UserError(problems)
+    dtype_bits = 32 if template.recipe.model.dtype == "float32" else 16
+    gguf_names = base_file = None
+    if gguf:
+        gguf_names = gguf_tune.tensor_names(config, list(shapes))
+        # llama.cpp stores each tensor with its own type: measure layers alone, not fused units
+        request.sensitivity = replace(request.sensitivity, fuse=False)
+        base_file = llamacpp.base_gguf(base.path, build.ensure("a llama.cpp tune"))
+        fixed_bytes = gguf_tune.fixed_bytes(base_file, set(gguf_names.values()))
+    else:
+        fixed_bytes = _fixed_bytes(base.path, shapes, dtype_bits)
+    _check_budget(request, names, shapes, unquantized, dtype_bits, fixed_bytes)
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    tune_id = _tune_id(request, policy, template, alternatives, names, base)
+    return Plan(
+        request,
+        policy,
+        template,
+        alternatives,
+        base,
+        tokenizer,
+        shapes,
+        unquantized,
+        dtype_bits,
+        fixed_bytes,
+        tune_id,
+        outputs / "tune" / f"{policy.name}-{tune_id}",
+        gguf_names,
+        base_file,
+    )
+
+
+def _engine(request: Request):
+    """The engine --engine names (one a tune chooses types for), or None for the template's."""
+    tunable = {e.name: e for e in engines.tunable()}
+    if request.engine is not None and request.engine not in tunable:
+        raise UserError(f"--engine: '{request.engine}'; a tune chooses types for {' or '.join(tunable)}")
+    return tunable[request.engine] if request.engine is not None else None
+
+
+def _scheme_names(request: Request, gguf: bool) -> list[str]:
+    """--schemes checked and written as the schemes' own names (the engine's defaults when not given)."""
     if request.schemes is None:
         request.schemes = list(schemes.DEFAULT_GGUF_TUNE_TYPES if gguf else schemes.DEFAULT_TUNE_SCHEMES)
     if not request.schemes:
@@ -101,6 +152,11 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     if len(set(names)) != len(names):
         raise UserError(f"--schemes: {', '.join(request.schemes)} names a scheme twice")
     request.schemes = names
+    return names
+
+
+def _check_search_options(request: Request) -> None:
+    """One budget, the objective it implies, and how many candidates run and how many at once."""
     budgets = [b for b, v in (("--bits", request.bits), ("--max-size-mb", request.max_size_mb),
                               ("--latency-ms", request.latency_ms)) if v is not None]  # fmt: skip
     if len(budgets) > 1:
@@ -125,7 +181,10 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
             f"{request.parallel} of them on this machine would measure each other; on a Ray cluster each runs "
             "on a node with the resources its recipe asks for"
         )
-    ignore = getattr(spec, "ignore", [])
+
+
+def _check_alternatives(template: LoadedRecipe, alternatives: list[LoadedRecipe], ignore, gguf: bool) -> None:
+    """Every other --from recipe is for the same model, dtype, ignore list and engine as the first."""
     for other in alternatives:
         if (
             other.recipe.model.source != template.recipe.model.source
@@ -138,9 +197,11 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
                 f"{template.name}, and be a gguf recipe if it is one (the allocation is made for one model "
                 "and one engine's types)"
             )
-    base = models.resolve(template.recipe.model.source, experiment=experiment)
-    config = AutoConfig.from_pretrained(base.path)
-    shapes = linear_layers(config)
+
+
+def _unquantized(shapes: dict, ignore, names: list[str], source: str) -> set[str]:
+    """The layers the template's ignore list leaves unquantized; every other layer must fit one of
+    the schemes."""
     taken = schemes.assign(list(shapes), "quantized", {}, ignore)
     unquantized = {n for n in shapes if taken[n] == "BF16"}  # the template's ignore list stays ignored
     stuck = {
@@ -148,24 +209,12 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         for n, s in shapes.items()
         if n not in unquantized and not any(schemes.any_scheme(x).fits(s[0]) for x in names)
     }
-    allocate.check_fits({n: s[0] for n, s in stuck.items()}, names, base.source)
-    # the templates' own group sizes do not matter (each candidate gets its schemes); what the
-    # method needs of the model's shapes does (SpinQuant's rotation sizes)
-    problems = [p for t in (template, *alternatives) for p in rotation_problems(t, config)]
-    if problems:
-        raise UserError(problems)
-    dtype_bits = 32 if template.recipe.model.dtype == "float32" else 16
-    gguf_names = base_file = None
-    if gguf:
-        gguf_names = gguf_tune.tensor_names(config, list(shapes))
-        # llama.cpp stores each tensor with its own type: measure layers alone, not fused units
-        request.sensitivity = replace(request.sensitivity, fuse=False)
-        base_file = llamacpp.base_gguf(base.path, build.ensure("a llama.cpp tune"))
-        fixed_bytes = gguf_tune.fixed_bytes(base_file, set(gguf_names.values()))
-    else:
-        fixed_bytes = _fixed_bytes(base.path, shapes, dtype_bits)
-    _check_budget(request, names, shapes, unquantized, dtype_bits, fixed_bytes)
-    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    allocate.check_fits({n: s[0] for n, s in stuck.items()}, names, source)
+    return unquantized
+
+
+def _tune_id(request: Request, policy, template: LoadedRecipe, alternatives, names: list[str], base) -> str:
+    """The tune's id: the sha of everything that decides what it does (a re-run with the same finds its outputs)."""
     key = {
         "policy": policy.sha,
         "template": template.sha,
@@ -179,23 +228,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         "base": base.fingerprint,
         "sensitivity": {k: v for k, v in asdict(request.sensitivity).items() if k != "fuse" or not v},
     }
-    tune_id = canonical_sha(key)[:12]
-    return Plan(
-        request,
-        policy,
-        template,
-        alternatives,
-        base,
-        tokenizer,
-        shapes,
-        unquantized,
-        dtype_bits,
-        fixed_bytes,
-        tune_id,
-        outputs / "tune" / f"{policy.name}-{tune_id}",
-        gguf_names,
-        base_file,
-    )
+    return canonical_sha(key)[:12]
 
 
 def _template(name: str) -> LoadedRecipe:

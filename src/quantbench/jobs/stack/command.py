@@ -81,7 +81,6 @@ def run(
             f"stack {stack_name}",
             {TAG + "role": "stack", TAG + "stack": stack_name, TAG + "base_model": stack.base},
         )
-        failed: list[str] = []
         with parent:
             parent.log_params({"workload": stack.workload.model_dump(mode="json"), "steps": len(steps)})
             try:
@@ -99,20 +98,7 @@ def run(
             }
             if loaded_policy is not None:
                 report["policy"] = loaded_policy.name
-                for row, config in zip(report["steps"], steps):
-                    resolved = models_[config.model_key]
-                    metrics = resolved.metrics if config.model else {}
-                    if config.model is None:  # the base model: the reference the quality limits are measured from
-                        row["policy_passed"], row["policy_failed"] = True, []
-                    elif resolved.base is not None:
-                        row["policy_passed"], row["policy_failed"] = (
-                            False,
-                            [f"quality known against {resolved.base} only"],
-                        )
-                    elif not metrics:
-                        row["policy_passed"], row["policy_failed"] = False, ["no quantbench run: quality unknown"]
-                    else:
-                        row["policy_passed"], row["policy_failed"] = policy_checks(loaded_policy.policy, metrics)
+                _policy_rows(report, steps, models_, loaded_policy)
             if best:
                 report["best"] = best_subset(stack, steps, report, models_)
                 if report["best"] and "config" in report["best"]:
@@ -121,33 +107,7 @@ def run(
                     )
                     for path in sorted((logs_dir / "best").glob("*.log")):
                         parent.log_artifact(path, "servers/best")
-            for i, (row, result) in enumerate(zip(report["steps"], results)):
-                tags = {
-                    TAG + "role": "stack_step",
-                    TAG + "stack": stack_name,
-                    TAG + "stack_step": f"{i}:{result.name}",
-                    TAG + "bench_server": result.config.engine,
-                    "mlflow.parentRunId": parent.run_id,
-                }
-                model_run = models_[result.config.model_key].run_id if result.config.model else None
-                if model_run:
-                    tags[TAG + "stack_model_run"] = model_run
-                child = tracker.start_run(f"{i}. {result.name} · {result.adds}", tags)
-                try:
-                    with child:
-                        child.log_params(dataclasses.asdict(result.config))
-                        child.log_metrics(_step_metrics(row))
-                        if result.error:
-                            raise RuntimeError(result.error)
-                except RuntimeError:
-                    failed.append(result.name)
-                parent.log_metrics(
-                    {
-                        f"stack/{result.name}/{k}": v
-                        for k, v in (("multiplier", row.get("multiplier")), ("cumulative", row.get("cumulative")))
-                        if v is not None
-                    }
-                )
+            failed = _step_runs(tracker, parent, stack_name, report, results, models_)
             summary = {"stack/direct": report["direct"], "stack/product": report["product"]}
             if report.get("best") and "cumulative" in report["best"]:
                 summary["stack/best_cumulative"] = report["best"]["cumulative"]
@@ -163,6 +123,55 @@ def run(
         return StackOutcome(parent.run_id, report, failed)
     finally:
         shutil.rmtree(logs_dir, ignore_errors=True)
+
+
+def _policy_rows(report: dict, steps: list[Config], models_: dict[str | None, Resolved], loaded_policy) -> None:
+    """Each step's row: whether its model passes the policy's quality checks, and which fail."""
+    for row, config in zip(report["steps"], steps):
+        resolved = models_[config.model_key]
+        metrics = resolved.metrics if config.model else {}
+        if config.model is None:  # the base model: the reference the quality limits are measured from
+            row["policy_passed"], row["policy_failed"] = True, []
+        elif resolved.base is not None:
+            row["policy_passed"], row["policy_failed"] = False, [f"quality known against {resolved.base} only"]
+        elif not metrics:
+            row["policy_passed"], row["policy_failed"] = False, ["no quantbench run: quality unknown"]
+        else:
+            row["policy_passed"], row["policy_failed"] = policy_checks(loaded_policy.policy, metrics)
+
+
+def _step_runs(tracker: Tracker, parent, stack_name: str, report: dict, results: list, models_) -> list[str]:
+    """A child run per step under the stack's run (FAILED where its measuring failed), and its
+    multipliers on the parent; the names of the steps that failed."""
+    failed: list[str] = []
+    for i, (row, result) in enumerate(zip(report["steps"], results)):
+        tags = {
+            TAG + "role": "stack_step",
+            TAG + "stack": stack_name,
+            TAG + "stack_step": f"{i}:{result.name}",
+            TAG + "bench_server": result.config.engine,
+            "mlflow.parentRunId": parent.run_id,
+        }
+        model_run = models_[result.config.model_key].run_id if result.config.model else None
+        if model_run:
+            tags[TAG + "stack_model_run"] = model_run
+        child = tracker.start_run(f"{i}. {result.name} · {result.adds}", tags)
+        try:
+            with child:
+                child.log_params(dataclasses.asdict(result.config))
+                child.log_metrics(_step_metrics(row))
+                if result.error:
+                    raise RuntimeError(result.error)
+        except RuntimeError:
+            failed.append(result.name)
+        parent.log_metrics(
+            {
+                f"stack/{result.name}/{k}": v
+                for k, v in (("multiplier", row.get("multiplier")), ("cumulative", row.get("cumulative")))
+                if v is not None
+            }
+        )
+    return failed
 
 
 def _measure_best(

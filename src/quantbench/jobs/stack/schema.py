@@ -164,37 +164,63 @@ def load(name: str, tracker: Tracker | None = None) -> tuple[StackFile, list[Con
     return checked.settings, steps
 
 
+@dataclass
+class _Said:
+    """The problems found in a stack file's steps, each said with where it is."""
+
+    stack: StackFile
+    checked: CheckedFile
+    skip: set[int]  # steps with a schema problem: at their defaults here, so nothing more is said of them
+    problems: list[str] = field(default_factory=list)
+
+    def at(self, i: int, knob: str | None = None) -> str:
+        """`stacks/x.yaml: steps.2 (int4, line 7)`: a step, and the line of the knob said (or of the step)."""
+        line = (knob and self.checked.line("steps", i, knob)) or self.checked.line("steps", i)
+        return f"{self.checked.path}: steps.{i} ({self.stack.steps[i].name}" + (f", line {line})" if line else ")")
+
+    def say(self, i: int, problem: str | None) -> None:
+        if problem is not None and i not in self.skip:
+            self.problems.append(problem)
+
+
 def configs(stack: StackFile, checked: CheckedFile, tracker: Tracker | None = None) -> tuple[list[Config], list[str]]:
     """Each step's configuration (its changes over the steps before it) and the step list's problems."""
-    where = str(checked.path)
     # steps and sections with a schema problem are at their defaults here: what would be said of them is of the
     # defaults, not of what the file says
     skip = {loc[1] for loc in checked.invalid if len(loc) > 1 and loc[0] == "steps" and isinstance(loc[1], int)}
     workload_given = not any(loc[:1] == ("workload",) for loc in checked.invalid)
-    problems: list[str] = []
+    said = _Said(stack, checked, skip)
+    current = _first_config(said, tracker)
+    out = [current]
+    seen = {stack.steps[0].name: 0}
+    for i, step in enumerate(stack.steps[1:], start=1):
+        if step.name in seen:
+            line = checked.line("steps", i, "name")
+            said.say(i, f"{checked.path}: steps.{i}.name{f' (line {line})' if line else ''}: '{step.name}' is also "
+                        f"step {seen[step.name]}'s name")  # fmt: skip
+        seen.setdefault(step.name, i)
+        current = _step_config(said, i, current, out, seen, tracker)
+        out.append(current)
+    for i, config in enumerate(out):
+        _refusals(said, i, config, out[i - 1] if i else None, workload_given)
+    return out, said.problems
 
-    def at(i: int, knob: str | None = None) -> str:
-        """`stacks/x.yaml: steps.2 (int4, line 7)`: a step, and the line of the knob said (or of the step)."""
-        line = (knob and checked.line("steps", i, knob)) or checked.line("steps", i)
-        return f"{where}: steps.{i} ({stack.steps[i].name}" + (f", line {line})" if line else ")")
 
-    def say(i: int, problem: str | None) -> None:
-        if problem is not None and i not in skip:
-            problems.append(problem)
-
-    first = stack.steps[0]
+def _first_config(said: _Said, tracker: Tracker | None) -> Config:
+    """The naive start: the first step names its engine and nothing earlier."""
+    first = said.stack.steps[0]
     if first.engine is None:
-        say(0, f"{at(0)}: the first step is the naive start: name its engine (e.g. hf)")
+        said.say(0, f"{said.at(0)}: the first step is the naive start: name its engine (e.g. hf)")
     for knob in ("source", "draft"):
         if getattr(first, knob) is not None:
-            say(
+            said.say(
                 0,
-                f"{at(0, knob)}: {knob}: the first step is the naive start; it names no earlier step's model (make it "
-                "a step of its own)",
+                f"{said.at(0, knob)}: {knob}: the first step is the naive start; it names no earlier step's model "
+                "(make it a step of its own)",
             )
     if first.model is not None:
-        say(0, _model_problem(at(0, "model"), "model", first.model, tracker))
-    current = Config(
+        said.say(0, _model_problem(said.at(0, "model"), "model", first.model, tracker))
+    return Config(
         first.engine or engines.in_process(),
         first.dtype or "auto",
         first.model,
@@ -202,115 +228,121 @@ def configs(stack: StackFile, checked: CheckedFile, tracker: Tracker | None = No
         rate=first.rate,
         prefix_cache=bool(first.prefix_cache),
     )
-    out = [current]
-    seen = {first.name: 0}
-    names = [s.name for s in stack.steps]
-    for i, step in enumerate(stack.steps[1:], start=1):
-        if step.name in seen:
-            line = checked.line("steps", i, "name")
-            say(i, f"{where}: steps.{i}.name{f' (line {line})' if line else ''}: '{step.name}' is also step "
-                   f"{seen[step.name]}'s name")  # fmt: skip
-        seen.setdefault(step.name, i)
-        earlier = [n for n, j in seen.items() if j < i]
-        source = None
-        if step.source is not None:
-            if not (step.model or "").startswith("recipe:"):
-                say(
-                    i,
-                    f"{at(i, 'source')}: source: names the model a recipe starts from; it needs model: recipe:NAME "
-                    "in the same step",
-                )
-            elif step.source not in seen or seen[step.source] == i:
-                say(
-                    i,
-                    f"{at(i, 'source')}: source: '{step.source}' is not an earlier step."
-                    + did_you_mean(step.source, earlier),
-                )
-            elif out[seen[step.source]].model is None:
-                say(
-                    i,
-                    f"{at(i, 'source')}: source: step '{step.source}' serves the base model, which a recipe starts "
-                    "from anyway; leave source out",
-                )
-            else:
-                source = out[seen[step.source]].model_key
-        if step.model is not None:
-            say(i, _model_problem(at(i, "model"), "model", step.model, tracker))
-        changes = {k: getattr(step, k) for k in KNOBS if getattr(step, k) is not None}
-        if step.draft is not None:  # an earlier step's name stands for its model
-            if seen.get(step.draft, i) < i:
-                changes["draft"] = out[seen[step.draft]].model_key or BASE
-            elif step.draft in names:
-                say(i, f"{at(i, 'draft')}: draft: '{step.draft}' is step {names.index(step.draft)}, not an earlier "
-                       "one: a draft is a model served before it")  # fmt: skip
-            else:
-                say(i, _model_problem(at(i, "draft"), "draft", step.draft, tracker, earlier))
-        key = f"{step.model}@{source}" if source else step.model
-        same = [
-            k for k, v in changes.items() if (current.model_key == key if k == "model" else getattr(current, k) == v)
-        ]
-        if not changes:
-            say(i, f"{at(i)}: changes nothing; set one of {', '.join(KNOBS)}")
-        elif len(same) == len(changes):
-            say(
-                i,
-                f"{at(i, same[0])}: {', '.join(f'{k}: {changes[k]}' for k in same)} is what the steps before it "
-                "already use; a step must add something",
-            )
-        if "model" in changes:
-            changes["source"] = source
-        current = _apply(current, changes)
-        out.append(current)
 
-    for i, config in enumerate(out):
-        engine = engines.get(config.engine)
-        # each said once, where the knob meets an engine that cannot apply it (not again for each later step)
-        refused = {k for k, no in refusals(config).items() if no and not (i and refusals(out[i - 1])[k])}
-        if "draft" in refused:
-            say(
-                i,
-                f"{at(i, 'draft')}: draft: speculative decoding through {engine.label}: {engine.drafts}; a draft step "
-                "needs engine " + " or ".join(n for n in engines.local() if engines.get(n).drafts is None),
-            )
-        if "kv_cache" in refused:
-            offered = engine.kv_cache_types
-            say(
-                i,
-                f"{at(i, 'kv_cache')}: kv_cache {config.kv_cache}: {engine.label} "
-                + (f"takes {', '.join(offered)}" if offered else "takes no KV-cache type through quantbench")
-                + "; a kv_cache step needs engine "
-                + " or ".join(
-                    f"{e.name} ({_largest_and_smallest(e.kv_cache_types)}, ...: its quality is scored with "
-                    f"{e.label}'s tools)"
-                    for e in engines.every()
-                    if e.scores_kv_cache
-                ),
-            )
-        if "rate" in refused:
-            say(
-                i,
-                f"{at(i, 'rate')}: rate {config.rate:g}: requests arriving at a rate need a server; {engine.label} "
-                "runs in-process (one batched generate)",
-            )
-        if "prefix_cache" in refused:
-            say(
-                i,
-                f"{at(i, 'prefix_cache')}: prefix_cache: {engine.label} {engine.prefix_cache}; a prefix_cache step "
-                "needs engine " + " or ".join(n for n in engines.local() if engines.get(n).prefix_cache is None),
-            )
-        if stack.steps[i].prefix_cache and not stack.workload.prefix_tokens and workload_given:
-            say(
-                i,
-                f"{at(i, 'prefix_cache')}: prefix_cache: the workload's prompts share no prefix, so there is nothing "
-                "to reuse; set workload.prefix_tokens (e.g. 96 of 128: a system prompt)",
-            )
-        if "dtype" in refused:
-            say(
-                i,
-                f"{at(i, 'dtype')}: dtype {config.dtype}: llama.cpp serves a model's own GGUF file, the base model as "
-                "an F16 file; dtype applies to hf, transformers and vllm",
-            )
-    return out, problems
+
+def _step_config(
+    said: _Said, i: int, current: Config, out: list[Config], seen: dict[str, int], tracker: Tracker | None
+) -> Config:
+    """Step i's configuration: the one before it with the step's changes (an earlier step's name for
+    a model's source or a draft stands for that step's model)."""
+    step = said.stack.steps[i]
+    names = [s.name for s in said.stack.steps]
+    earlier = [n for n, j in seen.items() if j < i]
+    source = _source(said, i, out, seen, earlier)
+    if step.model is not None:
+        said.say(i, _model_problem(said.at(i, "model"), "model", step.model, tracker))
+    changes = {k: getattr(step, k) for k in KNOBS if getattr(step, k) is not None}
+    if step.draft is not None:  # an earlier step's name stands for its model
+        if seen.get(step.draft, i) < i:
+            changes["draft"] = out[seen[step.draft]].model_key or BASE
+        elif step.draft in names:
+            said.say(i, f"{said.at(i, 'draft')}: draft: '{step.draft}' is step {names.index(step.draft)}, not an "
+                        "earlier one: a draft is a model served before it")  # fmt: skip
+        else:
+            said.say(i, _model_problem(said.at(i, "draft"), "draft", step.draft, tracker, earlier))
+    key = f"{step.model}@{source}" if source else step.model
+    same = [k for k, v in changes.items() if (current.model_key == key if k == "model" else getattr(current, k) == v)]
+    if not changes:
+        said.say(i, f"{said.at(i)}: changes nothing; set one of {', '.join(KNOBS)}")
+    elif len(same) == len(changes):
+        said.say(
+            i,
+            f"{said.at(i, same[0])}: {', '.join(f'{k}: {changes[k]}' for k in same)} is what the steps before it "
+            "already use; a step must add something",
+        )
+    if "model" in changes:
+        changes["source"] = source
+    return _apply(current, changes)
+
+
+def _source(said: _Said, i: int, out: list[Config], seen: dict[str, int], earlier: list[str]) -> str | None:
+    """The model key of the earlier step whose model step i's recipe starts from (`source:`), if any."""
+    step = said.stack.steps[i]
+    if step.source is None:
+        return None
+    if not (step.model or "").startswith("recipe:"):
+        said.say(
+            i,
+            f"{said.at(i, 'source')}: source: names the model a recipe starts from; it needs model: recipe:NAME "
+            "in the same step",
+        )
+    elif step.source not in seen or seen[step.source] == i:
+        said.say(
+            i,
+            f"{said.at(i, 'source')}: source: '{step.source}' is not an earlier step."
+            + did_you_mean(step.source, earlier),
+        )
+    elif out[seen[step.source]].model is None:
+        said.say(
+            i,
+            f"{said.at(i, 'source')}: source: step '{step.source}' serves the base model, which a recipe starts "
+            "from anyway; leave source out",
+        )
+    else:
+        return out[seen[step.source]].model_key
+    return None
+
+
+def _refusals(said: _Said, i: int, config: Config, before: Config | None, workload_given: bool) -> None:
+    """What step i's engine cannot apply, each said once: where the knob meets an engine that cannot
+    apply it (not again for each later step)."""
+    engine = engines.get(config.engine)
+    refused = {k for k, no in refusals(config).items() if no and not (before and refusals(before)[k])}
+    at = said.at
+    if "draft" in refused:
+        said.say(
+            i,
+            f"{at(i, 'draft')}: draft: speculative decoding through {engine.label}: {engine.drafts}; a draft step "
+            "needs engine " + " or ".join(n for n in engines.local() if engines.get(n).drafts is None),
+        )
+    if "kv_cache" in refused:
+        offered = engine.kv_cache_types
+        said.say(
+            i,
+            f"{at(i, 'kv_cache')}: kv_cache {config.kv_cache}: {engine.label} "
+            + (f"takes {', '.join(offered)}" if offered else "takes no KV-cache type through quantbench")
+            + "; a kv_cache step needs engine "
+            + " or ".join(
+                f"{e.name} ({_largest_and_smallest(e.kv_cache_types)}, ...: its quality is scored with "
+                f"{e.label}'s tools)"
+                for e in engines.every()
+                if e.scores_kv_cache
+            ),
+        )
+    if "rate" in refused:
+        said.say(
+            i,
+            f"{at(i, 'rate')}: rate {config.rate:g}: requests arriving at a rate need a server; {engine.label} "
+            "runs in-process (one batched generate)",
+        )
+    if "prefix_cache" in refused:
+        said.say(
+            i,
+            f"{at(i, 'prefix_cache')}: prefix_cache: {engine.label} {engine.prefix_cache}; a prefix_cache step "
+            "needs engine " + " or ".join(n for n in engines.local() if engines.get(n).prefix_cache is None),
+        )
+    if said.stack.steps[i].prefix_cache and not said.stack.workload.prefix_tokens and workload_given:
+        said.say(
+            i,
+            f"{at(i, 'prefix_cache')}: prefix_cache: the workload's prompts share no prefix, so there is nothing "
+            "to reuse; set workload.prefix_tokens (e.g. 96 of 128: a system prompt)",
+        )
+    if "dtype" in refused:
+        said.say(
+            i,
+            f"{at(i, 'dtype')}: dtype {config.dtype}: llama.cpp serves a model's own GGUF file, the base model as "
+            "an F16 file; dtype applies to hf, transformers and vllm",
+        )
 
 
 def _model_problem(
