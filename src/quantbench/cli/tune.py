@@ -3,6 +3,7 @@ budget, verified."""
 
 from __future__ import annotations
 
+from quantbench import engines
 from quantbench.cli.common import common, print_json, run_stage, verdict_text
 
 DESCRIPTION = (
@@ -71,7 +72,7 @@ def _candidate_options(t) -> None:
     )
     t.add_argument(
         "--engine",
-        choices=["vllm", "llamacpp"],
+        choices=[e.name for e in engines.tunable()],
         default=None,
         help="whose types to mix: vllm (compressed-tensors schemes, default) or llamacpp (GGUF tensor types, "
         "each tensor its own, quantized by llama-quantize and served by llama-server); default: the --from "

@@ -11,10 +11,17 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from quantbench.core.errors import UserError, did_you_mean
 from quantbench.sources.checkpoint import skeleton
+
+if TYPE_CHECKING:  # for the types alone: transformers imports torch, the recipe schema pydantic
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from quantbench.recipe import LoadedRecipe
+    from quantbench.sources.models import ResolvedModel
+    from quantbench.tracking import Run
 
 # method (or method/format, where a recipe's `format:` picks another quantizer) -> "module:object"
 QUANTIZERS = {
@@ -45,16 +52,16 @@ PACKAGES = {
 class Inputs:
     """What a quantizer gets to make a checkpoint; everything here was checked before the run began."""
 
-    loaded: Any  # recipe.LoadedRecipe
-    base: Any  # models.ResolvedModel
-    tokenizer: Any
+    loaded: LoadedRecipe
+    base: ResolvedModel
+    tokenizer: PreTrainedTokenizerBase
     calibration: list[list[int]] | None  # token windows, when the quantizer calibrates
     staging: Path  # write the checkpoint here (the directory exists and is empty)
     log_path: Path  # the run's log file (a child process appends its output to it)
     workdir: Path  # state that must survive an interrupted job (training checkpoints), keyed by the recipe
     held_out: tuple[list[int], int]  # (token ids, window) of the reload check's text
-    run: Any  # tracking.Run, for curves logged while the quantizer works (training loss)
-    model: Any = None  # the base model, loaded in the job's compute dtype; take it with take_model()
+    run: Run  # for curves logged while the quantizer works (training loss)
+    model: PreTrainedModel | None = None  # the base model, loaded in the job's compute dtype; take it with take_model()
 
     def take_model(self):
         """The loaded base model, handed over: the pipeline keeps no reference, so a quantizer that
