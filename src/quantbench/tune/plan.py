@@ -10,7 +10,7 @@ from pathlib import Path
 from quantbench import engines
 from quantbench.core.errors import UserError
 from quantbench.core.files import canonical_sha
-from quantbench.engines import llamacpp
+from quantbench.engines import ServingEngine, llamacpp
 from quantbench.engines import llamacpp_build as build
 from quantbench.quantize import make_quantizer
 from quantbench.recipe import LoadedRecipe, load_recipe, resolve_recipe_path, schemes
@@ -68,6 +68,7 @@ class Plan:
     directory: Path
     gguf_names: dict[str, str] | None = None  # a llama.cpp tune: HF layer -> GGUF tensor base name
     base_gguf: Path | None = None  # a llama.cpp tune: the base as an F16 GGUF
+    engine: ServingEngine | None = None  # what serves the tune's format: a latency tune measures through it
 
     @property
     def gguf(self) -> bool:
@@ -90,6 +91,8 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
             f"--engine {request.engine}: --from {template.name} is a {spec.method} recipe; a {engine.label} tune "
             f"needs a {engine.tune_format} recipe (e.g. {engine.tune_template})"
         )
+    fmt = make_quantizer(spec).format
+    engine = engine or next((e for e in engines.tunable() if e.tune_format == fmt), None)
     names = _scheme_names(request, gguf)
     _check_search_options(request)
     ignore = getattr(spec, "ignore", [])
@@ -131,6 +134,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
         outputs / "tune" / f"{policy.name}-{tune_id}",
         gguf_names,
         base_file,
+        engine,
     )
 
 
