@@ -313,14 +313,36 @@ def test_doctor_knows_each_format_by_its_sketch_and_where_vllm_serves_it():
     assert served(formats.vllm_here("cuda", AVX512, (10, 0), "0.32.0")) == sorted(set(formats.SKETCHES) - {"W4AFP8"})
 
 
-def test_a_tune_does_not_choose_a_floating_point_format():
+def test_a_tune_chooses_the_weight_only_4_bit_float_formats_and_no_other():
     from quantbench.core.errors import UserError
 
-    with pytest.raises(UserError, match="--schemes: NVFP4A16 is not a tune choice"):
-        schemes.tune_scheme("nvfp4a16")
-    with pytest.raises(UserError, match="--schemes: W4AFP8 is not a tune choice"):  # FP8 activations beside INT4
-        schemes.tune_scheme("W4AFP8")
+    assert [schemes.tune_scheme(n).name for n in ("nvfp4a16", "MXFP4A16")] == ["NVFP4A16", "MXFP4A16"]
+    for name in ("NVFP4", "MXFP4", "MXFP8A16", "W4AFP8"):  # 4-bit activations, 8-bit floats, FP8 beside INT4
+        with pytest.raises(UserError, match=f"--schemes: {name} is not a tune choice"):
+            schemes.tune_scheme(name)
     assert schemes.tune_scheme("W4A16-G64").name == "W4A16-G64" and schemes.tune_scheme("W8A8").name == "W8A8"
+
+
+def test_a_tune_rounds_the_float_formats_as_the_checkpoint_stores_them(workdir, tiny_model_dir, capsys):
+    """What the sensitivity pass puts in a layer for NVFP4A16 and MXFP4A16 (tune.measure's rounding)
+    is, value for value, what round-to-nearest writes into the checkpoint: the tune predicts the
+    checkpoint it will make."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from quantbench.tune.measure import fake_quantize_weight
+
+    nv, mx = "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"
+    body = f"method: rtn\nscheme: W4A16\ngroup_size: 32\nlayers:\n  NVFP4A16: [{nv}]\n  MXFP4A16: [{mx}]\n"
+    write_recipe(workdir, "mix", tiny_recipe(tiny_model_dir, body))
+    assert main(["quantize", "mix", "--json"]) == 0
+    stored = load_file(str(workdir / last_json(capsys.readouterr().out)["checkpoint"] / "model.safetensors"))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for layer, name in ((nv, "NVFP4A16"), (mx, "MXFP4A16")):
+        rounded = fake_quantize_weight(base.get_submodule(layer).weight.data, schemes.SCHEMES[name])
+        written = decoded(stored, layer, schemes.SCHEMES[name])
+        assert torch.equal(rounded, written), (name, (rounded - written).abs().max())
+        assert not torch.equal(rounded, base.get_submodule(layer).weight.data)
 
 
 def test_a_mixed_checkpoint_holds_a_floating_point_format_beside_an_integer_one(workdir, tiny_model_dir, capsys):

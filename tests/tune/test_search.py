@@ -45,6 +45,9 @@ def tune_args(policy: str, *extra: str) -> list[str]:
     (["--policy", "loose", "--bits", "3"], "--bits 3: below 4.506, what the cheapest of W4A16-G64, W4A16-G64-ASYM, W4A16-G32, W4A16-G32-ASYM, W8A8, BF16 takes"),
     (["--policy", "loose", "--max-size-mb", "0.1"], "--max-size-mb 0.1: below 0.4 MiB, the smallest checkpoint"),
     (["--policy", "loose", "--from", "fp8"], "--from fp8: method fp8 cannot take per-layer schemes"),
+    # the 4-bit float formats are a tune's choice where the template's method writes them (gptq, rtn)
+    (["--policy", "loose", "--from", "ar", "--schemes", "W4A16-G64", "NVFP4A16"],
+     "--schemes: NVFP4A16: a tune's candidates are made by their template's method, and --from ar is autoround"),
     (["--policy", "loose", "--from", "narrow", "--schemes", "W4A16-G64"],
      "--schemes: no scheme of W4A16-G64 fits 12 layer(s) of"),
     (["--policy", "loose", "--budget-runs", "0"], "--budget-runs: 0; at least 1 candidate"),
@@ -66,6 +69,7 @@ def tune_args(policy: str, *extra: str) -> list[str]:
 ])
 def test_bad_input_exits_2_and_writes_nothing(args, message, setup, tiny_model_dir, capsys):
     write_recipe(setup, "fp8", tiny_recipe(tiny_model_dir, "method: fp8\n"))
+    write_recipe(setup, "ar", tiny_recipe(tiny_model_dir, "method: autoround\n"))
     write_recipe(setup, "narrow", tiny_recipe(tiny_model_dir, "method: rtn\ngroup_size: 32\n"))  # 96 wide: no group 64
     assert main(["tune", "--from", "tiny-rtn", *args]) == 2
     assert message in capsys.readouterr().err

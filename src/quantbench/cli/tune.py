@@ -66,7 +66,7 @@ def _candidate_options(t) -> None:
         metavar="SCHEME",
         default=None,
         help="schemes to choose from (default: W4A16-G64 W4A16-G64-ASYM W4A16-G32 W4A16-G32-ASYM W8A8 BF16, "
-        "what vLLM serves together on CPU; also W8A16, FP8); with --engine llamacpp llama.cpp tensor types "
+        "what vLLM serves together on CPU; also W8A16, FP8, NVFP4A16, MXFP4A16); with --engine llamacpp llama.cpp tensor types "
         "(default: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL IQ4_XS Q4_K Q5_K Q6_K F16; also Q2_K Q3_K MXFP4; K-quants and "
         "IQ4_XS only on tensors whose rows are multiples of 256)",
     )

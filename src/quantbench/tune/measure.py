@@ -100,26 +100,31 @@ def _block_index(name: str) -> int | None:
 
 
 def fake_quantize_weight(weight: torch.Tensor, scheme: schemes.Scheme, layer: str = "", rounding=None) -> torch.Tensor:
-    """Round-to-nearest with min-max scales, through compressed-tensors' qparams and QDQ; a llama.cpp
-    type rounds as llama.cpp does (a type only llama-quantize quantizes, or any with an importance
-    matrix: as `rounding` reads the layer's tensor back from its file)."""
+    """Round-to-nearest with min-max scales, through compressed-tensors' qparams and QDQ (NVFP4's FP8
+    group scales under its float32 scale of the whole tensor, MXFP4's powers of two, as
+    llm-compressor computes them); a llama.cpp type rounds as llama.cpp does (a type only
+    llama-quantize quantizes, or any with an importance matrix: as `rounding` reads the layer's
+    tensor back from its file)."""
     if rounding is not None and rounding.rounds(scheme):
         return rounding(layer, weight, scheme.name)
     if isinstance(scheme, schemes.GgufType):
         return scheme.fake_quantize(weight)
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
     args = QuantizationArgs(**scheme.weights)
     w = weight.detach().float()
+    global_scale = None
     if scheme.group_size:
         grouped = w.view(w.shape[0], -1, scheme.group_size)
         lo, hi = grouped.amin(-1), grouped.amax(-1)
+        if args.strategy == "tensor_group":  # NVFP4
+            global_scale = generate_gparam(w.amin(), w.amax())
     else:
         lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    scale, zero = calculate_qparams(lo, hi, args)
-    return fake_quantize(w, scale, zero, args).to(weight.dtype)
+    scale, zero = calculate_qparams(lo, hi, args, global_scale=global_scale)
+    return fake_quantize(w, scale, zero, args, global_scale=global_scale).to(weight.dtype)
 
 
 def fake_quantize_tokens(x: torch.Tensor, activations: dict) -> torch.Tensor:

@@ -94,6 +94,7 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     fmt = make_quantizer(spec).format
     engine = engine or next((e for e in engines.tunable() if e.tune_format == fmt), None)
     names = _scheme_names(request, gguf)
+    _check_float_formats(names, [template, *alternatives])
     _check_search_options(request)
     ignore = getattr(spec, "ignore", [])
     _check_alternatives(template, alternatives, ignore, gguf)
@@ -157,6 +158,18 @@ def _scheme_names(request: Request, gguf: bool) -> list[str]:
         raise UserError(f"--schemes: {', '.join(request.schemes)} names a scheme twice")
     request.schemes = names
     return names
+
+
+def _check_float_formats(names: list[str], templates: list[LoadedRecipe]) -> None:
+    """The 4-bit float formats a tune may choose are written by GPTQ and round-to-nearest only."""
+    floats = [n for n in names if n in schemes.TUNE_FLOAT_FORMATS]
+    for template in templates if floats else []:
+        if template.recipe.quantize.method not in ("gptq", "rtn"):
+            raise UserError(
+                f"--schemes: {', '.join(floats)}: a tune's candidates are made by their template's method, and "
+                f"--from {template.name} is {template.recipe.quantize.method}; the float formats are made by gptq "
+                "or rtn (e.g. --from gptq-w4a16)"
+            )
 
 
 def _check_search_options(request: Request) -> None:
