@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "src"))
 from quantbench.core import hardware  # noqa: E402
 
 BASELINE = "awq-int4"
-RECIPES = [BASELINE, "gptq-w4a16", "gptq-nvfp4a16", "gptq-mxfp4a16", "gptq-w4afp8", "gguf-mxfp4", "gguf-q4_0",
+RECIPES = [BASELINE, "gptq-w4a16", "gptq-nvfp4a16", "awq-nvfp4a16", "gptq-mxfp4a16", "gptq-w4afp8", "gguf-mxfp4", "gguf-q4_0",
            "nvfp4", "fp8-dynamic", "fp8-block", "mxfp8"]  # fmt: skip
 GOAL = {"recipe": "gptq-nvfp4a16", "kld_ratio": 1.3, "bits": 4.6}
 

@@ -54,6 +54,10 @@ def test_bits_per_weight_of_the_formats_before_anything_is_quantized():
         ("method: rtn\nscheme: MXFP8\n", "MXFP8"),
         ("method: fp8\nscheme: FP8_BLOCK\nblock_size: 32\n", "FP8_BLOCK-B32"),
         ("method: gptq\nscheme: NVFP4A16\n", "NVFP4A16"),
+        # AWQ's scaling searched against the float formats' own rounding (its defaults, group 64 and
+        # asymmetric, give way to the format's)
+        ("method: awq\nscheme: NVFP4A16\nn_grid: 4\n", "NVFP4A16"),
+        ("method: awq\nscheme: MXFP4A16\nn_grid: 4\n", "MXFP4A16"),
     ],
 )
 def test_a_format_stores_what_its_scheme_says_and_reloads(quantize, name, workdir, tiny_model_dir, capsys):
@@ -132,6 +136,18 @@ def decoded(stored: dict, layer: str, scheme: schemes.Scheme) -> torch.Tensor:
         ),
         (
             "method: gptq\nformat: gptq\nscheme: NVFP4A16\n",
+            "format: NVFP4A16 is written as compressed-tensors (llm-compressor) only",
+        ),
+        (
+            "method: awq\nscheme: MXFP4A16\ngroup_size: 64\n",
+            "group_size: MXFP4A16 scales every 32 weights by its format; leave group_size out",
+        ),
+        (
+            "method: awq\nscheme: NVFP4A16\nsymmetric: false\n",
+            "symmetric: false: NVFP4A16 is a floating-point format with no zero points",
+        ),
+        (
+            "method: awq\nformat: awq\nscheme: NVFP4A16\n",
             "format: NVFP4A16 is written as compressed-tensors (llm-compressor) only",
         ),
         (

@@ -305,13 +305,14 @@ class LLMCompressorQuantizer(Quantizer):
         if isinstance(spec, AWQSpec):
             # AWQ only rescales channels; the quantization modifier after it rounds the weights
             # on the grid AWQ searched against.
+            weights = (
+                self.scheme.quantization_scheme(["Linear"])
+                if self.scheme.preset
+                else weight_only_scheme(4, spec.group_size, spec.symmetric)
+            )
             return [
                 AWQModifier(n_grid=spec.n_grid, duo_scaling=spec.duo_scaling),
-                QuantizationModifier(
-                    config_groups={"group_0": weight_only_scheme(4, spec.group_size, spec.symmetric)},
-                    ignore=spec.ignore,
-                    **kv,
-                ),
+                QuantizationModifier(config_groups={"group_0": weights}, ignore=spec.ignore, **kv),
             ]
         if isinstance(spec, FP8Spec):
             if blocks := spec.blocks():
@@ -464,7 +465,7 @@ def own_scheme(spec) -> schemes.Scheme:
     if isinstance(spec, MIXED):
         return default_scheme(spec)
     if isinstance(spec, AWQSpec):
-        return schemes.from_recipe("W4A16", spec.group_size, spec.symmetric)
+        return schemes.from_recipe(spec.scheme, spec.group_size, spec.symmetric)
     if isinstance(spec, FP8Spec):
         return spec.blocks() or schemes.SCHEMES["FP8"]
     return schemes.SCHEMES["W8A8"]  # SmoothQuant

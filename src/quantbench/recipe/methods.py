@@ -154,14 +154,15 @@ class GPTQSpec(_LayerSchemes, _TwoEngines):
 
 
 class AWQSpec(_TwoEngines):
-    """AWQ activation-aware scaling, then INT4 weight-only quantization (W4A16); compressed-tensors
-    output (llm-compressor) or the AWQ GEMM format (GPTQModel)."""
+    """AWQ activation-aware scaling, then weight-only quantization: INT4 (W4A16), compressed-tensors
+    output (llm-compressor) or the AWQ GEMM format (GPTQModel); or a 4-bit float format (NVFP4A16,
+    MXFP4A16: llm-compressor's AWQ searches its scales against the format's own rounding)."""
 
     method: Literal["awq"]
     format: Literal["compressed-tensors", "awq"] = "compressed-tensors"
-    scheme: Literal["W4A16"] = "W4A16"
-    group_size: PositiveInt = 64
-    symmetric: bool = False  # AWQ's usual grid: asymmetric with a zero point
+    scheme: Literal["W4A16", "NVFP4A16", "MXFP4A16"] = "W4A16"
+    group_size: PositiveInt = 64  # a float format's is the format's (16, 32)
+    symmetric: bool = False  # AWQ's usual grid: asymmetric with a zero point (a float format has none)
     n_grid: PositiveInt = 20  # llm-compressor: grid points of the per-layer scale search; cost is linear in it
     duo_scaling: bool | Literal["both"] = True  # llm-compressor only
     ENGINE_ONLY: ClassVar[dict[str, tuple[str, Any]]] = {
@@ -176,6 +177,25 @@ class AWQSpec(_TwoEngines):
         least = 2 if self.duo_scaling is False else 3
         if self.format == "compressed-tensors" and self.n_grid < least:
             raise ValueError(f"n_grid: {self.n_grid}: AWQ's grid search needs at least {least} points")
+        return self
+
+    @model_validator(mode="after")
+    def _float_format(self):
+        # a floating-point format has its group size and no zero points by definition: AWQ's
+        # defaults (64, asymmetric) give way to the format's; said otherwise, they are refused
+        if self.scheme not in schemes.FLOAT_FORMATS:
+            return self
+        fixed = schemes.FLOAT_FORMATS[self.scheme].group_size
+        assert fixed is not None  # NVFP4A16's 16, MXFP4A16's 32
+        if "group_size" in self.model_fields_set and self.group_size != fixed:
+            raise ValueError(
+                f"group_size: {self.scheme} scales every {fixed} weights by its format; leave group_size out"
+            )
+        if "symmetric" in self.model_fields_set and not self.symmetric:
+            raise ValueError(f"symmetric: false: {self.scheme} is a floating-point format with no zero points")
+        if self.format != "compressed-tensors":
+            raise ValueError(f"format: {self.scheme} is written as compressed-tensors (llm-compressor) only")
+        self.group_size, self.symmetric = fixed, True
         return self
 
 
