@@ -18,6 +18,11 @@ def test_work_grows_with_the_methods_knobs():
     assert estimate.passes(AWQSpec(method="awq"), 32, 30)[0] == 2 * estimate.passes(AWQSpec(method="awq"), 16, 30)[0]
     count, fixed, how = estimate.passes(GPTQSpec(method="gptq"), 8, 30)
     assert count == 8 * estimate.GPTQ_PASSES and fixed == 30 * estimate.GPTQ_SOLVE_S and "30 layers" in how
+    # the solve grows with the layers' widths: the 3B ladder rung's 101 M weights a layer took ~27 s
+    # each (AVX512-BF16, 2 cores), where 0.5 s a layer at any width had said 14 s for all of them
+    wide = estimate.passes(GPTQSpec(method="gptq"), 8, 28, 100.7e6)[1]
+    assert wide / 28 == pytest.approx(27, rel=0.05)
+    assert wide / 28 > 10 * estimate.passes(GPTQSpec(method="gptq"), 8, 28)[1] / 28  # the default model's widths
     # GPTQModel's formats add its child process's start and save, a fixed cost
     count2, fixed2, how2 = estimate.passes(GPTQSpec(method="gptq", format="gptq"), 8, 30)
     assert count2 == count and fixed2 == fixed + estimate.GPTQMODEL_FIXED_S and "GPTQModel's child process" in how2

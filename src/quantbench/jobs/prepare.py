@@ -26,6 +26,7 @@ from quantbench.quality.suite import load_suite
 from quantbench.quantize import Quantizer, estimate, make_quantizer
 from quantbench.recipe import LoadedRecipe, RecipeError, load_recipe, resolve_recipe_path
 from quantbench.sources import data, models, verify
+from quantbench.sources.checkpoint import linear_layers
 from quantbench.sources.shapes import Shape
 from quantbench.speed import stage as bench_stage
 from quantbench.speed.measure import load_profile
@@ -359,8 +360,10 @@ def _estimate(
     else:  # a trained model: windows of its training length, from held-out text (only timed, never learnt)
         length = getattr(q, "seq_len", spec.calibration.seq_len)
         windows = [eval_ids[i : i + length] for i in range(0, min(len(eval_ids), 3 * length), length)]
-    layers = AutoConfig.from_pretrained(base.path).num_hidden_layers
-    found = estimate.estimate(q, loader(), windows, layers, dtype)
+    config = AutoConfig.from_pretrained(base.path)
+    layers = config.num_hidden_layers
+    layer_weights = sum(i * o for i, o, _ in linear_layers(config).values()) / layers
+    found = estimate.estimate(q, loader(), windows, layers, dtype, layer_weights)
     log.info(
         "estimate: the produce step will take ~%.1f min here (%s; %s)",
         found.minutes(),

@@ -29,7 +29,16 @@ TIMED_WINDOWS = 3  # forward passes timed, after one warm-up pass; the fastest c
 # work each algorithm does, not yet fitted: compare quantize/estimate_s with quantize/wall_s.
 AWQ_BASE, AWQ_PER_GRID = 6.0, 2.2  # per window: calibration passes + each grid point of the scale search
 GPTQ_PASSES = 4.0  # per window: calibration, Hessian accumulation, the quantized output passed on
-GPTQ_SOLVE_S = 0.5  # seconds per layer for the solve at the default model's widths
+# The solve (each Linear layer's columns rounded in turn against its Hessian) does not scale with the
+# data but with the layer's widths: seconds per decoder layer at the default model's widths (3.54 M
+# weights a layer), grown as weights-per-layer to the power GPTQ_SOLVE_EXPONENT. Both fitted on the
+# AVX512-BF16 class, 2 cores: the default model's solve ~2 s a layer (gptq-nvfp4a16's 150 s produce
+# less its 73 s of passes, over 30 layers, less NVFP4's ~1.3x slower rounding), the 3B ladder rung's
+# 27 s a layer (101 M weights; its 893 s produce less 135 s of passes, over 28 layers), where 0.5 s
+# a layer at any width had said 2.5 min.
+GPTQ_SOLVE_S = 2.0
+GPTQ_SOLVE_WEIGHTS = 3.54e6
+GPTQ_SOLVE_EXPONENT = 0.78
 # GPTQModel (the GPTQ and AWQ formats) runs in a child process: its imports, its own load of the
 # model, packing and saving cost about a minute before and after the passes (the default model,
 # AVX2-only 2-core CPU: produce 109 s against 45 s of passes predicted)
@@ -71,9 +80,12 @@ def forward_seconds(model, windows: list[list[int]]) -> float:
     return min(timed)
 
 
-def passes(quantize, windows: int, layers: int) -> tuple[float, float, str] | None:
+def passes(
+    quantize, windows: int, layers: int, layer_weights: float = GPTQ_SOLVE_WEIGHTS
+) -> tuple[float, float, str] | None:
     """(forward-pass equivalents, fixed seconds, how) for a method, or None where the cost does not
-    grow with data."""
+    grow with data. `layer_weights`: the quantized weights of one decoder layer (GPTQ's solve grows
+    with them)."""
     method = quantize.method
     if method == "awq":
         n = windows * (AWQ_BASE + AWQ_PER_GRID * quantize.n_grid)
@@ -82,10 +94,11 @@ def passes(quantize, windows: int, layers: int) -> tuple[float, float, str] | No
         return n, child, how + (f" + {child:g} s of GPTQModel's child process" if child else "")
     if method in ("gptq", "smoothquant") or (method == "spinquant" and quantize.quantizer == "gptq"):
         child = GPTQMODEL_FIXED_S if getattr(quantize, "format", None) == "gptq" else 0.0
+        solve = GPTQ_SOLVE_S * (layer_weights / GPTQ_SOLVE_WEIGHTS) ** GPTQ_SOLVE_EXPONENT
         return (
             windows * GPTQ_PASSES,
-            layers * GPTQ_SOLVE_S + child,
-            f"{windows} windows x {GPTQ_PASSES:g} + {layers} layers x {GPTQ_SOLVE_S:g} s"
+            layers * solve + child,
+            f"{windows} windows x {GPTQ_PASSES:g} + {layers} layers x {solve:.3g} s of solve"
             + (f" + {child:g} s of GPTQModel's child process" if child else ""),
         )
     if method == "autoround":  # each tuning step of a block runs one batch of windows, not all of them
@@ -98,10 +111,12 @@ def passes(quantize, windows: int, layers: int) -> tuple[float, float, str] | No
     return None
 
 
-def estimate(quantize, model, windows: list[list[int]], layers: int, dtype: str) -> Estimate:
+def estimate(
+    quantize, model, windows: list[list[int]], layers: int, dtype: str, layer_weights: float = GPTQ_SOLVE_WEIGHTS
+) -> Estimate:
     """The produce step's expected wall time for `quantize` (a recipe's section, of a method whose
     time grows with data: `passes` is not None) on `model`, loaded in the job's compute dtype `dtype`."""
-    work = passes(quantize, len(windows), layers)
+    work = passes(quantize, len(windows), layers, layer_weights)
     if work is None:
         raise ValueError(f"{quantize.method}: its time does not grow with data; nothing to estimate")
     count, fixed, how = work
