@@ -99,20 +99,20 @@ def gguf_tokenizer(gguf: Path):
     )
 
 
-def _split_as_llama_cpp(backend, pre: str | None, gguf: Path) -> None:
-    """A Qwen-family file's tokenizer (`backend`, a tokenizers.Tokenizer) given the pre-tokenizer its
+def _split_as_llama_cpp(rust, pre: str | None, gguf: Path) -> None:
+    """A Qwen-family file's tokenizer (`rust`, a tokenizers.Tokenizer) given the pre-tokenizer its
     file names, as llama.cpp applies it, in place of Qwen's (and without Qwen's NFC normalizer)."""
     from tokenizers import normalizers, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=True)
     if pre in GPT2_PRE:
-        backend.pre_tokenizer = byte_level
+        rust.pre_tokenizer = byte_level
     elif pre in DIGITS_GPT2_PRE:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        rust.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         log.warning("%s: llama.cpp splits its text as %r, read here with Qwen's pre-tokenizer", gguf, pre)
         return
-    backend.normalizer = normalizers.Sequence([])
+    rust.normalizer = normalizers.Sequence([])
 
 
 def compare_tokenizers(reference, candidate, text: str = SAMPLE_TEXT) -> str | None:

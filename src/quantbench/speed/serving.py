@@ -246,7 +246,7 @@ def openai_measurer(
     prefix_texts: list[str] | None = None,
     prefix_cache: bool | None = None,
 ) -> OpenAIMeasurer:
-    """Backends openai and serve: one repetition = a streamed request per prompt length, one per
+    """Engines openai and serve: one repetition = a streamed request per prompt length, one per
     long-context length (with the server's peak memory during it), then each load level with the
     longest prompts (concurrency levels, request rates, then the profile's sweep: synchronous,
     throughput and `sweep`'s rates, once bench_pair has set them), then the prefix workload.
