@@ -86,13 +86,13 @@ def prepare(request: Request, outputs: Path, experiment: str | None) -> Plan:
     template, *alternatives = [_template(name) for name in [request.template, *request.alternatives]]
     spec = template.recipe.quantize
     gguf = spec.method == "gguf"
-    if engine is not None and make_quantizer(spec).format != engine.tune_format:
+    fmt = make_quantizer(spec).format
+    if engine is not None and fmt != engine.tune_format:
         raise UserError(
             f"--engine {request.engine}: --from {template.name} is a {spec.method} recipe; a {engine.label} tune "
             f"needs a {engine.tune_format} recipe (e.g. {engine.tune_template})"
         )
-    fmt = make_quantizer(spec).format
-    engine = engine or next((e for e in engines.tunable() if e.tune_format == fmt), None)
+    engine = engine or next((e for e in engines.tunable() if e.tune_format == fmt), None)  # the format's
     names = _scheme_names(request, gguf)
     _check_float_formats(names, [template, *alternatives])
     _check_search_options(request)
