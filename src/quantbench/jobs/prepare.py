@@ -26,7 +26,6 @@ from quantbench.quality.suite import load_suite
 from quantbench.quantize import Quantizer, estimate, make_quantizer
 from quantbench.recipe import LoadedRecipe, RecipeError, load_recipe, resolve_recipe_path
 from quantbench.sources import data, models, verify
-from quantbench.sources.checkpoint import linear_layers
 from quantbench.sources.shapes import Shape
 from quantbench.speed import stage as bench_stage
 from quantbench.speed.measure import load_profile
@@ -129,7 +128,9 @@ def prepare(
             base, tokenizer, eval_ids, spec.check.ppl_tokens, spec.check.window, "model.source",
             dtype=compute_dtype, loader=loader, enforce=spec.check.base_ppl_bound,
         )  # fmt: skip
-    produce_estimate = _estimate(loaded, base, quantizer, calibration, eval_ids, compute_dtype, strict_budget, loader)
+    produce_estimate = _estimate(
+        loaded, footprint.shape, quantizer, calibration, eval_ids, compute_dtype, strict_budget, loader
+    )
     if evaluation is not None and check.seconds_per_token:
         _say_evaluation_cost(evaluation, check.seconds_per_token, footprint, spec.evaluate.suite, compute_dtype)
     model = loader.model if quantizer.takes_model else None
@@ -339,7 +340,7 @@ def base_tags(base: models.ResolvedModel, candidate: str | None = None) -> dict[
 
 def _estimate(
     loaded: LoadedRecipe,
-    base: models.ResolvedModel,
+    shape: Shape,
     quantizer: Quantizer,
     calibration: list[list[int]] | None,
     eval_ids: list[int],
@@ -349,9 +350,7 @@ def _estimate(
 ) -> estimate.Estimate | None:
     """Time a few forward passes, say how long the produce step will take, and hold it to the
     recipe's budget_minutes (refused with `strict`: exit 2, before any run exists). None where the
-    method's time does not grow with data."""
-    from transformers import AutoConfig
-
+    method's time does not grow with data. `shape`: the base's, as the memory plan read it."""
     spec, q = loaded.recipe, loaded.recipe.quantize
     if not (quantizer.calibrates or quantizer.trains) or estimate.passes(q, 1, 1) is None:
         return None
@@ -360,10 +359,7 @@ def _estimate(
     else:  # a trained model: windows of its training length, from held-out text (only timed, never learnt)
         length = getattr(q, "seq_len", spec.calibration.seq_len)
         windows = [eval_ids[i : i + length] for i in range(0, min(len(eval_ids), 3 * length), length)]
-    config = AutoConfig.from_pretrained(base.path)
-    layers = config.num_hidden_layers
-    layer_weights = sum(i * o for i, o, _ in linear_layers(config).values()) / layers
-    found = estimate.estimate(q, loader(), windows, layers, dtype, layer_weights)
+    found = estimate.estimate(q, loader(), windows, shape.layers, dtype, shape.quantized_params / shape.layers)
     log.info(
         "estimate: the produce step will take ~%.1f min here (%s; %s)",
         found.minutes(),

@@ -94,18 +94,23 @@ class _LayerSchemes(_LLMCompressorBase):
 
     @model_validator(mode="after")
     def _format_fixes_its_groups(self):
-        # a floating-point format (NVFP4, MXFP4, MXFP8) has its group size and no zero points by definition
-        scheme = getattr(self, "scheme", "")
-        if scheme not in schemes.FLOAT_FORMATS:
-            return self
-        fixed = schemes.FLOAT_FORMATS[scheme].group_size
-        if "group_size" in self.model_fields_set and getattr(self, "group_size", None) != fixed:
-            raise ValueError(f"group_size: {scheme} scales every {fixed} weights by its format; leave group_size out")
-        if not getattr(self, "symmetric", True):
-            raise ValueError(f"symmetric: false: {scheme} is a floating-point format with no zero points")
-        if getattr(self, "format", "compressed-tensors") != "compressed-tensors":
-            raise ValueError(f"format: {scheme} is written as compressed-tensors (llm-compressor) only")
-        return self
+        return _format_fixes_its_groups(self)
+
+
+def _format_fixes_its_groups(spec):
+    """A floating-point format (NVFP4, MXFP4, MXFP8) has its group size and no zero points by
+    definition, and only llm-compressor writes it: a recipe that says otherwise is refused."""
+    scheme = getattr(spec, "scheme", "")
+    if scheme not in schemes.FLOAT_FORMATS:
+        return spec
+    fixed = schemes.FLOAT_FORMATS[scheme].group_size
+    if "group_size" in spec.model_fields_set and getattr(spec, "group_size", None) != fixed:
+        raise ValueError(f"group_size: {scheme} scales every {fixed} weights by its format; leave group_size out")
+    if "symmetric" in spec.model_fields_set and not getattr(spec, "symmetric", True):
+        raise ValueError(f"symmetric: false: {scheme} is a floating-point format with no zero points")
+    if getattr(spec, "format", "compressed-tensors") != "compressed-tensors":
+        raise ValueError(f"format: {scheme} is written as compressed-tensors (llm-compressor) only")
+    return spec
 
 
 class _TwoEngines(_LLMCompressorBase):
@@ -181,21 +186,12 @@ class AWQSpec(_TwoEngines):
 
     @model_validator(mode="after")
     def _float_format(self):
-        # a floating-point format has its group size and no zero points by definition: AWQ's
-        # defaults (64, asymmetric) give way to the format's; said otherwise, they are refused
-        if self.scheme not in schemes.FLOAT_FORMATS:
-            return self
-        fixed = schemes.FLOAT_FORMATS[self.scheme].group_size
-        assert fixed is not None  # NVFP4A16's 16, MXFP4A16's 32
-        if "group_size" in self.model_fields_set and self.group_size != fixed:
-            raise ValueError(
-                f"group_size: {self.scheme} scales every {fixed} weights by its format; leave group_size out"
-            )
-        if "symmetric" in self.model_fields_set and not self.symmetric:
-            raise ValueError(f"symmetric: false: {self.scheme} is a floating-point format with no zero points")
-        if self.format != "compressed-tensors":
-            raise ValueError(f"format: {self.scheme} is written as compressed-tensors (llm-compressor) only")
-        self.group_size, self.symmetric = fixed, True
+        # AWQ's defaults (group 64, asymmetric) give way to a float format's own
+        _format_fixes_its_groups(self)
+        if self.scheme in schemes.FLOAT_FORMATS:
+            fixed = schemes.FLOAT_FORMATS[self.scheme].group_size
+            assert fixed is not None  # NVFP4A16's 16, MXFP4A16's 32
+            self.group_size, self.symmetric = fixed, True
         return self
 
 
