@@ -1,8 +1,9 @@
 """The package's shape, as `make lint` checks it (tests/test_static.py runs it too): no module
 under src/quantbench over 600 lines, no function over 80, and no import inside a function but of
-a heavy third-party package that LAZY_PACKAGES lists with its reason (so that `quantbench --help`
-and the job modules do not load torch, transformers or MLflow), or of the few modules of
-quantbench's own that LAZY_COMMANDS and LAZY_MODULES allow, with theirs. Exit 1 naming each breach.
+a heavy third-party package that LAZY_PACKAGES lists with its reason (so that `quantbench --help`,
+which imports every command's module and through them the job modules, loads no torch,
+transformers or MLflow). quantbench's own modules are imported at the top, always. Exit 1 naming
+each breach.
 
     python tools/shape.py
 """
@@ -17,15 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "quantbench"
 MODULE_LINES = 600
 FUNCTION_LINES = 80
-
-# Imports of quantbench's own modules that may stay inside functions, and why: the heavy ones.
-# A command's module (cli/<command>.py) loads the modules of the job it runs when it runs, not when
-# `quantbench --help` builds the parser (they import torch: ~2 s here; tests/cli/test_cli.py holds
-# --help free of torch, transformers and MLflow).
-LAZY_COMMANDS = "quantbench.cli."
-LAZY_MODULES = {
-    "quantbench.quantize.llmcompressor": "imports torch and llm-compressor (12 s)",
-}
 
 # Third-party packages that may be imported inside a function (by their top-level name), and why:
 # what importing them costs (`python -c "import X"`, AVX512-BF16 CPU, 2 cores, warm page cache), or
@@ -56,7 +48,7 @@ LAZY_PACKAGES = {
 
 def measure() -> dict[str, int]:
     """Everything over a limit: "module" and "module:function" -> lines, "module:imports" -> imports
-    inside its functions that the LAZY lists do not allow."""
+    inside its functions that LAZY_PACKAGES does not allow."""
     over: dict[str, int] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         module = path.relative_to(PACKAGE.parent).with_suffix("").as_posix().replace("/", ".")
@@ -75,21 +67,17 @@ def measure() -> dict[str, int]:
             sub
             for node in _outermost_functions(tree)
             for sub in ast.walk(node)
-            if isinstance(sub, (ast.Import, ast.ImportFrom)) and not _lazy_allowed(module, sub)
+            if isinstance(sub, (ast.Import, ast.ImportFrom)) and not _lazy_allowed(sub)
         ]
         if inner:
             over[f"{module}:imports"] = len(inner)
     return over
 
 
-def _lazy_allowed(module: str, node: ast.Import | ast.ImportFrom) -> bool:
-    """An import inside a function that the LAZY lists allow."""
+def _lazy_allowed(node: ast.Import | ast.ImportFrom) -> bool:
+    """An import inside a function that LAZY_PACKAGES allows."""
     names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-    if not _internal_import(node):
-        return all(name.split(".")[0] in LAZY_PACKAGES for name in names)
-    if module.startswith(LAZY_COMMANDS):
-        return True
-    return any(name in LAZY_MODULES for name in names)
+    return not _internal_import(node) and all(name.split(".")[0] in LAZY_PACKAGES for name in names)
 
 
 def _internal_import(node: ast.Import | ast.ImportFrom) -> bool:
@@ -133,7 +121,7 @@ def breaches(over: dict[str, int]) -> list[str]:
     found = []
     for key, size in sorted(over.items()):
         if key.endswith(":imports"):
-            found.append(f"{key}: {size} imports inside functions (not in a LAZY list), over the limit of 0")
+            found.append(f"{key}: {size} imports inside functions (of ours, or not in LAZY_PACKAGES), over the limit of 0")
         elif ":" in key:
             found.append(f"{key}: {size} lines (function), over the limit of {FUNCTION_LINES}")
         else:
@@ -147,7 +135,7 @@ def main(argv: list[str]) -> int:
         print(line)
     print(
         f"shape: {len(problems)} breaches (modules over {MODULE_LINES} lines, functions over {FUNCTION_LINES}, "
-        "imports inside functions outside the LAZY lists)"
+        "imports inside functions outside LAZY_PACKAGES)"
     )
     return 1 if problems else 0
 

@@ -8,6 +8,7 @@ from quantbench import engines
 from quantbench.cli import report
 from quantbench.cli.common import common, print_json, renamed, run_stage, verdict_json, verdict_text
 from quantbench.core.errors import UserError
+from quantbench.jobs import existing
 
 
 def add_parser(sub) -> None:
@@ -55,9 +56,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    # lazy: the job modules import pydantic (quantbench.recipe): +0.1-0.2 s on every `quantbench --help`
-    from quantbench.jobs import existing
-
     if args.draft:
         if args.engine not in (None, "hf"):
             raise UserError("--draft measures in-process (transformers assisted generation); drop --engine")

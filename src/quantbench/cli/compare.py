@@ -4,6 +4,7 @@ HTML, PNG."""
 from __future__ import annotations
 
 from quantbench.cli.common import common, print_json, run_stage
+from quantbench.release import compare
 
 
 def add_parser(sub) -> None:
@@ -31,9 +32,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    # lazy: it imports pydantic (quantbench.recipe, through release.names): +0.1 s on every `quantbench --help`
-    from quantbench.release import compare
-
     result = run_stage(
         "compare",
         compare.run,

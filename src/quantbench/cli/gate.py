@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from quantbench.cli.common import common, print_json, run_stage
+from quantbench.jobs.pipeline import settle
+from quantbench.release import gate
 
 
 def add_parser(sub) -> None:
@@ -22,10 +24,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    # lazy: both import pydantic (quantbench.recipe): +0.1-0.2 s on every `quantbench --help`
-    from quantbench.jobs.pipeline import settle
-    from quantbench.release import gate
-
     result = run_stage("gate", gate.run, args.run_id, args.policy, experiment=args.experiment)
     if result is None:
         return 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 from quantbench import engines
 from quantbench.cli import report
 from quantbench.cli.common import common, print_json, renamed, run_stage
+from quantbench.jobs import noise
 
 
 def add_parser(sub) -> None:
@@ -36,9 +37,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    # lazy: the job modules import pydantic (quantbench.recipe): +0.1-0.2 s on every `quantbench --help`
-    from quantbench.jobs import noise
-
     result = run_stage(
         "noise",
         noise.run,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from quantbench.cli import report
 from quantbench.cli.common import common, print_json, run_stage, verdict_json, verdict_text
+from quantbench.jobs import pipeline, prepare
 
 
 def add_parser(sub) -> None:
@@ -44,9 +45,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    # lazy: the job modules import pydantic (quantbench.recipe): +0.1-0.2 s on every `quantbench --help`
-    from quantbench.jobs import pipeline, prepare
-
     if args.plan:
         found = run_stage(
             "quantize --plan",

@@ -6,6 +6,7 @@ import json
 
 from quantbench.cli.common import common
 from quantbench.core.errors import UserError
+from quantbench.recipe import available_recipes, load_recipe, recipes_dir
 
 
 def add_parser(sub) -> None:
@@ -13,9 +14,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    # lazy: quantbench.recipe imports pydantic: ~0.1 s more on every `quantbench --help`
-    from quantbench.recipe import available_recipes, load_recipe, recipes_dir
-
     rows = []
     for name in available_recipes():
         try:

@@ -7,6 +7,8 @@ import argparse
 import sys
 
 from quantbench.cli.common import common, print_json, run_stage, verdict_text
+from quantbench.jobs.stack import command, ledger
+from quantbench.release import verdict
 
 
 def add_parser(sub) -> None:
@@ -39,9 +41,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    # lazy: the job modules import pydantic (quantbench.recipe): +0.1-0.2 s on every `quantbench --help`
-    from quantbench.jobs.stack import command, ledger
-
     result = run_stage(
         "stack",
         command.run,
@@ -54,8 +53,6 @@ def run(args) -> int:
     if result is None:
         return 1
     print(ledger.table(result.report))
-    from quantbench.release import verdict  # lazy: as jobs.stack above
-
     model_run = verdict.stack_model_run(result.run_id, experiment=args.experiment)
     if model_run:  # the quality, size and policy of the model the stack ends with (its speed is the ledger's)
         print(verdict_text(verdict.of_run(model_run, policy=args.policy, experiment=args.experiment)))

@@ -4,6 +4,7 @@ and retries."""
 from __future__ import annotations
 
 from quantbench.cli.common import common, print_json, run_stage
+from quantbench.jobs import sweep
 
 
 def add_parser(sub) -> None:
@@ -32,12 +33,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    # lazy: jobs.sweep imports pydantic (quantbench.recipe): +0.1-0.2 s on every `quantbench --help`; and at the
-    # top its `run` would be this module's
-    from quantbench.jobs.sweep import run
-
     result = run_stage(
-        "sweep", run, args.sweep, force=args.force, outputs=args.outputs, experiment=args.experiment, ray=args.ray
+        "sweep", sweep.run, args.sweep, force=args.force, outputs=args.outputs, experiment=args.experiment, ray=args.ray
     )
     if result is None:
         return 1

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from quantbench import engines
 from quantbench.cli.common import common, print_json, run_stage, verdict_text
+from quantbench.release import verdict
+from quantbench.tune import command, sensitivity
+from quantbench.tune.plan import Request
 
 DESCRIPTION = (
     "Measure how much each layer of the base model moves its output when quantized alone with each "
@@ -138,10 +141,6 @@ def _measurement_options(t) -> None:
 
 
 def run(args) -> int:
-    # lazy: tune.sensitivity and tune.plan import torch (1.5 s), kept off `quantbench --help`
-    from quantbench.tune import command, sensitivity
-    from quantbench.tune.plan import Request
-
     request = Request(
         policy=args.policy,
         bits=args.bits,
@@ -163,8 +162,6 @@ def run(args) -> int:
         return 1
     print(command.text(result))
     if result.get("best_run"):  # the answer's verdict under the tune's policy (its gate already ran)
-        from quantbench.release import verdict  # lazy: imports pydantic (quantbench.recipe), kept off --help
-
         print(verdict_text(verdict.of_run(result["best_run"], policy=args.policy, experiment=args.experiment), True))
     print_json(args, result)
     return 0 if result["passed"] else 1

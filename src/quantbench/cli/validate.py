@@ -7,6 +7,8 @@ from pathlib import Path
 
 from quantbench.cli.common import common, print_json
 from quantbench.core.errors import UserError
+from quantbench.jobs.prepare import check_without_model
+from quantbench.recipe import RecipeError, load_recipe, recipes_dir
 
 
 def add_parser(sub) -> None:
@@ -26,9 +28,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    # lazy: quantbench.recipe imports pydantic: ~0.1 s more on every `quantbench --help`
-    from quantbench.recipe import RecipeError, load_recipe, recipes_dir
-
     files = args.files or sorted(recipes_dir().glob("*.yaml"))
     if not files:
         raise UserError(f"no recipe files given and none in {recipes_dir()}/")
@@ -41,8 +40,6 @@ def run(args) -> int:
         except UserError as exc:
             loaded, found = None, exc.problems
         if loaded is not None and not args.no_model:
-            from quantbench.jobs.prepare import check_without_model  # lazy: as quantbench.recipe above
-
             found = found + check_without_model(loaded, args.experiment, invalid)
         if found:
             problems[str(path)] = found

@@ -128,7 +128,9 @@ class Quantizer:
     - `footprint(shape, loaded, compute)`: its produce step's memory and disk (None: the planner
       assumes one more copy of the model beside what it takes);
     - `prepared(base)`: what its `prepare` would make of this base is in the cache already (the
-      planner then plans no conversion).
+      planner then plans no conversion);
+    - `round_to_nearest(model, scheme, ignore)`: a loaded model's Linear layers but `ignore` rounded
+      to one scheme in place, without a recipe (the RTN quantizer's; tune's served cost table).
     """
 
     library: ClassVar[str]
@@ -167,6 +169,10 @@ class Quantizer:
 
     def footprint(self, shape, loaded, compute: str) -> ProduceFootprint | None:
         return None
+
+    @staticmethod
+    def round_to_nearest(model, scheme, ignore: list[str]) -> None:
+        raise NotImplementedError
 
 
 def quantizer_key(method: str, format: str | None = None) -> str:

@@ -358,6 +358,16 @@ class LLMCompressorQuantizer(Quantizer):
                 carry_autoround_zero_points(model),
             )
 
+    @staticmethod
+    def round_to_nearest(model, scheme: schemes.Scheme, ignore: list[str]) -> None:
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        groups = {"group_0": scheme.quantization_scheme(["Linear"])}
+        recipe: list = [QuantizationModifier(config_groups=groups, ignore=ignore)]
+        with cpu_safe_pinning():
+            oneshot(model=model, recipe=recipe)
+
     def save(self, model, tokenizer, dest: Path, dtype: str) -> None:
         """Saved in the recipe's dtype (`model.dtype`), whatever dtype the job computed in: unquantized
         tensors and scales are cast, then the weights are compressed against the cast scales."""

@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from quantbench.core.errors import UserError
 from quantbench.recipe import schemes
 
@@ -101,6 +99,8 @@ def problem(
 def solve(p: Problem, budget_bits: float, resolution: int = RESOLUTION) -> Allocation:
     """The allocation with the least predicted KLD whose stored bits (in a latency problem:
     predicted decode ms) are at most `budget_bits`."""
+    import numpy as np
+
     weighted = [[(o[0], p.weight(u, o), o[2]) for o in opts] for u, opts in enumerate(p.options)]
     budget = budget_bits - p.base_ms
     cheapest = [min(opts, key=lambda o: o[1]) for opts in weighted]

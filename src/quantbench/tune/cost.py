@@ -43,7 +43,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from quantbench import engines
+from quantbench import engines, quantize
 from quantbench.core import environment, hardware
 from quantbench.core.errors import UserError
 from quantbench.core.files import atomic_write, canonical_sha
@@ -324,23 +324,18 @@ def _served_times(
 
 def _uniform_checkpoint(base, scheme, left: list[str], dest: Path, log_path: Path) -> Path:
     """The base in bfloat16 with every quantizable layer but `left` in `scheme`, round-to-nearest
-    through llm-compressor (its log lines into `log_path`), saved compressed (the reference: the
-    base, saved in bfloat16)."""
+    through the RTN quantizer (llm-compressor; its log lines into `log_path`), saved compressed (the
+    reference: the base, saved in bfloat16)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # first: llm-compressor imported as quantbench imports it (its console lines on stderr, not on
-    # stdout where a tune's --json summary goes)
-    from quantbench.quantize.llmcompressor import cpu_safe_pinning
-
+    # first: the quantizer's module, which imports llm-compressor as quantbench imports it (its
+    # console lines on stderr, not on stdout where a tune's --json summary goes)
+    rtn = quantize.quantizer_class("rtn")
     model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.bfloat16)
     if scheme.quantized:
-        from llmcompressor import oneshot
-        from llmcompressor.modifiers.quantization import QuantizationModifier
-
-        groups = {"group_0": scheme.quantization_scheme(["Linear"])}
-        with cpu_safe_pinning(), log_file(log_path):
-            oneshot(model=model, recipe=[QuantizationModifier(config_groups=groups, ignore=["lm_head", *left])])
+        with log_file(log_path):
+            rtn.round_to_nearest(model, scheme, ["lm_head", *left])
     model.save_pretrained(dest, save_compressed=scheme.quantized)
     AutoTokenizer.from_pretrained(base.path).save_pretrained(dest)
     return dest

@@ -10,14 +10,34 @@ import functools
 import logging
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm import tqdm
 
 from quantbench.core.logs import terminal
 from quantbench.recipe import schemes
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
+
+
+def _under(mode: str):
+    """The function runs under torch's `mode` (inference_mode, no_grad), torch imported when it is
+    called: tune's modules load without torch (`quantbench --help` imports them)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            import torch
+
+            with getattr(torch, mode)():
+                return fn(*args, **kwargs)
+
+        return inner
+
+    return wrap
 
 
 @dataclass
@@ -44,11 +64,13 @@ class Unit:
         return re.sub(r"^.*?\.\d+\.", "", self.name) if self.block is not None else self.name
 
 
-@torch.inference_mode()
+@_under("inference_mode")
 def find_units(model, ids: torch.Tensor, fuse: bool = True) -> list[Unit]:
     """The model's quantizable Linear layers (all but the output head) in forward order, grouped
     into units: layers of one block that receive the very same input tensor (with `fuse`; without,
     every layer is a unit of its own)."""
+    import torch
+
     head = model.get_output_embeddings()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
     seen: dict[str, tuple] = {}
@@ -166,6 +188,8 @@ class _Quantized:
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList | None:
+    import torch
+
     inner = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     layers = getattr(inner, "layers", None)
     return layers if isinstance(layers, torch.nn.ModuleList) else None
@@ -195,6 +219,8 @@ class _Replay:
         self.inputs.append((args[0] if args else kwargs["hidden_states"]).detach())
 
     def logits(self, block: int | None) -> torch.Tensor:
+        import torch
+
         if not self.ok or block is None or block == 0:
             return self.model(input_ids=self.ids).logits.float()
         full = self.layers
@@ -207,6 +233,8 @@ class _Replay:
             owner.layers = inner
 
     def check(self) -> str:
+        import torch
+
         if self.layers is None or len(self.inputs) != len(self.layers):
             return "full forward (no decoder layer list found)"
         self.ok = True
@@ -217,10 +245,12 @@ class _Replay:
         return "from the unit's block (checked against the model's own logits)"
 
 
-@torch.inference_mode()
+@_under("inference_mode")
 def measured_kld(model, modules, ids, units, scheme_list, rounding=None) -> tuple[list[list[float | None]], str]:
     """[unit][scheme]: the mean KL(base || the unit alone quantized) over the windows' positions
     (None where the scheme does not fit), and how the logits were replayed."""
+    import torch
+
     replay = _Replay(model, ids)
     how = replay.check()
     log.info("sensitivity: replay %s", how)
@@ -257,6 +287,7 @@ def fisher_proxy(model, modules, ids, units, scheme_list, rounding=None) -> list
     of the weights; for dynamically quantized input activations (W8A8, FP8), 1/2 sum_t (g_t . e_t)^2
     with g_t the gradient at the unit's input and e_t the rounding error of that token, an
     unbiased estimate of e^T F e for the input's full Fisher."""
+    import torch
 
     model.float()
     params = {name: modules[name].weight for unit in units for name in unit.layers}
@@ -285,6 +316,8 @@ def fisher_proxy(model, modules, ids, units, scheme_list, rounding=None) -> list
 
 def _backward(model, row: torch.Tensor, generator: torch.Generator) -> None:
     """One window's backward pass, on the loss of labels sampled from the model's own output."""
+    import torch
+
     logits = model(input_ids=row[None]).logits[0, :-1].float()
     with torch.no_grad():
         labels = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
@@ -322,7 +355,7 @@ class _ActivationTerm:
         self.inputs.clear()
         self.grads.clear()
 
-    @torch.no_grad()
+    @_under("no_grad")
     def add(self) -> None:
         """The window just passed backward: its tokens' terms added to `total`."""
         for unit in self.units:
@@ -338,7 +371,7 @@ class _ActivationTerm:
             h.remove()
 
 
-@torch.no_grad()
+@_under("no_grad")
 def _fisher_table(units, scheme_list, params, fisher, act_total, tokens: int, rounding) -> list[list[float | None]]:
     """[unit][scheme]: 1/2 (the weights' term + the inputs') per token; None where the scheme does not fit."""
     table: list[list[float | None]] = []

@@ -39,8 +39,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from quantbench.core import environment
 from quantbench.core.errors import UserError
 from quantbench.core.files import canonical_sha
@@ -258,6 +256,7 @@ def held_back_windows(
 def measure(
     model_path: Path, windows: list[list[int]], scheme_names: list[str], settings: Settings, rounding=None
 ) -> Sensitivity:
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, settings.dtype)).eval()
