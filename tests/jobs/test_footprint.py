@@ -162,6 +162,26 @@ def test_a_gguf_file_type_is_sized_from_the_shape():
     assert sum(n for _, n in imatrix.held) == 2 * dense.params + int(0.15 * GiB) + dense.window_activations(256)
 
 
+
+def test_a_gguf_mixture_of_experts_reload_is_planned_with_its_float32_experts(tmp_path):
+    """transformers' GGUF reader keeps a mixture of experts' stacked experts in float32 until the model
+    takes its own copy in the compute dtype (the moe-8x rung's Q8_0 check measured ~1 GiB over its plan):
+    the check counts them beside the de-quantized model where the model computes in another dtype; in
+    float32 the model takes them as they are, and a dense model has none."""
+    from quantbench.quantize import gguf
+    from quantbench.recipe.methods import GGUFSpec
+
+    moe = Shape.from_config(config("qwen3_moe", **ladder.RUNGS["moe-8x"].config))
+    dense = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.2-1b"].config))
+    quantizer = gguf.GGUFQuantizer(GGUFSpec(method="gguf", type="Q8_0"))
+    checks = {}
+    for name, shape, compute in (("moe", moe, "bfloat16"), ("moe32", moe, "float32"), ("dense", dense, "bfloat16")):
+        produce = quantizer.footprint(shape, None, compute)
+        check = {s.name: s for s in plan(shape, produce, compute=compute, outputs=tmp_path).stages}["check"]
+        checks[name] = check.ram - (footprint.RUNTIME + produce.checkpoint + shape.weights(compute) + shape.window_activations(512))
+    assert checks == {"moe": moe.expert_params * 4, "moe32": 0, "dense": 0}
+    assert moe.expert_params * 4 > GiB  # 0.3 B expert weights
+
 def test_memory_cap_and_its_bad_values(monkeypatch):
     monkeypatch.setenv(footprint.MEMORY_VAR, "1.5")
     assert footprint.available_ram() == int(1.5 * GiB)

@@ -225,6 +225,7 @@ def plan(
         ("runtime", RUNTIME),
         (READ_ONCE, produce.checkpoint),
         (f"its weights de-quantized to {compute}", model_c),
+        *produce.reload_held,
         ("a window", shape.window_activations(check_window)),
     ]
     stages.append(_stage("check", check, fits_with=fits))

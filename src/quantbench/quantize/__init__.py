@@ -94,6 +94,8 @@ class ProduceFootprint:
     takes_model: bool = True  # it computes on the job's loaded base model (else it loads or reads its own)
     prepare_held: list[tuple[str, int]] = field(default_factory=list)  # its prepare (a conversion), at its peak
     prepare_disk: int = 0  # what its prepare leaves on disk (a cached conversion)
+    # what reloading its checkpoint holds beyond the weights de-quantized to the compute dtype (the check)
+    reload_held: list[tuple[str, int]] = field(default_factory=list)
 
 
 # A child Python (llama.cpp's converter, GPTQModel's worker) before it reads a model, and llama.cpp's
