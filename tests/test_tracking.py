@@ -117,6 +117,33 @@ def test_an_interrupt_while_the_run_is_ended_still_ends_it(workdir, sigterm_inte
     assert runs()[0].info.status == "FINISHED"  # the work was done; the command stops after it
 
 
+def test_an_interrupt_inside_a_store_write_lands_after_it_and_the_run_still_ends_killed(workdir, sigterm_interrupts):
+    """SIGTERM raised inside SQLAlchemy while a tag is written once left the SQLite write
+    transaction open in a pooled connection: ending the run KILLED then waited on the job's own
+    lock (20 s per write) and the run stayed RUNNING. Each store call now runs whole."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    sent = []
+
+    def signalled(conn, cursor, statement, parameters, context, executemany):
+        if not sent and statement.lstrip().upper().startswith("INSERT INTO TAGS"):
+            sent.append(statement)
+            sigterm_self()  # the handler runs here, inside the store's write
+
+    with pytest.raises(KeyboardInterrupt):
+        with Tracker().start_run("r", {}) as run:
+            event.listen(Engine, "after_cursor_execute", signalled)
+            try:
+                run.set_tags({"written": "yes"})
+            finally:
+                event.remove(Engine, "after_cursor_execute", signalled)
+            pytest.fail("the interrupt did not end the block")
+    assert sent
+    [found] = runs()
+    assert found.info.status == "KILLED" and found.data.tags["written"] == "yes"  # the write was whole
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_signal_whose_interrupt_a_finalizer_swallowed_still_kills_the_run(workdir, sigterm_interrupts):
     """Python runs the handler wherever the main thread is: in a finalizer that gc.collect() runs, the

@@ -26,7 +26,7 @@ import socket
 import sqlite3
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -144,9 +144,13 @@ def _store_errors(uri: str):
         raise StoreError(problem) from exc
 
 
+_TRANSFERS = frozenset({"log_artifact", "log_artifacts", "download_artifacts"})  # files (minutes to S3)
+
+
 class _Checked:
-    """An MlflowClient whose every call says a store it cannot read or write as a StoreError
-    (MLflow answers one with a SQLAlchemy traceback of some 70 frames and the SQL it ran)."""
+    """An MlflowClient whose every call says a store it cannot read or write as a StoreError (not
+    MLflow's 70 frames of SQLAlchemy) and runs whole, but for file transfers: an interrupt is raised
+    after it (raised inside SQLAlchemy, one left a SQLite write open that the run's end waited on)."""
 
     def __init__(self, client, uri: str):
         self._client, self._uri = client, uri
@@ -157,8 +161,11 @@ class _Checked:
             return attr
 
         def call(*args, **kwargs):
-            with _store_errors(self._uri):
-                return attr(*args, **kwargs)
+            with nullcontext([]) if name in _TRANSFERS else interrupts_held() as held, _store_errors(self._uri):
+                result = attr(*args, **kwargs)
+            if held:
+                raise KeyboardInterrupt(f"signal {held[0]}")
+            return result
 
         return call
 
