@@ -98,3 +98,51 @@ def test_the_pages_of_a_mapped_file_are_handed_back_and_read_again_unchanged(tmp
         assert not drop_file_pages(anon_address, len(anonymous), mapped) and bytes(anonymous) == data[: 2**20]
     finally:
         view.close()
+
+
+def _mapping_rss_kb(path) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            inside = len(fields) == 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_a_checkpoint_read_once_has_its_pages_handed_back_while_one_written_keeps_them(tmp_path):
+    """pages_handed_back: the pages of a mapping read whole leave the resident set while the block
+    runs and read back as the file's bytes; a mapping with a page written (a private copy, which
+    handing back would lose) keeps its pages and its write."""
+    import mmap
+    import os
+    import time
+
+    from quantbench.core.files import pages_handed_back
+
+    read, written = tmp_path / "model.safetensors", tmp_path / "other.safetensors"
+    data = os.urandom(16 * 2**20)
+    read.write_bytes(data)
+    written.write_bytes(data)
+    views = []
+    for path in (read, written):
+        with open(path, "r+b") as handle:
+            views.append(mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE))
+    clean, dirty = views
+    try:
+        dirty[0] = data[0] ^ 0xFF  # one page of the other copied on write
+        with pages_handed_back([read, written], period_s=0.02):
+            assert clean[:] == data and dirty[1:] == data[1:]  # every page of both read: resident
+            deadline = time.monotonic() + 10
+            while _mapping_rss_kb(read) > 1024 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert _mapping_rss_kb(read) <= 1024  # of 16 MiB read
+            assert _mapping_rss_kb(written) > 15 * 1024  # left alone
+        assert clean[:] == data  # read from the file again
+        assert dirty[0] == data[0] ^ 0xFF and dirty[1:] == data[1:]
+        assert written.read_bytes() == data  # a private mapping: the file never changed
+    finally:
+        clean.close()
+        dirty.close()

@@ -74,9 +74,20 @@ def test_the_plan_adds_what_each_stage_holds(tmp_path):
     window = shape.window_activations(512)
     assert stages["prepare"].ram == footprint.RUNTIME + 2 * shape.params + window
     assert stages["produce"].ram == footprint.RUNTIME + 2 * shape.params + checkpoint
-    assert stages["check"].ram == footprint.RUNTIME + checkpoint + 2 * shape.params + window
+    # the stored checkpoint's pages are handed back as they are read: what is read meanwhile stays
+    read_once = min(checkpoint, footprint.HANDED_BACK)
+    assert stages["check"].ram == footprint.RUNTIME + read_once + 2 * shape.params + window
     assert stages["produce"].disk == checkpoint
     # a quantizer that reads files holds no loaded model; in float32 the model is twice as big
+    # a data-free method's base, loaded in its stored dtype as views of its files, read once
+    once = ProduceFootprint([("compressed", checkpoint)], checkpoint, reads_base_once=True)
+    planned_once = plan(shape, once, outputs=tmp_path)
+    stages_once = {s.name: s for s in planned_once.stages}
+    assert stages_once["produce"].ram == footprint.RUNTIME + footprint.HANDED_BACK + checkpoint
+    assert stages_once["produce"].reclaimable == footprint.HANDED_BACK
+    wide_once = plan(shape, once, compute="float32", outputs=tmp_path)  # a float32 copy: all of it held
+    assert {s.name: s.ram for s in wide_once.stages}["produce"] == footprint.RUNTIME + 4 * shape.params + checkpoint
+    assert planned_once.reads_base_once and not wide_once.reads_base_once and not found.reads_base_once
     files = plan(shape, ProduceFootprint([("llama.cpp", 5)], 10, takes_model=False), outputs=tmp_path)
     assert {s.name: s.ram for s in files.stages}["produce"] == footprint.RUNTIME + 5
     wide = plan(shape, produce, compute="float32", outputs=tmp_path)
@@ -86,8 +97,8 @@ def test_the_plan_adds_what_each_stage_holds(tmp_path):
     assert metrics["plan/produce/peak_rss_mb"] == stages["produce"].ram / 2**20
     assert metrics["plan/peak_rss_mb"] == max(s.ram for s in found.stages) / 2**20
     # the stored checkpoint's pages, read once while it is de-quantized, do not decide the fit
-    assert stages["check"].reclaimable == checkpoint and stages["produce"].reclaimable == 0
-    assert stages["check"].needed == stages["check"].ram - checkpoint
+    assert stages["check"].reclaimable == read_once and stages["produce"].reclaimable == 0
+    assert stages["check"].needed == stages["check"].ram - read_once
     found.ram_available = stages["check"].ram - 1
     assert not [p for p in found.problems("r.yaml") if "check stage" in p]
     found.ram_available = stages["check"].needed - 1
@@ -121,8 +132,9 @@ def test_a_mixture_of_experts_base_is_planned_with_its_experts_file_pages(tmp_pa
         assert stages["prepare"].ram == footprint.RUNTIME + 2 * shape.params + extra + shape.window_activations(512)
         assert stages["produce"].ram == footprint.RUNTIME + 2 * shape.params + extra + checkpoint
         assert stages["prepare"].reclaimable == stages["produce"].reclaimable == extra
-        # the checkpoint is de-quantized as it loads: a copy already, nothing more
-        assert stages["check"].ram == footprint.RUNTIME + checkpoint + 2 * shape.params + shape.window_activations(512)
+        # the checkpoint is de-quantized as it loads: a copy already, nothing more (its pages handed back)
+        read_once = min(checkpoint, footprint.HANDED_BACK)
+        assert stages["check"].ram == footprint.RUNTIME + read_once + 2 * shape.params + shape.window_activations(512)
     assert "the experts' file pages, read once as they are stacked 0.56" in "; ".join(
         {s.name: s for s in plan(moe, produce, outputs=tmp_path).stages}["prepare"].held
     )
@@ -179,7 +191,8 @@ def test_a_gguf_mixture_of_experts_reload_is_planned_with_its_gathered_experts(t
         produce = quantizer.footprint(shape, None, compute)
         check = {s.name: s for s in plan(shape, produce, compute=compute, outputs=tmp_path).stages}["check"]
         checks[name] = check.ram - (
-            footprint.RUNTIME + produce.checkpoint + shape.weights(compute) + shape.window_activations(512)
+            footprint.RUNTIME + min(produce.checkpoint, footprint.HANDED_BACK) + shape.weights(compute)
+            + shape.window_activations(512)
         )
     assert checks == {"moe": moe.expert_params * 2, "moe32": moe.expert_params * 2, "dense": 0}
     assert 0.5 * GiB < moe.expert_params * 2 < 0.6 * GiB  # 0.3 B expert weights

@@ -32,13 +32,20 @@ from quantbench.sources.shapes import GiB, MiB, Shape
 # (3.0 GiB measured with 2.0 GiB of weights and a window's logits).
 RUNTIME = int(0.75 * GiB)
 
-# what a stage holds as pages of a file it read once and no longer reads (see StagePlan.reclaimable)
-READ_ONCE = "the checkpoint as stored"
+# what a stage holds as pages of a file it read once and no longer reads (see StagePlan.reclaimable):
+# a checkpoint de-quantized as it loads (the check), or a base quantized without being written (a
+# data-free method's produce), has its pages handed back to the kernel as it is read
+# (core.files.pages_handed_back, every 0.25 s); what was read meanwhile stays. Measured at the peak,
+# the libraries' own pages included: 1B FP8 0.35 GiB of file pages (produce and check), 8B FP8 0.55
+# (produce) and 0.41 (check)
+READ_ONCE = "the stored checkpoint's pages read meanwhile"
+BASE_READ_ONCE = "the base's pages read meanwhile"
+HANDED_BACK = int(0.25 * GiB)
 # a mixture of experts' base: transformers 5 stacks the per-expert tensors into a copy as it loads,
 # and the files' pages stay mapped while the other layers are views of them (the moe-8x rung:
 # ~1.4 GiB of file pages beside the model's 1.2 GiB, with every stage planned ~1 GiB short before)
 EXPERT_PAGES = "the experts' file pages, read once as they are stacked"
-RECLAIMABLE = (READ_ONCE, EXPERT_PAGES)
+RECLAIMABLE = (READ_ONCE, BASE_READ_ONCE, EXPERT_PAGES)
 
 
 @dataclass
@@ -72,6 +79,9 @@ class Footprint:
     disk_available: int
     outputs: Path
     shape: Shape | None = None  # what it was planned from
+    # produce reads the base, loaded as views of its files, once and writes none: the job hands its
+    # pages back as they are read (jobs/pipeline.py), and the plan counts what is read meanwhile
+    reads_base_once: bool = False
 
     @property
     def peak(self) -> StagePlan:
@@ -210,6 +220,11 @@ def plan(
     if evaluation is not None and not baseline_cached:
         stages.append(baseline_stage(shape, evaluation))
     base_held = [("runtime", RUNTIME)] + ([(f"the base in {compute}", model_c), pages] if produce.takes_model else [])
+    views = model_c == shape.params * shape.stored_bytes  # loaded in its stored dtype: views of its files
+    read_once = produce.takes_model and produce.reads_base_once and views
+    if read_once:
+        stacked = shape.expert_params * shape.stored_bytes
+        base_held = [("runtime", RUNTIME), ("the base's stacked experts", stacked), (BASE_READ_ONCE, HANDED_BACK)]
     stages.append(
         _stage(
             "produce",
@@ -219,11 +234,11 @@ def plan(
             fits_with=produce.fits_with + fits,
         )
     )
-    # a compressed checkpoint is read as stored and de-quantized as it runs: both stay resident
-    # (measured on a 1B FP8 checkpoint: 0.5 GiB after loading, 3.7 GiB after one forward pass)
+    # a compressed checkpoint is read as stored and de-quantized by its first forward pass (1B FP8:
+    # 0.5 GiB after loading, 3.7 after one pass before its pages were handed back, 2.9 since)
     check = [
         ("runtime", RUNTIME),
-        (READ_ONCE, produce.checkpoint),
+        (READ_ONCE, min(produce.checkpoint, HANDED_BACK)),
         (f"its weights de-quantized to {compute}", model_c),
         *produce.reload_held,
         ("a window", shape.window_activations(check_window)),
@@ -231,9 +246,8 @@ def plan(
     stages.append(_stage("check", check, fits_with=fits))
     if evaluation is not None:
         suite = evaluation.suite.suite
-        held = [
+        held = [  # the check's model, its stored pages handed back there
             ("runtime", RUNTIME),
-            (READ_ONCE, produce.checkpoint),
             (f"its weights de-quantized to {compute}", model_c),
             ("the base's reference", _reference_bytes(shape, evaluation)),
             ("a batch of windows", shape.window_activations(suite.window, suite.batch_size)),
@@ -242,7 +256,7 @@ def plan(
     available = available_ram()
     if bench is not None:
         stages.append(bench_stage(shape, bench, produce.checkpoint, compute, available))
-    return Footprint(stages, available, free_disk(outputs), outputs, shape)
+    return Footprint(stages, available, free_disk(outputs), outputs, shape, read_once)
 
 
 def baseline_stage(shape: Shape, evaluation) -> StagePlan:

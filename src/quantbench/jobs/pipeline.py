@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantbench.core import environment, hardware
+from quantbench.core.files import pages_handed_back
 from quantbench.core.logs import DETAIL, log_file, one_line
 from quantbench.core.processes import raise_if_signalled
 from quantbench.core.resources import StageCost, StageMeter, release_freed_memory
@@ -359,7 +360,11 @@ def _produce(job: Job, run, where: _Where) -> tuple[Produced, float]:
         model=model,
     )
     del model  # the engine takes it (or lets it go)
-    return produce(job.quantizer, inputs), base_size_mb
+    # a method that writes no weight: the base's pages handed back as read, not kept beside its
+    # compressed tensors (8B FP8: 21.0 GiB -> 7.7)
+    read_once = job.footprint is not None and job.footprint.reads_base_once
+    with pages_handed_back(sorted(job.base.path.glob("*.safetensors")) if read_once else []):
+        return produce(job.quantizer, inputs), base_size_mb
 
 
 def base_bytes(path: Path, dtype: str) -> int:

@@ -7,13 +7,15 @@ student: another, smaller model) against itself before it was saved.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantbench.core.files import pages_handed_back
 from quantbench.core.measures import greedy_text, perplexity
-from quantbench.sources.checkpoint import load_model
+from quantbench.sources.checkpoint import gguf_file, load_model
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,17 @@ def loaded_whole(loading: dict) -> str | None:
     return "; ".join(parts) or None
 
 
+def stored_weights(checkpoint: Path) -> list[Path]:
+    """The files a quantized checkpoint's weights load from as stored, de-quantized as they load (so
+    their pages are read once); [] for a checkpoint stored as its model computes (its weights are
+    views of the files, read on every pass)."""
+    config = checkpoint / "config.json"
+    if not (config.is_file() and json.loads(config.read_text()).get("quantization_config")):
+        return []
+    gguf = gguf_file(checkpoint)
+    return [gguf] if gguf is not None else sorted(checkpoint.glob("*.safetensors"))
+
+
 def reload_check(
     path: Path,
     spec,
@@ -62,11 +75,14 @@ def reload_check(
     import torch
     from transformers import AutoTokenizer
 
-    model, loading = load_model(path, output_loading_info=True, **({"dtype": getattr(torch, dtype)} if dtype else {}))
-    if problem := loaded_whole(loading):
-        raise CheckpointCheckFailed(f"the saved checkpoint does not load whole: {problem}")
+    with pages_handed_back(stored_weights(path)):  # read once, de-quantized: not kept beside the copy
+        model, loading = load_model(
+            path, output_loading_info=True, **({"dtype": getattr(torch, dtype)} if dtype else {})
+        )
+        if problem := loaded_whole(loading):
+            raise CheckpointCheckFailed(f"the saved checkpoint does not load whole: {problem}")
+        reload_ppl = perplexity(model, token_ids, spec.window)  # its first pass de-quantizes the weights
     tokenizer = AutoTokenizer.from_pretrained(path)
-    reload_ppl = perplexity(model, token_ids, spec.window)
     sample, new_tokens = greedy_text(model, tokenizer, spec.prompt, spec.generate_tokens)
     ratio = reload_ppl / base_ppl
     log.info("base ppl %.3f, reloaded ppl %.3f (x%.3f); sample: %r", base_ppl, reload_ppl, ratio, sample)

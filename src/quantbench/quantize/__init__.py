@@ -96,6 +96,9 @@ class ProduceFootprint:
     prepare_disk: int = 0  # what its prepare leaves on disk (a cached conversion)
     # what reloading its checkpoint holds beyond the weights de-quantized to the compute dtype (the check)
     reload_held: list[tuple[str, int]] = field(default_factory=list)
+    # it reads each of the base's weights and writes none: loaded as views of the base's files (in
+    # their dtype), their pages are handed back as they are read (the job's produce)
+    reads_base_once: bool = False
 
 
 # A child Python (llama.cpp's converter, GPTQModel's worker) before it reads a model, and llama.cpp's

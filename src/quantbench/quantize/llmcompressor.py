@@ -189,7 +189,8 @@ class LLMCompressorQuantizer(Quantizer):
         """The produce step's memory: the loaded base (in place) and, while saving, its quantized
         tensors compressed beside it; a calibrating method also caches every calibration window's
         activations at the layer it is working on (llm-compressor's sequential pipeline), and GPTQ
-        keeps a float32 Hessian per Linear layer of that layer. Model-free: model_free.footprint."""
+        keeps a float32 Hessian per Linear layer of that layer; a method that neither calibrates nor
+        writes weights (`detaches`) reads the base once. Model-free: model_free.footprint."""
         bits = self.weight_bits(shape.hidden)
         saved = BYTES[loaded.recipe.model.dtype]
         quantized = int(shape.quantized_params * bits / 8)
@@ -211,7 +212,8 @@ class LLMCompressorQuantizer(Quantizer):
             fits.append("fewer calibration windows (--set calibration.samples=N) or shorter ones (calibration.seq_len)")
         elif hasattr(self.spec, "model_free"):  # data-free: rounded from the files, no model loaded
             fits.append("--set quantize.model_free=true (read one decoder layer at a time, no model loaded)")
-        return ProduceFootprint(held, checkpoint, fits_with=fits)
+        once = not (self.calibrates or self.detaches)
+        return ProduceFootprint(held, checkpoint, fits_with=fits, reads_base_once=once)
 
     @property
     def detaches(self) -> bool:
@@ -382,12 +384,10 @@ def detach_from_files(model) -> None:
     """Every CPU parameter of a model loaded from safetensors copied out of the file it maps, one at a
     time. A loaded model's tensors are views of a private mapping of each file, which stays while any
     tensor of the file lives: a weight rescaled in place (AWQ, SmoothQuant, rotations) becomes an
-    anonymous copy of its page inside that mapping, and when the quantizer then replaces the weight,
-    that copy stays too. Measured on a model of 352 MiB with AWQ: +590 MiB anonymous memory mapped,
-    +375 detached first; on the 3B ladder rung the AWQ job's produce peaked at 11.3 GiB (plan 7.7).
-    The pages of each weight copied are handed back to the kernel as it goes (`drop_file_pages`): the
-    mapping would keep them resident beside the copies until its last weight is copied (the 1B rung's
-    AWQ produce peaked at 4.64 GiB, 2.17 of it those pages, then held 2.9)."""
+    anonymous copy of its page inside that mapping, which stays when the quantizer replaces the weight
+    (a 352 MiB model's AWQ: +590 MiB anonymous, +375 detached first). The pages of each weight copied
+    are handed back as it goes (`drop_file_pages`): the mapping kept them beside the copies until its
+    last weight was copied (the 1B rung's AWQ produce peaked at 4.64 GiB, 2.17 of it those pages)."""
     mapped = mapped_files(".safetensors")
     with torch.no_grad():
         for param in model.parameters():
