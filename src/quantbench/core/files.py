@@ -92,7 +92,9 @@ def _clean_mappings(names: set[str]) -> list[tuple[int, int]]:
     found, current, rss = [], None, 0
     for line in lines:
         fields = line.split(maxsplit=5)  # a header's sixth field: the file's path, spaces and all
-        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
+        if not fields:
+            continue
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
             current, rss = None, 0
             if len(fields) == 6 and fields[5] in names:
                 start, end = fields[0].split("-")
