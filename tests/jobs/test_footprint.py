@@ -78,7 +78,6 @@ def test_the_plan_adds_what_each_stage_holds(tmp_path):
     read_once = min(checkpoint, footprint.HANDED_BACK)
     assert stages["check"].ram == footprint.RUNTIME + read_once + 2 * shape.params + window
     assert stages["produce"].disk == checkpoint
-    # a quantizer that reads files holds no loaded model; in float32 the model is twice as big
     # a data-free method's base, loaded in its stored dtype as views of its files, read once
     once = ProduceFootprint([("compressed", checkpoint)], checkpoint, reads_base_once=True)
     planned_once = plan(shape, once, outputs=tmp_path)
@@ -88,6 +87,7 @@ def test_the_plan_adds_what_each_stage_holds(tmp_path):
     wide_once = plan(shape, once, compute="float32", outputs=tmp_path)  # a float32 copy: all of it held
     assert {s.name: s.ram for s in wide_once.stages}["produce"] == footprint.RUNTIME + 4 * shape.params + checkpoint
     assert planned_once.reads_base_once and not wide_once.reads_base_once and not found.reads_base_once
+    # a quantizer that reads files holds no loaded model; in float32 the model is twice as big
     files = plan(shape, ProduceFootprint([("llama.cpp", 5)], 10, takes_model=False), outputs=tmp_path)
     assert {s.name: s.ram for s in files.stages}["produce"] == footprint.RUNTIME + 5
     wide = plan(shape, produce, compute="float32", outputs=tmp_path)
