@@ -120,13 +120,12 @@ def pages_handed_back(files: list[Path], period_s: float = 0.25) -> Iterator[Non
     the look, which walks every mapping of the process (/proc/self/smaps): at 8B a check took 130 s
     instead of 94, 121 s with a look a second; but a second lets 1B's produce read 2 GiB of its base
     meanwhile (AVX512-BF16, 2 cores)."""
-    libc, names = ctypes.CDLL(None, use_errno=True), {str(f.resolve()) for f in files}
-    stop = threading.Event()
+    names, stop = {str(f.resolve()) for f in files}, threading.Event()
 
     def hand_back() -> None:
         while not stop.wait(period_s):
             for start, end in _clean_mappings(names):
-                libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+                drop_file_pages(start, end - start, [(start, end)])
 
     thread = threading.Thread(target=hand_back, name="quantbench-pages-handed-back", daemon=True)
     thread.start()
