@@ -175,6 +175,16 @@ def test_the_vllm_command_line(tmp_path, tiny_model_dir):
     assert "--block-size" not in cmd
     cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=False, block_size=32)
     assert cmd[cmd.index("--block-size") + 1] == "32"
+    assert "--max-num-batched-tokens" not in cmd and "--max-num-seqs" not in cmd  # in flight: not known
+    # on a CPU, a token budget of the requests in flight at their longest where that is under vLLM's
+    # own (2,048): its warm-up computes one pass over the whole budget
+    cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 112, compiled=True, in_flight=2)
+    if hardware.device() == "cuda":
+        assert "--max-num-batched-tokens" not in cmd
+    else:
+        assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "224" and cmd[cmd.index("--max-num-seqs") + 1] == "2"
+    cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=True, in_flight=4)
+    assert "--max-num-batched-tokens" not in cmd and "--max-num-seqs" not in cmd  # 2,048: vLLM's own budget
     env = vllm_engine.server_env(tmp_path, AVX512)
     assert env["TMPDIR"] == str(tmp_path) and env["VLLM_CACHE_ROOT"] and "PYTHONPATH" not in env
     # with AMX every vLLM process asks Linux for the tile state first: its own sitecustomize, alone on its path

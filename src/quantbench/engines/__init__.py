@@ -59,6 +59,7 @@ class ServerSettings:
     draft: Path | None = None  # speculative decoding: the draft model's checkpoint (engines with `drafts`)
     kv_cache: str | None = None  # the KV cache's type (one of the engine's `kv_cache_types`); None: its 16-bit default
     prefix_tokens: int = 0  # the prompts' shared prefix, which the server's prefix cache is to be able to hold whole
+    in_flight: int = 0  # the most requests the client has in flight at once (the profile's); 0: not known
 
 
 class ServingEngine:

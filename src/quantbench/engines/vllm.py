@@ -85,6 +85,7 @@ class VLLM(ServingEngine):
             kv_cache=settings.kv_cache,
             draft=settings.draft,
             block_size=vllm_engine.block_size(settings.prefix_tokens),
+            in_flight=settings.in_flight,
         )
         return cmd, {**vllm_engine.server_env(tmp), **settings.extra_env}
 

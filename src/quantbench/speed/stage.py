@@ -413,6 +413,7 @@ def _measurers(
             compiled=profile.compile,
             dtype=profile.serve_dtype,
             slots=max(profile.concurrency),
+            in_flight=profile.max_requests,
             prefix_tokens=profile.prefix.tokens if profile.prefix else 0,
         )
         if plan.one_at_a_time:

@@ -350,7 +350,7 @@ def _served_decode_ms(engine, checkpoint: Path, log_path: Path, compiled: bool) 
     config = json.loads((checkpoint / "config.json").read_text())
     max_len = min(1024, int(config.get("max_position_embeddings") or 1024))  # a prompt and TOKENS fit
     out = []
-    settings = ServerSettings(max_len=max_len, compiled=compiled)
+    settings = ServerSettings(max_len=max_len, compiled=compiled, in_flight=1)
     with model_server(checkpoint, log_path, engine, settings) as (url, model, _):
         with http_client() as client:
             for r in range(ROUNDS + 1):

@@ -113,11 +113,13 @@ def measure(
                 engine = engines.get(config.engine)
                 engine.ensure(f"stack step {stack.steps[i].name}")
                 slots = max(c.concurrency for c in steps if c.server_key() == key)
+                in_flight = max(_profile(workload, c).max_requests for c in steps if c.server_key() == key)
                 settings = ServerSettings(
                     workload.prompt_tokens + workload.output_tokens + 64,
                     compiled=workload.compile,
                     dtype=config.dtype,
                     slots=slots,
+                    in_flight=in_flight,
                     draft=models_[config.draft].path if config.draft else None,
                     kv_cache=config.kv_cache,
                     prefix_tokens=workload.prefix_tokens,
