@@ -148,6 +148,11 @@ def test_a_mixture_of_experts_base_is_planned_with_its_experts_file_pages(tmp_pa
     assert served["transformers"] == two_servers + 2 * pages  # each server stacks its experts
     assert served["vllm"] == footprint.RUNTIME + 2 * (int(2.5 * GiB) + GiB) + 2 * moe.params + checkpoint
     assert served["hf"] == footprint.RUNTIME + 2 * moe.params + pages
+    # after an evaluation in the same process: what it left there, its mapped files' pages reclaimable
+    bench = Plan("p", profile, [], engines.get("hf"))
+    after = footprint.bench_stage(moe, bench, checkpoint, "bfloat16", 100 * GiB, evaluated=True)
+    assert after.ram == served["hf"] + footprint.EVALUATED_HELD + footprint.EVALUATED_MAPPED
+    assert after.reclaimable == pages + footprint.EVALUATED_MAPPED
 
 
 def test_a_gguf_file_type_is_sized_from_the_shape():
