@@ -1,7 +1,8 @@
 """The floating-point formats (NVFP4, MXFP4, MXFP8, FP8 block, W4AFP8) as the engines meet them:
 which one a compressed-tensors config group stores, what vLLM needs to run each as stored (a CUDA
 compute capability, or AMX on a CPU: docs/engines.md cites vLLM 0.32.0's source for each), and why
-a transformers-based engine's speed is not theirs (it de-compresses them as they load)."""
+a transformers-based engine's speed is not theirs (it de-compresses them as they load); and FP8
+weights per channel on a CPU, which vLLM computes with torch's FP8 matmul, timed here once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 from quantbench.core import hardware
+from quantbench.core.files import atomic_write
 from quantbench.core.paths import cache_dir
 from quantbench.engines import model_config
 
@@ -129,12 +131,12 @@ def fp8_matmul_slowdown() -> str | None:
                 mm(a, b)
                 times[name] = min(_timed(mm, a, b) for _ in range(3))
             known[key] = round(times["fp8"] / times["bf16"], 1)
-        except (RuntimeError, NotImplementedError) as exc:
+        except (RuntimeError, NotImplementedError, AttributeError) as exc:
             known[key] = f"torch has no FP8 matmul here ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
         finally:
             torch.set_num_threads(threads)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(known, indent=1))
+        atomic_write(path, json.dumps(known, indent=1))
     found = known[key]
     if isinstance(found, str):
         return found
