@@ -1,6 +1,8 @@
 """The memory plan (jobs/footprint.py): its arithmetic on configs of several architectures, read
 without loading a weight, and a job that cannot fit refused before anything is written."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from quantbench.cli import main
@@ -103,6 +105,14 @@ def test_the_plan_adds_what_each_stage_holds(tmp_path):
     assert not [p for p in found.problems("r.yaml") if "check stage" in p]
     found.ram_available = stages["check"].needed - 1
     assert any("the check stage needs about" in p for p in found.problems("r.yaml"))
+    # with an evaluation, the base's reference for the suite is held from its baseline to the evaluation
+    suite = SimpleNamespace(window=256, batch_size=1)
+    evaluation = SimpleNamespace(token_ids=[0] * 2560, ood_ids=None, suite=SimpleNamespace(suite=suite))
+    evaluated = {s.name: s for s in plan(shape, produce, outputs=tmp_path, evaluation=evaluation).stages}
+    reference = 2560 * shape.hidden * 4 + shape.vocab * shape.hidden * 4
+    assert list(evaluated) == ["prepare", "produce", "check", "evaluate"]
+    assert evaluated["produce"].ram == stages["produce"].ram + reference
+    assert evaluated["check"].ram == stages["check"].ram + reference
     # the base check cached: prepare loads nothing, unless a calibration window is timed on the base
     checked = plan(shape, produce, outputs=tmp_path, base_checked=True)
     assert {s.name: s.ram for s in checked.stages}["prepare"] == footprint.RUNTIME
