@@ -475,9 +475,9 @@ def server_command(
     if block_size is not None:
         cmd += ["--block-size", str(block_size)]
     if 0 < in_flight * max_len < CPU_TOKEN_BUDGET and hardware.device() != "cuda":
-        # vLLM-CPU warms up with one forward pass over its whole token budget: 399 s for an 8B model on
-        # the one core it computes on here. A budget of every request in flight at its longest leaves
-        # the steps of these requests as they were and warms up on that many tokens
+        # vLLM-CPU warms up with one forward pass over its whole token budget: 399 s for the 8B-shaped
+        # rung's FP8 server on the one core it computes on (2 cores, AVX512-BF16). A budget of every
+        # request in flight at its longest leaves these requests' steps as they were
         cmd += ["--max-num-seqs", str(in_flight), "--max-num-batched-tokens", str(in_flight * max_len)]
     if hardware.device() == "cuda":
         cmd += ["--gpu-memory-utilization", "0.4"]  # candidate and base share the GPU (vLLM takes 0.9 by default)
