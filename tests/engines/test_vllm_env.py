@@ -279,6 +279,7 @@ def test_load_levels_summarised_per_repetition():
     p = Profile(concurrency=[1, 4], request_rates=[2.0])
     assert [p.level_requests(1), p.level_requests(4), p.level_requests(None)] == [2, 8, 8] and p.max_requests == 8
     assert Profile(requests_per_level=3).level_requests(4) == 3
+    assert Profile(concurrency=[], request_rates=[4.0]).max_requests == 8  # a stack's rate step: no closed level
 
 
 def test_request_rates_need_a_server(workdir, tiny_model_dir, capsys):

@@ -53,6 +53,9 @@ EVALUATED = "what the evaluation left in this process"
 EVALUATED_HELD = int(0.5 * GiB)
 EVALUATED_PAGES = "pages of files the evaluation mapped"
 EVALUATED_MAPPED = int(0.45 * GiB)
+# the base's baseline for the suite is scored (or read from the store) before produce, and its
+# reference kept until the evaluation (the moe-8x rung's produce after its baseline, in-process: 0.3
+# GiB more anonymous memory than planned without it)
 KEPT = "the base's reference, kept for the evaluation"
 RECLAIMABLE = (READ_ONCE, BASE_READ_ONCE, EXPERT_PAGES, EVALUATED_PAGES)
 
@@ -228,9 +231,6 @@ def plan(
     stages.append(_stage("prepare", held, disk=produce.prepare_disk, fits_with=fits))
     if evaluation is not None and not baseline_cached:
         stages.append(baseline_stage(shape, evaluation))
-    # the base's baseline for the suite is scored (or read from the store) before produce, and its
-    # reference is kept until the evaluation (the moe-8x rung's produce after its baseline, in-process:
-    # 0.3 GiB more anonymous memory than planned without it)
     kept = [] if evaluation is None else [(KEPT, _reference_bytes(shape, evaluation))]
     base_held = [("runtime", RUNTIME)] + ([(f"the base in {compute}", model_c), pages] if produce.takes_model else [])
     views = model_c == shape.params * shape.stored_bytes  # loaded in its stored dtype: views of its files

@@ -184,7 +184,7 @@ class Profile(Strict):
     @property
     def max_requests(self) -> int:
         return max(
-            [max(self.concurrency), self.sweep.requests if self.sweep else 0]
+            [max(self.concurrency, default=0), self.sweep.requests if self.sweep else 0]
             + [self.level_requests(n) for n in self.concurrency]
             + [self.level_requests(None) for _ in self.request_rates]
         )
