@@ -67,17 +67,20 @@ def slowdown(dtype: str, width: int, tokens: int, repeats: int = 5) -> float:
     weight = torch.randn(width, width, generator=generator).to(low)
     x = torch.randn(tokens, width, generator=generator)
 
-    def best(step) -> float:
-        step()  # warm-up: first-call dispatch and allocation
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - started)
-        return min(times)
-
     with torch.no_grad():
-        wide = best(lambda: torch.nn.functional.linear(x, weight.float()))
+        wide = best_time(lambda: torch.nn.functional.linear(x, weight.float()), repeats)
         x_low = x.to(low)
-        narrow = best(lambda: torch.nn.functional.linear(x_low, weight))
+        narrow = best_time(lambda: torch.nn.functional.linear(x_low, weight), repeats)
     return wide / narrow if narrow > 0 else 1.0
+
+
+def best_time(step, repeats: int) -> float:
+    """The shortest of `repeats` timed calls of `step` (seconds), after one untimed call (warm-up:
+    first-call dispatch and allocation)."""
+    step()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return min(times)

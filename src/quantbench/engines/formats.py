@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 
 from quantbench.core import hardware
 from quantbench.core.files import atomic_write
 from quantbench.core.paths import cache_dir
+from quantbench.core.upcast import best_time
 from quantbench.engines import model_config
 
 # The floating-point formats as vLLM 0.32.0 runs them (compressed-tensors' scheme classes and their
@@ -123,14 +123,10 @@ def fp8_matmul_slowdown() -> str | None:
         try:
             weight = torch.randn(8192, 2048) * 0.02
             x = torch.randn(1, 2048)
-            times = {}
-            for name, (a, b, mm) in {
-                "bf16": (x.bfloat16(), weight.bfloat16().t(), torch.matmul),
-                "fp8": (x.to(torch.float8_e4m3fn), weight.to(torch.float8_e4m3fn).t(), _scaled_mm),
-            }.items():
-                mm(a, b)
-                times[name] = min(_timed(mm, a, b) for _ in range(3))
-            known[key] = round(times["fp8"] / times["bf16"], 1)
+            x16, w16 = x.bfloat16(), weight.bfloat16().t()
+            x8, w8 = x.to(torch.float8_e4m3fn), weight.to(torch.float8_e4m3fn).t()
+            bf16 = best_time(lambda: torch.matmul(x16, w16), 3)
+            known[key] = round(best_time(lambda: _scaled_mm(x8, w8), 3) / bf16, 1)
         except (RuntimeError, NotImplementedError, AttributeError) as exc:
             known[key] = f"torch has no FP8 matmul here ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
         finally:
@@ -158,12 +154,6 @@ def _scaled_mm(a, b):
     return torch._scaled_mm(a, b, scale_a=ones, scale_b=ones, out_dtype=torch.bfloat16)
 
 
-def _timed(mm, a, b) -> float:
-    started = time.perf_counter()
-    mm(a, b)
-    return time.perf_counter() - started
-
-
 def float_format(group: dict) -> str | None:
     """The floating-point format (a FLOAT_FORMATS key) of a compressed-tensors config group, or None."""
     weights, acts = group.get("weights") or {}, group.get("input_activations")
@@ -183,10 +173,15 @@ def float_format(group: dict) -> str | None:
 def stored_float_format(checkpoint: Path | dict) -> str | None:
     """The floating-point format a compressed-tensors checkpoint stores (its first config group in
     one), or None."""
+    return next((f for g in _groups(checkpoint) if (f := float_format(g))), None)
+
+
+def _groups(checkpoint: Path | dict) -> list[dict]:
+    """A compressed-tensors checkpoint's config groups ([] for any other checkpoint)."""
     quant = model_config(checkpoint).get("quantization_config") or {}
     if str(quant.get("quant_method") or "").lower() != "compressed-tensors":
-        return None
-    return next((f for g in (quant.get("config_groups") or {}).values() if (f := float_format(g))), None)
+        return []
+    return list((quant.get("config_groups") or {}).values())
 
 
 def decompressed(checkpoint: Path | dict) -> str | None:
@@ -194,9 +189,7 @@ def decompressed(checkpoint: Path | dict) -> str | None:
     NVFP4, MXFP4 and MXFP8 weights into 16-bit ones as they load, and on a CPU FP8 ones too (its
     "Decompressing model"), None: not such a checkpoint."""
     fmt = stored_float_format(checkpoint)
-    quant = model_config(checkpoint).get("quantization_config") or {}
-    groups = (quant.get("config_groups") or {}).values() if quant.get("quant_method") == "compressed-tensors" else []
-    if fmt is None and hardware.device() != "cuda" and any(fp8_weights(g) for g in groups):
+    if fmt is None and hardware.device() != "cuda" and any(fp8_weights(g) for g in _groups(checkpoint)):
         fmt = "FP8"
     if fmt is None or fmt in ("FP8_BLOCK", "W4AFP8"):
         return None
