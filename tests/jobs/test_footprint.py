@@ -9,7 +9,7 @@ from quantbench.cli import main
 from quantbench.jobs import footprint
 from quantbench.quantize import ProduceFootprint
 from quantbench.sources import ladder
-from quantbench.sources.shapes import GiB, Shape
+from quantbench.sources.shapes import GiB, MiB, Shape
 from tests.helpers import runs, tiny_recipe, write_recipe
 
 
@@ -163,6 +163,32 @@ def test_a_mixture_of_experts_base_is_planned_with_its_experts_file_pages(tmp_pa
     after = footprint.bench_stage(moe, bench, checkpoint, "bfloat16", 100 * GiB, evaluated=True)
     assert after.ram == served["hf"] + footprint.EVALUATED_HELD + footprint.EVALUATED_MAPPED
     assert after.reclaimable == pages + footprint.EVALUATED_MAPPED
+
+
+def test_two_servers_run_together_only_with_memory_to_spare():
+    """A server's weights are mapped files, its working set: two servers that fit only just would have
+    the kernel drop and re-read them mid-measurement (the 8B rung's two llama-servers planned at 22.18
+    GiB of 22.3). Together with SERVERS_HEADROOM to spare, else one at a time, the larger alone."""
+    from quantbench import engines
+    from quantbench.speed.measure import Profile
+    from quantbench.speed.stage import Plan
+
+    dense = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.2-1b"].config))
+    profile = Profile(prompt_tokens=[16], output_tokens=4, concurrency=[1, 2])
+    checkpoint = dense.params // 2
+
+    def planned(available):
+        bench = Plan("p", profile, [], engines.get("llamacpp"))
+        return footprint.bench_stage(dense, bench, checkpoint, "bfloat16", available), bench.one_at_a_time
+
+    together, apart = planned(100 * GiB)
+    assert not apart and "candidate's llama.cpp server" in "; ".join(together.held)
+    roomy = int(together.ram / (1 - footprint.SERVERS_HEADROOM)) + MiB
+    assert planned(roomy)[0].ram == together.ram and not planned(roomy)[1]
+    alone, apart = planned(together.ram + MiB)  # fits, but with nothing to spare
+    assert apart and "one llama.cpp server at a time (the base's)" in "; ".join(alone.held)
+    assert together.ram - alone.ram == pytest.approx(engines.get("llamacpp").server_memory(
+        checkpoint, 2 * dense.layers * dense.kv_dim * 2, 16 + 4 + 64, 2, 0), abs=1)  # fmt: skip
 
 
 def test_a_gguf_file_type_is_sized_from_the_shape():
