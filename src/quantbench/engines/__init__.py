@@ -169,10 +169,13 @@ class ServingEngine:
         """The size of the KV cache the server allocated (MiB), as its log says, if it says."""
         return None
 
-    def server_memory(self, weights: int, kv_per_token: int, max_len: int, slots: int, experts: int = 0) -> int:
+    def server_memory(
+        self, weights: int, kv_per_token: int, max_len: int, slots: int, experts: int = 0, bits: float | None = None
+    ) -> int:
         """Resident memory of one server of a model of `weights` bytes (as stored) with room for
         `slots` requests of `max_len` tokens (`kv_per_token` bytes each), `experts` the bytes of its
-        experts in 16 bits (a mixture of experts): for a job's memory plan."""
+        experts in 16 bits (a mixture of experts), `bits` a weight where they are quantized (the
+        candidate): for a job's memory plan."""
         copy = experts if self.stacks_experts else 0
         return weights + copy + kv_per_token * max_len * slots + self.runtime_bytes
 

@@ -38,6 +38,13 @@ from quantbench.sources.verify import gguf_tokenizer
 log = logging.getLogger(__name__)
 
 BASE_TYPE = "F16"  # what an unquantized model is served as, and GGUF recipes quantize from
+# llama.cpp's CPU backend copies a quantized file's tensors of the types it has interleaved kernels
+# for (Q4_0, Q4_K, IQ4_NL; which depends on the CPU) into a layout of its own at load, beside the
+# mapped file (its log: "CPU_REPACK model buffer size"). Measured on the 8B rung (AVX512-BF16): Q4_K_M,
+# 3,204 MiB of a 4,227 MiB file; Q8_0 (8.5 bits a weight) none, its server 7.6 GiB for a 7.3 GiB file;
+# the F16 base none. Counted for files under REPACKED_BITS bits a weight.
+REPACKED_SHARE = 0.8
+REPACKED_BITS = 6.0
 
 
 def threads() -> int:
@@ -69,11 +76,13 @@ class LlamaServer(ServingEngine):
     def __init__(self) -> None:
         self.tools: build.Tools | None = None
 
-    def server_memory(self, weights: int, kv_per_token: int, max_len: int, slots: int, experts: int = 0) -> int:
-        """The file it maps (its working set: pages it reads at every token), the KV cache, and its
-        compute buffers, which grow with the model: fitted to two servers at once on the size ladder
-        (docs/results.md; AVX512-BF16): 0.55 GiB besides the mapped files at 1B, 3.0 GiB at 8B."""
-        return weights + kv_per_token * max_len * slots + self.runtime_bytes + int(0.15 * weights)
+    def server_memory(
+        self, weights: int, kv_per_token: int, max_len: int, slots: int, experts: int = 0, bits: float | None = None
+    ) -> int:
+        """The file it maps (its working set: pages it reads at every token), the KV cache, and, for
+        weights of under REPACKED_BITS bits, the copy its CPU backend repacks them into."""
+        repacked = int(REPACKED_SHARE * weights) if bits is not None and bits < REPACKED_BITS else 0
+        return weights + kv_per_token * max_len * slots + self.runtime_bytes + repacked
 
     def status(self) -> tuple[bool, str | None, str]:
         tools, note = build.find()

