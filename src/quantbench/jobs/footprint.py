@@ -313,7 +313,8 @@ def _reference_bytes(shape: Shape, evaluation) -> int:
 
 # both servers at once only with this share of the memory to spare: a server's weights are mapped
 # files, its working set, which the kernel drops and re-reads under pressure, mid-measurement (the
-# 8B rung's two llama-servers: 22.0 GiB measured, 22.18 planned, of 22.3 available)
+# 8B rung's two llama-servers: 22.35 GiB measured, 22.18 planned besides pages the kernel can
+# drop, of 22.3 available)
 SERVERS_HEADROOM = 0.1
 
 
