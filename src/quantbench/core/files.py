@@ -106,6 +106,14 @@ def _clean_mappings(names: set[str]) -> list[tuple[int, int]]:
     return found
 
 
+def hand_back_now(files: list[Path]) -> None:
+    """Once, what pages_handed_back does every period: this process's pages of `files`, in each
+    mapping of them none of whose pages was written, handed back to the kernel."""
+    names = {str(f.resolve()) for f in files}
+    for start, end in _clean_mappings(names):
+        drop_file_pages(start, end - start, [(start, end)])
+
+
 @contextmanager
 def pages_handed_back(files: list[Path], period_s: float = 0.25) -> Iterator[None]:
     """While the block runs, every `period_s` the pages this process has of `files` are handed back
@@ -120,12 +128,11 @@ def pages_handed_back(files: list[Path], period_s: float = 0.25) -> Iterator[Non
     the look, which walks every mapping of the process (/proc/self/smaps): at 8B a check took 130 s
     instead of 94, 121 s with a look a second; but a second lets 1B's produce read 2 GiB of its base
     meanwhile (AVX512-BF16, 2 cores)."""
-    names, stop = {str(f.resolve()) for f in files}, threading.Event()
+    stop = threading.Event()
 
     def hand_back() -> None:
         while not stop.wait(period_s):
-            for start, end in _clean_mappings(names):
-                drop_file_pages(start, end - start, [(start, end)])
+            hand_back_now(files)
 
     thread = threading.Thread(target=hand_back, name="quantbench-pages-handed-back", daemon=True)
     thread.start()
