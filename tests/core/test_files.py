@@ -114,13 +114,13 @@ def _mapping_rss_kb(path) -> int:
 
 def test_a_checkpoint_read_once_has_its_pages_handed_back_while_one_written_keeps_them(tmp_path):
     """pages_handed_back: the pages of a mapping read whole leave the resident set while the block
-    runs and read back as the file's bytes; a mapping with a page written (a private copy, which
-    handing back would lose) keeps its pages and its write."""
+    runs and read back as the file's bytes (hand_back_now: once); a mapping with a page written (a
+    private copy, which handing back would lose) keeps its pages and its write."""
     import mmap
     import os
     import time
 
-    from quantbench.core.files import pages_handed_back
+    from quantbench.core.files import hand_back_now, pages_handed_back
 
     read, written = tmp_path / "model.safetensors", tmp_path / "other.safetensors"
     data = os.urandom(16 * 2**20)
@@ -141,6 +141,9 @@ def test_a_checkpoint_read_once_has_its_pages_handed_back_while_one_written_keep
             assert _mapping_rss_kb(read) <= 1024  # of 16 MiB read
             assert _mapping_rss_kb(written) > 15 * 1024  # left alone
         assert clean[:] == data  # read from the file again
+        assert _mapping_rss_kb(read) > 15 * 1024
+        hand_back_now([read, written])  # once, at once: before a data-free produce
+        assert _mapping_rss_kb(read) <= 1024 and _mapping_rss_kb(written) > 15 * 1024
         assert dirty[0] == data[0] ^ 0xFF and dirty[1:] == data[1:]
         assert written.read_bytes() == data  # a private mapping: the file never changed
     finally:
