@@ -203,10 +203,11 @@ def _stages(job: Job, run, tracker: Tracker, where: _Where, costs: _Costs) -> Jo
     step = _Steps(names)
     _record_start(job, run, where)
     baseline = _baseline(job, tracker, costs)
-    if job.model is not None and job.footprint is not None and job.footprint.reads_base_once:
-        # the base check's pass read every page of the base prepare hands produce (moe-8x: produce
-        # 2.59 GiB with them against 1.78 planned): back before produce, which reads each once
-        hand_back_now(sorted(job.base.path.glob("*.safetensors")))
+    # the base check's pass read every page of the base prepare hands produce (moe-8x: produce
+    # 2.59 GiB with them against 1.78 planned): back before produce, which reads each once
+    held = _read_once(job) if job.model is not None else []
+    if held:
+        hand_back_now(held)
 
     step("produce")
     with costs.stage("produce", (where.staging, where.workdir)):
@@ -364,11 +365,15 @@ def _produce(job: Job, run, where: _Where) -> tuple[Produced, float]:
         model=model,
     )
     del model  # the engine takes it (or lets it go)
-    # a method that writes no weight: the base's pages handed back as read, not kept beside its
-    # compressed tensors (8B FP8: 21.0 GiB -> 7.7)
-    read_once = job.footprint is not None and job.footprint.reads_base_once
-    with pages_handed_back(sorted(job.base.path.glob("*.safetensors")) if read_once else []):
+    with pages_handed_back(_read_once(job)):
         return produce(job.quantizer, inputs), base_size_mb
+
+
+def _read_once(job: Job) -> list[Path]:
+    """The base's files whose pages produce reads once, for a method that writes no weight: handed
+    back as read, not kept beside its compressed tensors (8B FP8: 21.0 GiB -> 7.7); [] otherwise."""
+    read_once = job.footprint is not None and job.footprint.reads_base_once
+    return sorted(job.base.path.glob("*.safetensors")) if read_once else []
 
 
 def base_bytes(path: Path, dtype: str) -> int:
