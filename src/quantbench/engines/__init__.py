@@ -55,7 +55,7 @@ class ServerSettings:
     compiled: bool = True  # vLLM: compile graphs at start-up (its default); False: --enforce-eager
     dtype: str = "auto"  # the dtype the engine serves the model in (vLLM --dtype)
     extra_env: dict[str, str] = field(default_factory=dict)
-    slots: int = 1  # requests served at once (llama-server --parallel): the profile's highest concurrency
+    slots: int = 1  # requests served at once (llama-server --parallel): Profile.slots
     draft: Path | None = None  # speculative decoding: the draft model's checkpoint (engines with `drafts`)
     kv_cache: str | None = None  # the KV cache's type (one of the engine's `kv_cache_types`); None: its 16-bit default
     prefix_tokens: int = 0  # the prompts' shared prefix, which the server's prefix cache is to be able to hold whole

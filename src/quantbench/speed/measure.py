@@ -182,6 +182,13 @@ class Profile(Strict):
         return count
 
     @property
+    def slots(self) -> int:
+        """Requests a server is started to serve at once (llama-server --parallel; a plan's KV
+        cache): the highest concurrency level, or, for a profile of request rates only, every
+        request a level sends (open-loop arrivals do not wait for the ones before them)."""
+        return max(self.concurrency, default=0) or self.max_requests
+
+    @property
     def max_requests(self) -> int:
         return max(
             [max(self.concurrency, default=0), self.sweep.requests if self.sweep else 0]

@@ -412,7 +412,7 @@ def _measurers(
             min([length, *limits]),
             compiled=profile.compile,
             dtype=profile.serve_dtype,
-            slots=max(profile.concurrency),
+            slots=profile.slots,
             in_flight=profile.max_requests,
             prefix_tokens=profile.prefix.tokens if profile.prefix else 0,
         )
