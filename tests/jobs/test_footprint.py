@@ -148,6 +148,34 @@ def test_a_mixture_of_experts_base_is_planned_with_its_experts_file_pages(tmp_pa
     assert "the experts' file pages, read once as they are stacked 0.56" in "; ".join(
         {s.name: s for s in plan(moe, produce, outputs=tmp_path).stages}["prepare"].held
     )
+    # a data-free produce on the base as views of its files: handed prepare's model, it holds what is
+    # read meanwhile; loading the base itself (the base check cached, or the baseline let prepare's
+    # model go), the experts' pages as it stacks them, handed back before the rest is read
+    once = ProduceFootprint([("compressed", checkpoint)], checkpoint, reads_base_once=True)
+    suite = SimpleNamespace(window=256, batch_size=1)
+    evaluation = SimpleNamespace(token_ids=[0] * 256, ood_ids=None, suite=SimpleNamespace(suite=suite))
+    kept = 256 * moe.hidden * 4 + moe.vocab * moe.hidden * 4
+    runs = {
+        "handed": plan(moe, once, outputs=tmp_path),
+        "checked": plan(moe, once, outputs=tmp_path, base_checked=True),
+        "scored": plan(moe, once, outputs=tmp_path, evaluation=evaluation, baseline_cached=False),
+        "cached": plan(moe, once, outputs=tmp_path, evaluation=evaluation),
+        "dense": plan(dense, once, outputs=tmp_path, base_checked=True),
+    }
+    produced = {name: {s.name: s for s in found.stages}["produce"] for name, found in runs.items()}
+    assert produced["handed"].ram == footprint.RUNTIME + pages + footprint.HANDED_BACK + checkpoint
+    assert produced["checked"].ram == footprint.RUNTIME + pages + pages + checkpoint
+    assert produced["checked"].reclaimable == pages
+    assert produced["scored"].ram == produced["checked"].ram + kept
+    assert produced["cached"].ram == produced["handed"].ram + kept
+    assert produced["dense"].ram == footprint.RUNTIME + footprint.HANDED_BACK + checkpoint
+    # the baseline scored in the job: the base as stored and its experts' pages, a layer at a time in
+    # float32, a batch of windows and the reference, beside what the suite's libraries allocate
+    [baseline] = [s for s in runs["scored"].stages if s.name == "baseline"]
+    assert baseline.ram == (footprint.RUNTIME + footprint.EVALUATED_HELD + 2 * moe.params + pages
+                            + 4 * moe.layer_params + moe.window_activations(256) + kept)  # fmt: skip
+    assert baseline.reclaimable == pages
+    assert [s.name for s in runs["cached"].stages] == ["prepare", "produce", "check", "evaluate"]
     profile = Profile(prompt_tokens=[16], output_tokens=4, concurrency=[1])
     served = {}
     for name in ("transformers", "vllm", "hf"):
@@ -189,6 +217,28 @@ def test_two_servers_run_together_only_with_memory_to_spare():
     assert apart and "one llama.cpp server at a time (the base's)" in "; ".join(alone.held)
     assert together.ram - alone.ram == pytest.approx(engines.get("llamacpp").server_memory(
         checkpoint, 2 * dense.layers * dense.kv_dim * 2, 16 + 4 + 64, 2, 0, bits=4.0), abs=1)  # fmt: skip
+
+
+def test_a_profile_of_request_rates_only_is_planned_with_a_slot_per_request():
+    """A profile with no closed levels (concurrency: [], open-loop rates only) has its servers
+    started, and planned, with a slot for each request a level sends: Poisson arrivals do not wait
+    for the requests before them. It used to stop the plan on max() of an empty list."""
+    from quantbench import engines
+    from quantbench.speed.measure import Profile
+    from quantbench.speed.stage import Plan
+
+    dense = Shape.from_config(config("llama", **ladder.RUNGS["llama-3.2-1b"].config))
+    rates = Profile(prompt_tokens=[16], output_tokens=4, concurrency=[], request_rates=[2.0])
+    closed = Profile(prompt_tokens=[16], output_tokens=4, concurrency=[1, 3], request_rates=[2.0])
+    assert (rates.slots, closed.slots) == (8, 3)
+    assert Profile(concurrency=[], request_rates=[2.0], requests_per_level=5).slots == 5
+
+    def planned(profile):
+        bench = Plan("p", profile, [], engines.get("llamacpp"))
+        return footprint.bench_stage(dense, bench, dense.params // 2, "bfloat16", 100 * GiB).ram
+
+    kv_per_slot = 2 * dense.layers * dense.kv_dim * 2 * (16 + 4 + 64)
+    assert planned(rates) - planned(closed) == 2 * (8 - 3) * kv_per_slot  # both servers, 5 slots more
 
 
 def test_a_gguf_file_type_is_sized_from_the_shape():
