@@ -182,6 +182,26 @@ def test_default_store_is_sqlite_in_the_working_dir(workdir, monkeypatch):
     assert tracking_uri() == f"sqlite:///{workdir / 'mlflow.db'}"
 
 
+def test_a_sqlite_store_keeps_its_artifacts_beside_it_wherever_a_command_runs(workdir, monkeypatch, tmp_path):
+    """MLflow's default artifact root is ./mlruns of the process that creates the experiment: a store
+    named by MLFLOW_TRACKING_URI from elsewhere (bench/scale.py's) had its artifacts in the caller's
+    working directory. Its experiments put them in mlruns/ beside the database now."""
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "store"
+    store.mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store / 'mlflow.db'}")
+    with Tracker("elsewhere").start_run("r", {"quantbench.role": "candidate"}) as run:
+        run.log_dict({"a": 1}, "a.json")
+    [found] = MlflowClient().search_runs([Tracker("elsewhere").experiment_id()])
+    assert found.info.artifact_uri.startswith((store / "mlruns").as_uri())
+    assert (store / "mlruns").is_dir() and not (workdir / "mlruns").exists()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the default store: mlflow.db and mlruns/ here
+    assert Tracker("here").artifact_location() is None
+    Tracker("here").experiment_id()
+    assert Tracker("here").artifact_location() == (workdir / "mlruns").as_uri()
+
+
 def test_flatten():
     assert flatten({"a": {"b": 1, "c": {"d": [1]}}, "e": None}) == {"a.b": 1, "a.c.d": [1], "e": None}
 

@@ -2,7 +2,7 @@
 what a process that died left behind.
 
 Default store: MLflow's own default, `sqlite:///mlflow.db` in the working directory (the repo
-root under `make`), artifacts under `./mlruns`. `MLFLOW_TRACKING_URI` switches to a team server.
+root under `make`), artifacts in mlruns/ beside it. `MLFLOW_TRACKING_URI` names another store.
 
 A store this process cannot read or write (a SQLite file that is read-only, immutable or damaged, a
 path that cannot hold one) is bad input, not a crash: every MLflow call goes through `_Checked`,
@@ -395,9 +395,9 @@ class Tracker:
             return found.experiment_id
         if not create:
             return None
-        location = None
-        if "MLFLOW_TRACKING_URI" not in os.environ:  # the local default: artifacts in ./mlruns
-            location = (Path.cwd() / "mlruns").as_uri()
+        uri = tracking_uri()  # a SQLite store's artifacts beside it, not in ./mlruns of whoever creates this
+        beside = Path(_store_name(uri).split("?")[0]).resolve().parent / "mlruns"
+        location = beside.as_uri() if uri.startswith("sqlite:///") else None
         from mlflow.exceptions import MlflowException
 
         try:

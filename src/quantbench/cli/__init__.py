@@ -51,7 +51,7 @@ examples:
 
 exit codes: 0 ok, 1 the job failed (see its log) or the gate failed, 2 bad input (nothing was written),
   130 interrupted (Ctrl-C, SIGTERM: the run is marked KILLED, a quantize job leaves no checkpoint)
-tracking: MLFLOW_TRACKING_URI (default sqlite:///mlflow.db here, artifacts in ./mlruns)
+tracking: MLFLOW_TRACKING_URI (default sqlite:///mlflow.db here; artifacts in mlruns/ beside a SQLite store)
 """
 
 
