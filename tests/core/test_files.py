@@ -149,3 +149,45 @@ def test_a_checkpoint_read_once_has_its_pages_handed_back_while_one_written_keep
     finally:
         clean.close()
         dirty.close()
+
+
+def test_a_mapping_let_go_after_the_look_is_not_handed_back_over_the_memory_that_took_its_place(
+    tmp_path, monkeypatch
+):
+    """The look (/proc/self/smaps) and the hand-back are apart. A mapping another thread lets go in
+    between may have its addresses taken by anonymous memory, which MADV_DONTNEED would zero: the
+    1B rung's Q8_0 reload check died of SIGSEGV as the GGUF reader let its mapping go and the model's
+    tensors were allocated. Here the look is taken, the mapping let go and anonymous memory mapped
+    at its very addresses: the hand-back leaves that memory as it was."""
+    import ctypes
+    import mmap
+    import os
+
+    from quantbench.core import files
+
+    path = tmp_path / "model.gguf"
+    size = 8 * 2**20
+    path.write_bytes(os.urandom(size))
+    with open(path, "rb") as handle:
+        view = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    assert len(view[:]) == size  # every page read: resident
+    names = {str(path.resolve())}
+    looked = files._clean_mappings(names)
+    assert looked == [(address, address + size)]
+    view.close()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.restype = ctypes.c_void_p
+    fixed = 0x10  # MAP_FIXED
+    anonymous = libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | fixed, -1, 0)  # fmt: skip
+    assert anonymous == address, ctypes.get_errno()
+    try:
+        ctypes.memset(address, 1, size)
+        monkeypatch.setattr(files, "_clean_mappings", lambda _: looked)  # the look from before
+        files.hand_back_now([path])
+        assert ctypes.string_at(address, size) == b"\x01" * size
+    finally:
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.munmap(address, size)

@@ -8,6 +8,7 @@ import hashlib
 import json
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -106,12 +107,55 @@ def _clean_mappings(names: set[str]) -> list[tuple[int, int]]:
     return found
 
 
+# libc called without letting the GIL go (ctypes.CDLL lets it go for every call)
+_HELD = ctypes.PyDLL(None)
+_HELD.read.argtypes, _HELD.read.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_ssize_t
+_HELD.madvise.argtypes, _HELD.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+
+
+def _mapped_now(names: set[str]) -> set[tuple[int, int]]:
+    """The address ranges that map the files `names` (resolved paths) now: /proc/self/maps, read
+    without letting the GIL go."""
+    fd = _HELD.open(b"/proc/self/maps", os.O_RDONLY)
+    if fd < 0:
+        return set()
+    chunks, buffer = [], ctypes.create_string_buffer(1 << 16)
+    try:
+        while (count := _HELD.read(fd, buffer, len(buffer))) > 0:
+            chunks.append(buffer.raw[:count])
+    finally:
+        _HELD.close(fd)
+    found = set()
+    for line in b"".join(chunks).decode(errors="replace").splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] in names:
+            start, end = fields[0].split("-")
+            found.add((int(start, 16), int(end, 16)))
+    return found
+
+
 def hand_back_now(files: list[Path]) -> None:
     """Once, what pages_handed_back does every period: this process's pages of `files`, in each
-    mapping of them none of whose pages was written, handed back to the kernel."""
+    mapping of them none of whose pages was written, handed back to the kernel.
+    The look (/proc/self/smaps, slow) and the hand-back are apart: another thread may meanwhile unmap
+    a mapping and have its addresses taken by anonymous memory, which MADV_DONTNEED would zero (the
+    1B rung's Q8_0 reload check died of SIGSEGV as the GGUF reader let its mapping go and the model's
+    tensors were allocated). So each range is looked up again in /proc/self/maps and handed back
+    with the switch interval stretched and the GIL held throughout: a thread that unmaps it then
+    waits for the GIL before it can allocate anything."""
     names = {str(f.resolve()) for f in files}
-    for start, end in _clean_mappings(names):
-        drop_file_pages(start, end - start, [(start, end)])
+    looked = _clean_mappings(names)
+    if not looked:
+        return
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        mapped = _mapped_now(names)
+        for start, end in looked:
+            if (start, end) in mapped:
+                _HELD.madvise(start, end - start, MADV_DONTNEED)
+    finally:
+        sys.setswitchinterval(interval)
 
 
 @contextmanager
