@@ -162,6 +162,7 @@ def test_a_mapping_let_go_after_the_look_is_not_handed_back_over_the_memory_that
     import ctypes
     import mmap
     import os
+    import sys
 
     from quantbench.core import files
 
@@ -186,8 +187,10 @@ def test_a_mapping_let_go_after_the_look_is_not_handed_back_over_the_memory_that
     try:
         ctypes.memset(address, 1, size)
         monkeypatch.setattr(files, "_clean_mappings", lambda _: looked)  # the look from before
+        interval = sys.getswitchinterval()
         files.hand_back_now([path])
         assert ctypes.string_at(address, size) == b"\x01" * size
+        assert sys.getswitchinterval() == interval  # stretched only while it hands back
     finally:
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.munmap(address, size)

@@ -109,6 +109,7 @@ def _clean_mappings(names: set[str]) -> list[tuple[int, int]]:
 
 # libc called without letting the GIL go (ctypes.CDLL lets it go for every call)
 _HELD = ctypes.PyDLL(None)
+_HANDING = threading.Lock()
 _HELD.read.argtypes, _HELD.read.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_ssize_t
 _HELD.madvise.argtypes, _HELD.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
 
@@ -147,15 +148,16 @@ def hand_back_now(files: list[Path]) -> None:
     looked = _clean_mappings(names)
     if not looked:
         return
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(60.0)
-    try:
-        mapped = _mapped_now(names)
-        for start, end in looked:
-            if (start, end) in mapped:
-                _HELD.madvise(start, end - start, MADV_DONTNEED)
-    finally:
-        sys.setswitchinterval(interval)
+    with _HANDING:  # one thread at a time, or one could restore the other's stretched interval for good
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(60.0)
+        try:
+            mapped = _mapped_now(names)
+            for start, end in looked:
+                if (start, end) in mapped:
+                    _HELD.madvise(start, end - start, MADV_DONTNEED)
+        finally:
+            sys.setswitchinterval(interval)
 
 
 @contextmanager
