@@ -10,7 +10,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -57,13 +57,18 @@ def mapped_files(suffix: str) -> list[tuple[int, int]]:
     """The address ranges of this process's mappings of files whose names end with `suffix` (Linux's
     /proc/self/maps; [] elsewhere)."""
     try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
+        text = Path("/proc/self/maps").read_text()
     except OSError:
         return []
+    return _ranges(text, lambda name: name.endswith(suffix))
+
+
+def _ranges(maps: str, named: Callable[[str], bool]) -> list[tuple[int, int]]:
+    """The address ranges of the mappings in /proc/self/maps's text `maps` whose file `named` accepts."""
     ranges = []
-    for line in lines:
+    for line in maps.splitlines():
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].endswith(suffix):
+        if len(fields) == 6 and named(fields[5]):
             start, end = (int(x, 16) for x in fields[0].split("-"))
             ranges.append((start, end))
     return ranges
@@ -109,9 +114,9 @@ def _clean_mappings(names: set[str]) -> list[tuple[int, int]]:
 
 # libc called without letting the GIL go (ctypes.CDLL lets it go for every call)
 _HELD = ctypes.PyDLL(None)
-_HANDING = threading.Lock()
 _HELD.read.argtypes, _HELD.read.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_ssize_t
 _HELD.madvise.argtypes, _HELD.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+_HANDING = threading.Lock()
 
 
 def _mapped_now(names: set[str]) -> set[tuple[int, int]]:
@@ -126,13 +131,7 @@ def _mapped_now(names: set[str]) -> set[tuple[int, int]]:
             chunks.append(buffer.raw[:count])
     finally:
         _HELD.close(fd)
-    found = set()
-    for line in b"".join(chunks).decode(errors="replace").splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5] in names:
-            start, end = fields[0].split("-")
-            found.add((int(start, 16), int(end, 16)))
-    return found
+    return set(_ranges(b"".join(chunks).decode(errors="replace"), names.__contains__))
 
 
 def hand_back_now(files: list[Path]) -> None:

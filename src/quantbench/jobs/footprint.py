@@ -216,9 +216,10 @@ def plan(
         pages,
         ("a window", shape.window_activations(check_window)),
     ]
+    prepared = bool(estimate_window) or not base_checked  # prepare loads the base: its check or the estimate
     if estimate_window:
         held.append(("a calibration window", shape.window_activations(estimate_window)))
-    elif base_checked:  # the base check's result is cached and nothing else loads the base here
+    elif not prepared:  # the base check's result is cached and nothing else loads the base here
         held = [("runtime", RUNTIME)]
     fits = (
         []
@@ -233,7 +234,7 @@ def plan(
         stages.append(baseline_stage(shape, evaluation))
     kept = [] if evaluation is None else [(KEPT, _reference_bytes(shape, evaluation))]
     # produce loads the base itself where prepare loaded none or the baseline let prepare's go
-    loads_itself = (base_checked and not estimate_window) or (evaluation is not None and not baseline_cached)
+    loads_itself = not prepared or (evaluation is not None and not baseline_cached)
     base_held = _produce_base(shape, produce, compute, loads_itself)
     read_once = _reads_base_once(shape, produce, compute)
     stages.append(
