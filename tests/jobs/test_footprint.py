@@ -105,22 +105,34 @@ def test_the_plan_adds_what_each_stage_holds(tmp_path):
     assert not [p for p in found.problems("r.yaml") if "check stage" in p]
     found.ram_available = stages["check"].needed - 1
     assert any("the check stage needs about" in p for p in found.problems("r.yaml"))
-    # with an evaluation, the base's reference for the suite is held from its baseline to the evaluation
+    # the base's reference for the suite: scored in the job, it is held from its baseline to the
+    # evaluation; read from the store, it is a mapped file that only the evaluation reads
     suite = SimpleNamespace(window=256, batch_size=1)
     evaluation = SimpleNamespace(token_ids=[0] * 2560, ood_ids=None, suite=SimpleNamespace(suite=suite))
-    evaluated = {s.name: s for s in plan(shape, produce, outputs=tmp_path, evaluation=evaluation).stages}
+    scored = {s.name: s for s in plan(shape, produce, outputs=tmp_path, evaluation=evaluation,
+                                      baseline_cached=False).stages}  # fmt: skip
+    stored = {s.name: s for s in plan(shape, produce, outputs=tmp_path, evaluation=evaluation).stages}
     reference = 2560 * shape.hidden * 4 + shape.vocab * shape.hidden * 4
-    assert list(evaluated) == ["prepare", "produce", "check", "evaluate"]
-    assert evaluated["produce"].ram == stages["produce"].ram + reference
-    assert evaluated["check"].ram == stages["check"].ram + reference
-    # the base check cached: prepare loads nothing, unless a calibration window is timed on the base
-    checked = plan(shape, produce, outputs=tmp_path, base_checked=True)
-    assert {s.name: s.ram for s in checked.stages}["prepare"] == footprint.RUNTIME
-    timed = footprint.plan(shape, compute="bfloat16", saved="bfloat16", produce=produce, check_window=512,
-                           estimate_window=256, outputs=tmp_path, base_checked=True)  # fmt: skip
-    assert {s.name: s.ram for s in timed.stages}["prepare"] == (
-        footprint.RUNTIME + 2 * shape.params + window + shape.window_activations(256)
-    )
+    assert list(scored) == ["prepare", "baseline", "produce", "check", "evaluate"]
+    assert list(stored) == ["prepare", "produce", "check", "evaluate"]
+    for stage in ("produce", "check"):
+        assert scored[stage].ram == stages[stage].ram + reference
+        assert stored[stage].ram == stages[stage].ram
+    evaluate = footprint.RUNTIME + 2 * shape.params + reference + shape.window_activations(256)
+    assert scored["evaluate"].ram == stored["evaluate"].ram == evaluate
+    # prepare loads the base for its check's pass or the estimate's calibration window, one after the
+    # other; neither when the check is cached and nothing is estimated
+    def prepare(base_checked, estimate_window):
+        found = footprint.plan(shape, compute="bfloat16", saved="bfloat16", produce=produce, check_window=512,
+                               estimate_window=estimate_window, outputs=tmp_path, base_checked=base_checked)
+        return {s.name: s.ram for s in found.stages}["prepare"]
+
+    calibration = shape.window_activations(2048)
+    assert calibration > window
+    assert prepare(True, None) == footprint.RUNTIME
+    assert prepare(True, 256) == footprint.RUNTIME + 2 * shape.params + shape.window_activations(256)
+    assert prepare(False, 256) == footprint.RUNTIME + 2 * shape.params + window
+    assert prepare(False, 2048) == footprint.RUNTIME + 2 * shape.params + calibration
 
 
 def test_a_mixture_of_experts_base_is_planned_with_its_experts_file_pages(tmp_path):
@@ -167,7 +179,7 @@ def test_a_mixture_of_experts_base_is_planned_with_its_experts_file_pages(tmp_pa
     assert produced["checked"].ram == footprint.RUNTIME + pages + pages + checkpoint
     assert produced["checked"].reclaimable == pages
     assert produced["scored"].ram == produced["checked"].ram + kept
-    assert produced["cached"].ram == produced["handed"].ram + kept
+    assert produced["cached"].ram == produced["handed"].ram  # the reference read from the store: mapped, not read
     assert produced["dense"].ram == footprint.RUNTIME + footprint.HANDED_BACK + checkpoint
     # the baseline scored in the job: the base as stored and its experts' pages, a layer at a time in
     # float32, a batch of windows and the reference, beside what the suite's libraries allocate

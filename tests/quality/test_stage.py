@@ -248,3 +248,34 @@ def test_a_format_whose_package_is_missing_names_it(workdir, tiny_model_dir, sui
     (ckpt / "config.json").write_text(json.dumps(config))
     err = evaluate_error([str(ckpt), "--base", str(tiny_model_dir), "--suite", suite], capsys)
     assert "is a gptq checkpoint; loading it needs the package 'gptqmodel'" in err
+
+
+def test_a_reused_baseline_keeps_its_reference_mapped_from_disk(workdir, tiny_model_dir, suite, monkeypatch):
+    """A baseline read from the store keeps its reference mapped from the downloaded file, read only
+    by the evaluation, after that file's directory is gone. Under /tmp, which may be memory (tmpfs),
+    its pages would take RAM from produce on: it is downloaded under the cache, on disk."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from quantbench.quality import stage
+    from quantbench.quality.suite import load_suite
+    from quantbench.sources import models
+    from quantbench.tracking import Tracker
+
+    cache = workdir / "cache"
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(cache))
+    plan = stage.prepare(load_suite(suite), AutoTokenizer.from_pretrained(tiny_model_dir))
+    base, tracker = models.resolve(str(tiny_model_dir)), Tracker(reap=False)
+    scored = stage.get_baseline(tracker, base, plan)
+    reused = stage.get_baseline(tracker, base, plan)
+    assert not scored.reused and reused.reused and reused.run_id == scored.run_id
+    assert torch.equal(reused.reference.head_weight, scored.reference.head_weight)
+    address = reused.reference.head_weight.data_ptr()
+    backing = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            backing.append(fields[5] if len(fields) == 6 else "[anonymous]")
+    [mapped] = backing
+    assert mapped.startswith(str(cache / "tmp") + "/") and mapped.endswith("reference.safetensors (deleted)"), mapped

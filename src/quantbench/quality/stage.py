@@ -269,7 +269,11 @@ def get_baseline(tracker: Tracker, base: models.ResolvedModel, p: Plan) -> Basel
     if found:
         run = tracker.existing(found[0])
         log.info("evaluate: reusing baseline run %s", run.run_id)
-        with tempfile.TemporaryDirectory() as tmp:
+        # the reference stays mapped, read only by the evaluation, after its directory is gone: on
+        # disk, not in a /tmp that may be memory (tmpfs), where it would take RAM from produce on
+        scratch = paths.cache_dir() / "tmp"
+        scratch.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=scratch) as tmp:
             reference = Reference.load(run.download(REFERENCE, Path(tmp)))
             reference_ood = Reference.load(run.download(REFERENCE_OOD, Path(tmp))) if p.ood_ids is not None else None
             samples = json.loads(run.download(SAMPLES, Path(tmp)).read_text())
