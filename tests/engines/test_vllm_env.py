@@ -173,6 +173,7 @@ def test_the_vllm_command_line(tmp_path, tiny_model_dir):
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
     assert "--block-size" not in cmd
+    assert ("--gpu-memory-utilization" in cmd) == (hardware.device() == "cuda")  # a GPU's share, on one
     cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=False, block_size=32)
     assert cmd[cmd.index("--block-size") + 1] == "32"
     assert "--max-num-batched-tokens" not in cmd and "--max-num-seqs" not in cmd  # in flight: not known
@@ -194,6 +195,19 @@ def test_the_vllm_command_line(tmp_path, tiny_model_dir):
         assert [p.name for p in site.iterdir()] == ["sitecustomize.py"] and site.parent == tmp_path
         compile((site / "sitecustomize.py").read_text(), "sitecustomize.py", "exec")
         assert "syscall(158, 0x1023, 18)" in (site / "sitecustomize.py").read_text()
+
+
+def test_a_vllm_server_on_a_gpu_takes_its_share_of_the_gpu(monkeypatch, tiny_model_dir):
+    """On a GPU the candidate's and the base's servers share it (0.4 of its memory each); measured one
+    at a time (the memory plan's bench.one_at_a_time), one takes vLLM's own default, 0.9."""
+    from quantbench.engines import GPU_SHARE_ALONE
+
+    monkeypatch.setattr(vllm_engine.hardware, "device", lambda: "cuda")
+    engine = vllm_engine.Engine("/opt/vllm/bin/python", "vllm", "0.32.0", "/opt/vllm")
+    cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=True)
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.4"
+    cmd = vllm_engine.server_command(engine, tiny_model_dir, 8123, 512, compiled=True, gpu_share=GPU_SHARE_ALONE)
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9"
 
 
 def test_draft_tokens_are_counted_from_vllm_s_prometheus_counters():

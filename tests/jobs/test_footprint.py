@@ -403,3 +403,40 @@ def test_a_llama_server_is_planned_with_its_repacked_weights():
     assert abs(footprint.RUNTIME + base - 14.44 * GiB) < 0.05 * 14.44 * GiB
     evaluated = footprint.EVALUATED_HELD + footprint.EVALUATED_MAPPED
     assert abs(footprint.RUNTIME + evaluated + base + candidate - 22.35 * GiB) < 0.05 * 22.35 * GiB
+
+
+def test_a_bench_on_a_gpu_is_planned_in_the_share_of_it_each_vllm_server_may_take(tmp_path):
+    """On a GPU each vLLM server may take a share of its memory (--gpu-memory-utilization): 0.4 with
+    both servers up, 0.9 alone. An 8B base's weights (15 GiB in bfloat16) do not fit 0.4 of a 24 GiB
+    GPU: the servers run one at a time. On a 16 GiB GPU not even alone: the job is refused before it
+    starts, not failed at its bench after every other stage. llama.cpp computes on the CPU here."""
+    from quantbench import engines
+    from quantbench.speed.measure import Profile
+    from quantbench.speed.stage import Plan
+
+    shape = Shape.from_config(config("llama", **{**ladder.RUNGS["llama-3.1-8b"].config, "vocab_size": 128256}))
+    profile = Profile(prompt_tokens=[512], output_tokens=64, concurrency=[1, 4])
+    checkpoint = shape.params // 2  # 4 bits a weight
+    least = 2 * shape.params + 2 * shape.layers * shape.kv_dim * 2 * (512 + 64 + 64)  # one request's KV cache
+
+    def planned(gpu_gib, engine="vllm"):
+        bench = Plan("p", profile, [], engines.get(engine))
+        stage = footprint.bench_stage(shape, bench, checkpoint, "bfloat16", 1000 * GiB, gpu_total=gpu_gib * GiB)
+        return stage, bench.one_at_a_time, footprint.Footprint([stage], 1000 * GiB, 1000 * GiB, tmp_path).problems("r")
+
+    roomy, apart, problems = planned(80)
+    assert not apart and not problems and (roomy.gpu, roomy.gpu_limit) == (least, int(0.4 * 80 * GiB))
+    assert "on the GPU at least 15.0 GiB for one server, which may take 32.0 GiB of this GPU" in "\n".join(
+        footprint.Footprint([roomy], 1000 * GiB, 1000 * GiB, tmp_path).lines()
+    )
+    shared, apart, problems = planned(24)
+    assert apart and not problems and shared.gpu_limit == int(0.9 * 24 * GiB)
+    _, apart, problems = planned(16)
+    [problem] = problems
+    assert "the bench stage needs on the GPU at least 15.0 GiB for one server, which may take 14.4 GiB" in problem
+    assert "--set bench=null" in problem
+    # no GPU, or an engine that computes on the CPU: nothing planned on one
+    cpu = footprint.bench_stage(shape, Plan("p", profile, [], engines.get("vllm")), checkpoint, "bfloat16", 1000 * GiB)
+    assert cpu.gpu == cpu.gpu_limit == 0
+    on_cpu, apart, problems = planned(16, "llamacpp")
+    assert on_cpu.gpu == 0 and not apart and not problems

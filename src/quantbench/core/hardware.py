@@ -143,6 +143,23 @@ def cuda_capability() -> tuple[int, int] | None:
     return (int(major), int(minor or 0)) if out.returncode == 0 and major.isdigit() else None
 
 
+@cache
+def cuda_memory() -> int | None:
+    """The first NVIDIA GPU's memory in bytes, as the driver reports it (`nvidia-smi
+    --query-gpu=memory.total`), or None where there is none; imports nothing."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = (out.stdout.split() or [""])[0]
+    return int(first) * 2**20 if out.returncode == 0 and first.isdigit() else None
+
+
 def device() -> str:
     """ "cuda" where an NVIDIA driver answers (what a serving engine would run on), else "cpu"."""
     return "cuda" if cuda_gpu() else "cpu"

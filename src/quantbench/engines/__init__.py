@@ -46,6 +46,11 @@ CHOOSERS = ("auto", "serve")
 
 _loaded: dict[str, ServingEngine] = {}
 
+# the share of a GPU's memory one server may take (vLLM's --gpu-memory-utilization): the candidate's
+# and the base's servers sharing the GPU, or one alone (vLLM's own default)
+GPU_SHARE_PAIR = 0.4
+GPU_SHARE_ALONE = 0.9
+
 
 @dataclass
 class ServerSettings:
@@ -60,6 +65,7 @@ class ServerSettings:
     kv_cache: str | None = None  # the KV cache's type (one of the engine's `kv_cache_types`); None: its 16-bit default
     prefix_tokens: int = 0  # the prompts' shared prefix, which the server's prefix cache is to be able to hold whole
     in_flight: int = 0  # the most requests the client has in flight at once (the profile's); 0: not known
+    gpu_share: float = GPU_SHARE_PAIR  # on a GPU: the share of its memory the server may take
 
 
 class ServingEngine:
@@ -168,6 +174,12 @@ class ServingEngine:
     def kv_cache_mb(self, log_path: Path) -> float | None:
         """The size of the KV cache the server allocated (MiB), as its log says, if it says."""
         return None
+
+    def gpu_memory(self, weights: int, kv_per_token: int, max_len: int) -> int:
+        """The least GPU memory one server of a model of `weights` bytes needs to start, with room
+        for one request of `max_len` tokens (`kv_per_token` bytes each): 0 for an engine that
+        computes on the CPU."""
+        return 0
 
     def server_memory(
         self, weights: int, kv_per_token: int, max_len: int, slots: int, experts: int = 0, bits: float | None = None

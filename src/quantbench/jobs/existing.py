@@ -212,8 +212,9 @@ def _plan_bench(plan: bench_stage.Plan, checkpoint: Path, base: models.ResolvedM
     from transformers import AutoConfig
 
     shape = Shape.from_config(AutoConfig.from_pretrained(base.path))
+    size = int(weights_size_mb(checkpoint) * 2**20)
     stage = footprint.bench_stage(
-        shape, plan, int(weights_size_mb(checkpoint) * 2**20), "bfloat16", footprint.available_ram()
+        shape, plan, size, "bfloat16", footprint.available_ram(), gpu_total=hardware.cuda_memory()
     )
     log.info("bench memory plan: %.2f GiB (%s)", stage.ram / 2**30, "; ".join(stage.held))
     if stage.ram > footprint.available_ram():
@@ -221,6 +222,8 @@ def _plan_bench(plan: bench_stage.Plan, checkpoint: Path, base: models.ResolvedM
             f"the bench needs about {stage.ram / 2**30:.1f} GiB ({'; '.join(stage.held)}) and this machine has "
             f"{footprint.available_ram() / 2**30:.1f} GiB available. {'; '.join(stage.fits_with)}"
         )
+    if stage.gpu > stage.gpu_limit:
+        raise UserError(f"the bench needs on the GPU at least {footprint.gpu_line(stage)}: its server would not start")
 
 
 def speculative(

@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 
 from quantbench.core.errors import UserError
+from quantbench.engines import GPU_SHARE_ALONE, GPU_SHARE_PAIR
 from quantbench.quantize import ProduceFootprint
 from quantbench.sources.shapes import GiB, MiB, Shape
 
@@ -71,6 +72,8 @@ class StagePlan:
     # of `ram`, pages of a file mapped and read once (a checkpoint de-quantized as it loads): the
     # kernel drops them under pressure instead of killing the job, so they do not decide the fit
     reclaimable: int = 0
+    gpu: int = 0  # the least GPU memory its largest server needs (0: nothing on a GPU)
+    gpu_limit: int = 0  # what that server may take of the GPU (its share of the GPU's memory)
 
     @property
     def needed(self) -> int:
@@ -126,7 +129,8 @@ class Footprint:
             disk = f", disk {s.disk / GiB:.2f} GiB" if s.disk else ""
             temp = f" (+{s.temp_disk / GiB:.2f} GiB meanwhile)" if s.temp_disk else ""
             dropped = f" ({s.reclaimable / GiB:.2f} of it file pages the kernel can drop)" if s.reclaimable else ""
-            out.append(f"  {s.name:<9} {s.ram / GiB:6.2f} GiB  {'; '.join(s.held)}{dropped}{disk}{temp}")
+            gpu = f"; on the GPU at least {gpu_line(s)}" if s.gpu else ""
+            out.append(f"  {s.name:<9} {s.ram / GiB:6.2f} GiB  {'; '.join(s.held)}{dropped}{disk}{temp}{gpu}")
         return out
 
     def problems(self, where: str) -> list[str]:
@@ -139,6 +143,12 @@ class Footprint:
                     f"{where}: the {stage.name} stage needs about {stage.needed / GiB:.1f} GiB of memory "
                     f"({'; '.join(stage.held)}), and this machine has {self.ram_available / GiB:.1f} GiB "
                     f"available: the job would be killed part-way.{hint}"
+                )
+            if stage.gpu > stage.gpu_limit:
+                problems.append(
+                    f"{where}: the {stage.name} stage needs on the GPU at least {gpu_line(stage)}: its server "
+                    "would not start, after every stage before it. Settings that make it fit: --set bench=null "
+                    "(no bench); a bench on a GPU with more memory (`quantbench bench RUN` there)."
                 )
         if self.disk > self.disk_available:
             problems.append(
@@ -184,6 +194,11 @@ def free_disk(path: Path) -> int:
     return shutil.disk_usage(existing).free
 
 
+def gpu_line(stage: StagePlan) -> str:
+    """What a stage's largest server needs of the GPU, against what it may take."""
+    return f"{stage.gpu / GiB:.1f} GiB for one server, which may take {stage.gpu_limit / GiB:.1f} GiB of this GPU"
+
+
 def gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
 
@@ -205,6 +220,7 @@ def plan(
     base_checked: bool = False,
     bench=None,  # speed.bench.Plan, or None
     outputs: Path,
+    gpu_total: int | None = None,  # the GPU's memory (hardware.cuda_memory), None without one
 ) -> Footprint:
     """Each stage's peak memory and disk, from the shapes alone (see the module's docstring)."""
     model_c = shape.weights(compute)
@@ -220,11 +236,8 @@ def plan(
     held = [("runtime", RUNTIME)]
     if prepared:
         held += [(f"the base in {compute}", model_c), pages, max(passes, key=lambda part: part[1])]
-    fits = (
-        []
-        if compute != "float32"
-        else ["--set model.compute_dtype=bfloat16 (half the memory; slower where bfloat16 is emulated)"]
-    )
+    bf16 = "--set model.compute_dtype=bfloat16 (half the memory; slower where bfloat16 is emulated)"
+    fits = [bf16] if compute == "float32" else []
     converting = [("runtime", RUNTIME), *produce.prepare_held]  # before the base is loaded, not beside it
     if sum(n for _, n in converting) > sum(n for _, n in held):
         held = converting
@@ -270,7 +283,8 @@ def plan(
         stages.append(_stage("evaluate", held, fits_with=["evaluate.suite with a smaller batch_size or window"] + fits))
     available = available_ram()
     if bench is not None:
-        stages.append(bench_stage(shape, bench, produce.checkpoint, compute, available, evaluation is not None))
+        evaluated = evaluation is not None
+        stages.append(bench_stage(shape, bench, produce.checkpoint, compute, available, evaluated, gpu_total))
     return Footprint(stages, available, free_disk(outputs), outputs, shape, read_once)
 
 
@@ -315,7 +329,9 @@ def baseline_stage(shape: Shape, evaluation) -> StagePlan:
     return _stage("baseline", held, fits_with=["evaluate.suite with a smaller batch_size or window"])
 
 
-def _stage(name: str, held: list[tuple[str, int]], disk: int = 0, temp_disk: int = 0, fits_with=()) -> StagePlan:
+def _stage(
+    name: str, held: list[tuple[str, int]], disk: int = 0, temp_disk: int = 0, fits_with=(), gpu=(0, 0)
+) -> StagePlan:
     return StagePlan(
         name,
         sum(n for _, n in held),
@@ -324,6 +340,7 @@ def _stage(name: str, held: list[tuple[str, int]], disk: int = 0, temp_disk: int
         [_part(w, n) for w, n in held if n],
         list(fits_with),
         sum(n for w, n in held if w in RECLAIMABLE),
+        *gpu,
     )
 
 
@@ -346,12 +363,18 @@ SERVERS_HEADROOM = 0.1
 
 
 def bench_stage(
-    shape: Shape, bench, checkpoint_bytes: int, compute: str, available: int, evaluated: bool = False
+    shape: Shape,
+    bench,
+    checkpoint_bytes: int,
+    compute: str,
+    available: int,
+    evaluated: bool = False,
+    gpu_total: int | None = None,
 ) -> StagePlan:
     """Both models' servers at once (interleaved repetitions); where they do not fit together with
-    SERVERS_HEADROOM to spare, the bench is told to measure one model, then the other
-    (bench.one_at_a_time).
-    `evaluated`: an evaluation ran before it in the same process."""
+    SERVERS_HEADROOM to spare, or, on a GPU (`gpu_total` its memory), in the share of it each may take
+    then, the bench is told to measure one model, then the other (bench.one_at_a_time), which may take
+    more of the GPU. `evaluated`: an evaluation ran before it in the same process."""
     engine, profile = bench.engine, bench.profile
     runtime = [("runtime", RUNTIME)]
     if evaluated:
@@ -371,11 +394,16 @@ def bench_stage(
     fits = ["a bench profile with fewer concurrent requests or shorter prompts"]
     together = [*runtime, (f"the candidate's {engine.label} server", candidate),
                 (f"the base's {engine.label} server", base)]  # fmt: skip
-    if sum(n for w, n in together if w not in RECLAIMABLE) <= available * (1 - SERVERS_HEADROOM):
-        return _stage("bench", together, fits_with=fits)
+    gpu = pair = alone_gpu = 0
+    if gpu_total:  # each server's weights and one request's KV cache at least (0: an engine on the CPU)
+        gpu = max(engine.gpu_memory(shape.params * 2, kv, longest), engine.gpu_memory(checkpoint_bytes, kv, longest))
+        pair, alone_gpu = int(GPU_SHARE_PAIR * gpu_total), int(GPU_SHARE_ALONE * gpu_total)
+    in_ram = sum(n for w, n in together if w not in RECLAIMABLE) <= available * (1 - SERVERS_HEADROOM)
+    if in_ram and gpu <= pair:
+        return _stage("bench", together, fits_with=fits, gpu=(gpu, pair))
     bench.one_at_a_time = True
     alone = [*runtime, (f"one {engine.label} server at a time (the base's)", max(base, candidate))]
-    return _stage("bench", alone, fits_with=fits)
+    return _stage("bench", alone, fits_with=fits, gpu=(gpu, alone_gpu))
 
 
 def produce_footprint(quantizer, shape: Shape, loaded, compute: str) -> ProduceFootprint:

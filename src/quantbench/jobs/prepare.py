@@ -314,6 +314,7 @@ def _plan(
         base_checked=base_checked,
         bench=bench,
         outputs=outputs / loaded.name,
+        gpu_total=hardware.cuda_memory(),
     )
 
 

@@ -28,7 +28,7 @@ from quantbench import engines
 from quantbench.core import environment, hardware, intervals
 from quantbench.core.busy import Busy, BusyWatch
 from quantbench.core.errors import UserError
-from quantbench.engines import ServerSettings, ServingEngine
+from quantbench.engines import GPU_SHARE_ALONE, GPU_SHARE_PAIR, ServerSettings, ServingEngine
 from quantbench.engines.server import EndpointError, model_server
 from quantbench.sources import data, models
 from quantbench.sources.checkpoint import load_model, weights_size_mb
@@ -415,6 +415,7 @@ def _measurers(
             slots=profile.slots,
             in_flight=profile.max_requests,
             prefix_tokens=profile.prefix.tokens if profile.prefix else 0,
+            gpu_share=GPU_SHARE_ALONE if plan.one_at_a_time else GPU_SHARE_PAIR,
         )
         if plan.one_at_a_time:
             with _OneServerAtATime(
