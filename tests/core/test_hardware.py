@@ -2,6 +2,7 @@
 every class, whatever this machine is, and of this machine as it is."""
 
 import json
+import os
 
 import pytest
 
@@ -83,3 +84,27 @@ def test_an_isa_cap_is_what_torch_runs(monkeypatch):
     finally:
         monkeypatch.undo()  # the environment as the suite had it
         hardware.cpu.cache_clear()
+
+
+def test_the_gpu_is_read_from_the_driver(tmp_path, monkeypatch):
+    """Compute capability and memory come from `nvidia-smi --query-gpu` (the job's torch is a CPU
+    build). Here a stand-in driver on PATH answers as an H100's does; without one, None."""
+    driver = tmp_path / "nvidia-smi"
+    driver.write_text(
+        "#!/bin/sh\ncase \"$1\" in\n  --query-gpu=compute_cap) echo 9.0; echo 9.0 ;;\n"
+        "  --query-gpu=memory.total) echo 81559; echo 81559 ;;\n  *) exit 9 ;;\nesac\n"
+    )
+    driver.chmod(0o755)
+    for read in (hardware.cuda_capability, hardware.cuda_memory):
+        read.cache_clear()
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    try:
+        assert hardware.cuda_capability() == (9, 0)
+        assert hardware.cuda_memory() == 81559 * 2**20  # MiB, the first GPU's
+        for read in (hardware.cuda_capability, hardware.cuda_memory):
+            read.cache_clear()
+        monkeypatch.setenv("PATH", str(tmp_path / "none"))
+        assert hardware.cuda_capability() is None and hardware.cuda_memory() is None
+    finally:
+        for read in (hardware.cuda_capability, hardware.cuda_memory):
+            read.cache_clear()

@@ -125,39 +125,33 @@ def cuda_gpu() -> str | None:
     return lines[0] if out.returncode == 0 and lines else None
 
 
-@cache
-def cuda_capability() -> tuple[int, int] | None:
-    """The first NVIDIA GPU's compute capability, (9, 0) for a Hopper, as the driver reports it
-    (`nvidia-smi --query-gpu=compute_cap`), or None where there is none; imports nothing."""
+def _gpu_query(field: str) -> str:
+    """The first NVIDIA GPU's `field` as the driver reports it (`nvidia-smi --query-gpu`), or "" where
+    there is none; imports nothing."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=20,
         )
     except (OSError, subprocess.SubprocessError):
-        return None
-    first = (out.stdout.split() or [""])[0]
-    major, _, minor = first.partition(".")
-    return (int(major), int(minor or 0)) if out.returncode == 0 and major.isdigit() else None
+        return ""
+    return (out.stdout.split() or [""])[0] if out.returncode == 0 else ""
+
+
+@cache
+def cuda_capability() -> tuple[int, int] | None:
+    """The first NVIDIA GPU's compute capability, (9, 0) for a Hopper, or None where there is none."""
+    major, _, minor = _gpu_query("compute_cap").partition(".")
+    return (int(major), int(minor or 0)) if major.isdigit() else None
 
 
 @cache
 def cuda_memory() -> int | None:
-    """The first NVIDIA GPU's memory in bytes, as the driver reports it (`nvidia-smi
-    --query-gpu=memory.total`), or None where there is none; imports nothing."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    first = (out.stdout.split() or [""])[0]
-    return int(first) * 2**20 if out.returncode == 0 and first.isdigit() else None
+    """The first NVIDIA GPU's memory in bytes, or None where there is none."""
+    mib = _gpu_query("memory.total")
+    return int(mib) * 2**20 if mib.isdigit() else None
 
 
 def device() -> str:
