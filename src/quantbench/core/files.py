@@ -85,7 +85,7 @@ def drop_file_pages(address: int, nbytes: int, mapped: list[tuple[int, int]]) ->
     first, last = -(-address // page) * page, (address + nbytes) // page * page
     if last <= first:
         return False
-    return ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED) == 0
+    return _HELD.madvise(first, last - first, MADV_DONTNEED) == 0
 
 
 def _clean_mappings(names: set[str]) -> list[tuple[int, int]]:

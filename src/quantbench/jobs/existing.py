@@ -223,7 +223,7 @@ def _plan_bench(plan: bench_stage.Plan, checkpoint: Path, base: models.ResolvedM
             f"{footprint.available_ram() / 2**30:.1f} GiB available. {'; '.join(stage.fits_with)}"
         )
     if stage.gpu > stage.gpu_limit:
-        raise UserError(f"the bench needs on the GPU at least {footprint.gpu_line(stage)}: its server would not start")
+        raise UserError(footprint.gpu_refusal(stage))
 
 
 def speculative(

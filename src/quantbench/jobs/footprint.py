@@ -146,9 +146,8 @@ class Footprint:
                 )
             if stage.gpu > stage.gpu_limit:
                 problems.append(
-                    f"{where}: the {stage.name} stage needs on the GPU at least {gpu_line(stage)}: its server "
-                    "would not start, after every stage before it. Settings that make it fit: --set bench=null "
-                    "(no bench); a bench on a GPU with more memory (`quantbench bench RUN` there)."
+                    f"{where}: {gpu_refusal(stage)}, after every stage before it. Settings that make it fit: "
+                    "--set bench=null (no bench); a bench on a GPU with more memory (`quantbench bench RUN` there)."
                 )
         if self.disk > self.disk_available:
             problems.append(
@@ -197,6 +196,11 @@ def free_disk(path: Path) -> int:
 def gpu_line(stage: StagePlan) -> str:
     """What a stage's largest server needs of the GPU, against what it may take."""
     return f"{stage.gpu / GiB:.1f} GiB for one server, which may take {stage.gpu_limit / GiB:.1f} GiB of this GPU"
+
+
+def gpu_refusal(stage: StagePlan) -> str:
+    """Why a stage whose server does not fit its share of the GPU is refused."""
+    return f"the {stage.name} stage needs on the GPU at least {gpu_line(stage)}: its server would not start"
 
 
 def gib(n: int) -> str:
